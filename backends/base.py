@@ -1,0 +1,58 @@
+"""The attention backend interface: one varlen paged-attention call for prefill, decode and mixed batches."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+
+@attrs.define(eq=False)
+class AttentionMetadata:
+    """Where each sequence's tokens sit in the flat batch and in the paged KV cache.
+
+    Built once per step by the model runner and shared by every layer. Sequence ``i`` owns
+    query rows ``query_start_loc[i]:query_start_loc[i+1]``; those are its newest tokens, and
+    they attend causally to its first ``seq_lens[i]`` tokens (cached prefix + themselves),
+    whose K/V live in blocks ``block_tables[i, :]``.
+
+    ``scratch`` holds what a backend derives from these once per step (index tensors,
+    masks) so that the 30-odd layers that follow reuse it; only backends write it.
+    """
+
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, cached + new tokens
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) per new token; < 0 skips
+    max_query_len: int
+    max_seq_len: int
+    scratch: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested attention backend cannot run on this machine; the message says why and how to fix it."""
+
+
+class AttentionBackend(Protocol):
+    """What the model needs from an attention implementation."""
+
+    name: str
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor (K and V together)."""
+        ...
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store new tokens' K/V (``[T, num_kv_heads, head_size]``) at their slots."""
+        ...
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of ``query`` (``[T, num_heads, head_size]``) over the paged cache into ``out`` (same shape)."""
+        ...

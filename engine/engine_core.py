@@ -1,0 +1,213 @@
+"""The synchronous engine core: validate and add requests, step the model, report deltas.
+
+No trio here: the core actor (and the offline ``LLM``) drive it. A step is three parts so
+that the actor can run only the middle one in a worker thread:
+``schedule()`` -> ``execute(plan)`` (device work) -> ``update(plan, result)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+
+import attrs
+
+from backends import get_backend
+from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, default_gpu_kv_cache_memory, resolve_device, resolve_dtype
+from engine.errors import ConfigError, InvalidParameterError
+from engine.kv_cache import BlockManager
+from engine.messages import EngineStats, TokenDelta
+from engine.model_runner import ModelRunner, RunnerOutput
+from engine.models.llama import LlamaModel
+from engine.models.loader import load_model, resolve_model
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the model runner, the block manager and the scheduler.
+
+    Args:
+        config: the engine configuration.
+        model: an already-built model to use instead of loading ``config.model`` (tests).
+    """
+
+    def __init__(self, config: EngineConfig, model: LlamaModel | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config)
+        self.model = model or load_model(resolve_model(config.model), config.load_format,
+                                          resolve_dtype(config, self.device), self.device, config.seed)
+        self.backend = get_backend(config.backend, self.device)
+        self.vocab_size = self.model.config.vocab_size
+        self.eos_token_id = self.model.config.eos_token_id
+        num_blocks = self._num_kv_blocks()
+        self.max_model_len = self._max_model_len(num_blocks * config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.backend, num_blocks, config.block_size, self.device, config.seed)
+        self._arrivals = itertools.count()
+        self._children: dict[str, list[str]] = {}  # caller's request id -> its sequences' ids
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._num_steps = 0
+        log.info("engine ready: backend %s on %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+                 self.backend.name, self.device, num_blocks, config.block_size, num_blocks * config.block_size,
+                 self.max_model_len)
+
+    # ---- set-up ----
+
+    def _num_kv_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        memory = self.config.kv_cache_memory
+        if memory is None:
+            memory = DEFAULT_CPU_KV_CACHE_MEMORY if self.device == "cpu" else default_gpu_kv_cache_memory()
+        num_blocks = memory // ModelRunner.kv_bytes_per_block(self.model, self.config.block_size)
+        if num_blocks < 1:
+            raise ConfigError("kv_cache_memory", f"kv_cache_memory {memory} bytes holds no KV block")
+        return num_blocks
+
+    def _max_model_len(self, kv_capacity: int) -> int:
+        model_max = self.model.config.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > model_max:
+            raise ConfigError("max_model_len", f"max_model_len {wanted} exceeds the model's context length {model_max}")
+        if wanted is not None and wanted > kv_capacity:
+            raise ConfigError("max_model_len", f"max_model_len {wanted} does not fit in the KV cache "
+                                               f"({kv_capacity} tokens); raise num_kv_blocks or kv_cache_memory")
+        if wanted is None and model_max > kv_capacity:
+            log.warning("max_model_len capped at the KV cache capacity, %d tokens", kv_capacity)
+        resolved = wanted or min(model_max, kv_capacity)
+        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < resolved:
+            raise ConfigError("max_num_batched_tokens",
+                              f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) must be at least "
+                              f"max_model_len ({resolved}) when chunked prefill is off")
+        return resolved
+
+    # ---- requests ----
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queue a request (``params.n`` sequences).
+
+        Raises:
+            InvalidParameterError: an empty prompt, token ids outside the vocabulary, a prompt
+                plus ``max_tokens`` longer than ``max_model_len``, or a request id in use.
+        """
+        if request_id in self._children:
+            raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
+        prompt = list(prompt_token_ids)
+        max_tokens = self.validate(prompt, params)
+        arrival = next(self._arrivals)
+        children = []
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            child_params = params if params.seed is None or index == 0 else attrs.evolve(params, seed=params.seed + index)
+            self.scheduler.add_request(Request(child_id, prompt, child_params, max_tokens, self.eos_token_id, arrival,
+                                               priority=priority, parent_id=request_id, index=index))
+            children.append(child_id)
+        self._children[request_id] = children
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> int:
+        """Check a prompt and its parameters against the model; return the resolved max_tokens."""
+        if not prompt:
+            raise InvalidParameterError("prompt", "the prompt is empty")
+        self._check_token_ids("prompt", prompt)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias", params.logit_bias)
+        if len(prompt) >= self.max_model_len:
+            raise InvalidParameterError("prompt", f"the prompt has {len(prompt)} tokens, but this model's maximum "
+                                                  f"context length is {self.max_model_len} tokens")
+        room = self.max_model_len - len(prompt)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidParameterError(
+                "max_tokens", f"this model's maximum context length is {self.max_model_len} tokens, but "
+                              f"{len(prompt) + params.max_tokens} were requested ({len(prompt)} in the prompt, "
+                              f"{params.max_tokens} for max_tokens)")
+        return params.max_tokens or room
+
+    def _check_token_ids(self, param: str, token_ids) -> None:
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise InvalidParameterError(param, f"{param} holds token id {t!r}, outside the vocabulary "
+                                                   f"[0, {self.vocab_size})")
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[TokenDelta]:
+        """Abort requests (by the caller's ids); unknown or finished ids are ignored."""
+        child_ids = [c for r in request_ids for c in self._children.get(r, ())]
+        return [self._delta(r, ()) for r in self.scheduler.abort_requests(child_ids)]
+
+    def finish_request(self, request_id: str, index: int, stop_reason: int | str | None) -> TokenDelta | None:
+        """End one sequence as stopped (e.g. on a stop string found after detokenization)."""
+        children = self._children.get(request_id, [])
+        request = self.scheduler.requests.get(children[index]) if index < len(children) else None
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, stop_reason)
+        return self._delta(request, ())
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ----
+
+    def step(self) -> list[TokenDelta]:
+        plan = self.schedule()
+        return self.update(plan, self.execute(plan))
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The device work of a step; touches no scheduler state, so it may run in a worker thread."""
+        tables = {c.request.request_id: self.block_manager.block_ids(c.request.request_id) for c in plan.chunks}
+        return self.runner.execute(plan, tables)
+
+    def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[TokenDelta]:
+        self.scheduler.update(plan, result.sampled)
+        self._num_steps += 1
+        self._num_generation_tokens += len(result.sampled)
+        deltas = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            self._num_prompt_tokens += max(0, min(chunk.end, request.num_prompt_tokens) - chunk.start)
+            token = result.sampled.get(request.request_id)
+            prompt_lps = result.prompt_logprobs.get(request.request_id, ())
+            if token is None and not prompt_lps and not request.finished:
+                continue
+            new_lp = result.logprobs.get(request.request_id)
+            deltas.append(self._delta(request, () if token is None else (token,),
+                                      () if new_lp is None else (new_lp,), tuple(prompt_lps)))
+        for parent in {d.request_id for d in deltas if d.finished}:
+            self._forget_if_done(parent)
+        return deltas
+
+    def _forget_if_done(self, parent_id: str) -> None:
+        if not any(c in self.scheduler.requests for c in self._children.get(parent_id, ())):
+            self._children.pop(parent_id, None)
+
+    def _delta(self, request: Request, new_tokens: tuple[int, ...], new_logprobs=(), prompt_logprobs=()) -> TokenDelta:
+        if request.finished:
+            self._forget_if_done(request.parent_id)
+        return TokenDelta(request.parent_id, request.index, new_tokens, new_logprobs, prompt_logprobs,
+                          request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0))
+
+    def stats(self) -> EngineStats:
+        kv = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=kv.num_used_blocks,
+            kv_blocks_total=kv.num_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_steps=self._num_steps,
+        )

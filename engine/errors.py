@@ -1,0 +1,27 @@
+"""Typed errors of the engine's public surface.
+
+Every error caused by what a caller passed in is a ``ValueError`` subclass that names the
+offending parameter, so that the HTTP layer can map it to a 400 with ``param`` filled in.
+"""
+
+from __future__ import annotations
+
+from backends.base import BackendUnavailableError
+
+__all__ = ["BackendUnavailableError", "ConfigError", "InvalidParameterError"]
+
+
+class InvalidParameterError(ValueError):
+    """A caller-supplied value is out of range or of the wrong kind.
+
+    Attributes:
+        param: the name of the parameter (as the caller spelled it) that is wrong.
+    """
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ConfigError(InvalidParameterError):
+    """An engine configuration field (or combination of fields) is invalid."""

@@ -1,0 +1,185 @@
+"""KV cache block bookkeeping: free list, ref counts, block tables and prefix caching.
+
+Pure Python, no torch: the tensors live in the model runner; this module only decides which
+block ids each request owns.
+
+Prefix caching (as in vLLM v1): a block that is full of known tokens gets a hash of
+(parent block's hash, its token ids). Hashes map to blocks; a new request whose leading full
+blocks hash the same reuses them (ref count + 1) and skips their prefill. A block whose ref
+count drops to zero goes to the free queue but keeps its hash, so it can still be hit until
+the allocator reuses it: the free queue is in LRU order, with never-cached blocks in front
+so that they are reused first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import attrs
+
+from engine.request import Request
+
+
+@attrs.define(eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set while the block is registered in the prefix cache
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Allocates KV blocks to requests.
+
+    Invariants (checked by ``check_invariants`` in tests): every block is either owned by at
+    least one request (ref_count == number of owners) or in the free queue with ref_count 0,
+    never both; a hash maps to exactly one block and that block carries the hash.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Free blocks, reused from the front: never-cached ones first, then least recently freed.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, KVBlock] = {}
+        self._owned: dict[str, list[KVBlock]] = {}
+        self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found
+
+    # ---- queries ----
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks owned by requests (cached-but-free blocks count as free)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._owned.get(request_id, ())]
+
+    # ---- prefix cache ----
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """The longest run of leading full blocks of ``request`` already in the cache.
+
+        At least the last token is always left to compute, since its logits are needed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_queried_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def _update_hashes(self, request: Request) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        for i in range(len(hashes), request.num_tokens // bs):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))))
+
+    # ---- allocation ----
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_prefix: Sequence[KVBlock] = ()) -> bool:
+        """Give ``request`` blocks for ``num_new_tokens`` more tokens, after ``cached_prefix``.
+
+        ``cached_prefix`` (from ``find_cached_prefix``, only for a request that owns nothing
+        yet) is taken over first. Returns False, changing nothing, if the free blocks do not
+        suffice. Blocks that become full of known tokens are registered in the prefix cache
+        at once, so a request admitted later in the same step can already hit them (their
+        K/V is written, layer by layer, before anyone attends to it).
+        """
+        owned = self._owned.setdefault(request.request_id, [])
+        num_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        num_needed = cdiv(num_tokens, self.block_size) - len(owned) - len(cached_prefix)
+        num_revived = sum(1 for b in cached_prefix if b.ref_count == 0)
+        if num_needed > self.num_free_blocks - num_revived:
+            if not owned:
+                del self._owned[request.request_id]
+            return False
+        for block in cached_prefix:
+            self._take(block)
+            owned.append(block)
+        for _ in range(max(num_needed, 0)):
+            owned.append(self._pop_free())
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, owned, num_tokens)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release every block ``request`` owns; idempotent. Tail blocks are freed first so
+        that a shared prefix outlives the request's private suffix in the LRU order."""
+        for block in reversed(self._owned.pop(request.request_id, [])):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their contents)."""
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
+    def _pop_free(self) -> KVBlock:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict it from the prefix cache
+            del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block
+
+    def _take(self, block: KVBlock) -> KVBlock:
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+        return block
+
+    def _cache_full_blocks(self, request: Request, owned: list[KVBlock], num_tokens: int) -> None:
+        self._update_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for block, block_hash in zip(owned[:num_full], request.block_hashes[:num_full]):
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block
+
+    # ---- testing aid ----
+
+    def check_invariants(self, live_requests: Sequence[Request] = ()) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
+        owners: dict[int, int] = {}
+        for blocks in self._owned.values():
+            assert len({b.block_id for b in blocks}) == len(blocks), "a request owns a block twice"
+            for b in blocks:
+                owners[b.block_id] = owners.get(b.block_id, 0) + 1
+        for block in self.blocks:
+            assert block.ref_count == owners.get(block.block_id, 0), f"block {block.block_id} ref count is off"
+            assert (block.ref_count == 0) == (block.block_id in self._free), f"block {block.block_id} free state is off"
+        for block_hash, block in self._cached.items():
+            assert block.block_hash == block_hash, "cache maps a hash to a block without it"
+        live_ids = {r.request_id for r in live_requests}
+        assert set(self._owned) <= live_ids, f"blocks owned by gone requests: {set(self._owned) - live_ids}"

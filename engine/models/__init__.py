@@ -1,0 +1,1 @@
+"""Model implementations over flat token batches and the attention backend interface."""

@@ -1,0 +1,175 @@
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2 with its qkv bias) over flat token batches.
+
+There is no padding and no batch dimension: ``input_ids`` holds the new tokens of every
+scheduled sequence back to back, and the attention backend uses ``AttentionMetadata`` to
+keep the sequences apart and to reach their cached prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from backends.base import AttentionBackend, AttentionMetadata
+
+
+@attrs.frozen(kw_only=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
+        """From a Hugging Face ``config.json`` dict (llama, mistral, qwen2)."""
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs llama, mistral and qwen2")
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"unsupported rope scaling {rope.get('rope_type')!r}")
+        eos = hf.get("eos_token_id")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta") or hf.get("rope_theta", 10000.0),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", model_type == "qwen2"),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as transformers' LlamaRMSNorm, so fp32 results match bit for bit.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding:
+    """Rotary position embedding (non-interleaved halves, as in transformers' Llama)."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype, device: str) -> None:
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (theta**exponents)  # [head_dim / 2]
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.cos = freqs.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim / 2]
+        self.sin = freqs.sin().to(dtype=dtype, device=device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [T, num_heads, head_dim]
+        cos = self.cos[positions][:, None, :]
+        sin = self.sin[positions][:, None, :]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@attrs.define(eq=False)
+class LlamaLayer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv_proj: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
+    down_proj: torch.Tensor  # [hidden, intermediate]
+
+
+class LlamaModel:
+    """Weights and forward pass. Build with ``from_state_dict`` (Hugging Face parameter names)."""
+
+    def __init__(self, config: LlamaConfig, embed: torch.Tensor, layers: list[LlamaLayer],
+                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        self.config = config
+        self.embed = embed  # [vocab, hidden]
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head  # [vocab, hidden]; the same tensor as embed when tied
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
+                                      embed.dtype, str(embed.device))
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+
+    @classmethod
+    def from_state_dict(cls, config: LlamaConfig, weights: Mapping[str, torch.Tensor],
+                        dtype: torch.dtype, device: str) -> LlamaModel:
+        def w(name: str) -> torch.Tensor:
+            return weights[name].to(dtype=dtype, device=device)
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+            layers.append(LlamaLayer(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv_proj=torch.cat([w(a + ".weight") for a in attn]),
+                qkv_bias=torch.cat([w(a + ".bias") for a in attn]) if config.attention_bias else None,
+                o_proj=w(p + "self_attn.o_proj.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up_proj=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down_proj=w(p + "mlp.down_proj.weight"),
+            ))
+        embed = w("model.embed_tokens.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        lm_head = embed if tied else w("lm_head.weight")
+        return cls(config, embed, layers, w("model.norm.weight"), lm_head)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """Hidden states after the final norm, ``[T, hidden]``, for the flat batch ``input_ids`` ``[T]``."""
+        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.config.rms_norm_eps),
+                                    positions, kv_cache, meta, backend)
+            x = x + self._mlp(layer, rms_norm(x, layer.post_norm, self.config.rms_norm_eps))
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, vocab]`` float32 logits for ``[N, hidden]`` hidden states."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def _attention(self, layer: LlamaLayer, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                   meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = h.shape[0]
+        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), positions)  # [T, heads, head_dim]
+        k = self.rotary(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions)  # [T, kv_heads, head_dim]
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        backend.attend(q, kv_cache, meta, self.scale, out)
+        return F.linear(out.view(num_tokens, self.q_size), layer.o_proj)
+
+    def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down_proj)

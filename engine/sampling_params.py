@@ -1,0 +1,143 @@
+"""``SamplingParams``: how to pick each next token and when to stop (names and defaults as in vLLM)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from engine.errors import InvalidParameterError
+
+# The most alternatives a caller may ask for per position (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a stream carries (as in vLLM)."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+def _check(param: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidParameterError(param, f"{param} {message}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _to_str_list(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _to_list(value: Any) -> list:
+    return [] if value is None else list(value)
+
+
+def _to_bias(value: dict | None) -> dict[int, float]:
+    if not value:
+        return {}
+    try:
+        return {int(k): v for k, v in value.items()}
+    except (TypeError, ValueError, AttributeError):
+        raise InvalidParameterError("logit_bias", "logit_bias must map token ids to numbers") from None
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """Sampling and stopping parameters of one request.
+
+    ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 means no top-k cut. Penalties and
+    ``logit_bias`` apply before temperature; ``logprobs`` report the model's raw
+    log-probabilities (before any of them), as vLLM does by default.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = attrs.field(factory=list, converter=_to_str_list)
+    stop_token_ids: list[int] = attrs.field(factory=list, converter=_to_list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] = attrs.field(factory=dict, converter=_to_bias)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __attrs_post_init__(self) -> None:
+        self._check_counts()
+        self._check_probabilities()
+        self._check_stops()
+
+    def _check_counts(self) -> None:
+        _check("n", _is_int(self.n) and self.n >= 1, f"must be an integer >= 1; got {self.n!r}")
+        if self.max_tokens is not None:
+            _check("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1,
+                   f"must be an integer >= 1; got {self.max_tokens!r}")
+        _check("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0,
+               f"must be an integer >= 0; got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            _check("min_tokens", self.min_tokens <= self.max_tokens,
+                   f"({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(name, _is_int(value) and 0 <= value <= MAX_LOGPROBS,
+                       f"must be an integer in [0, {MAX_LOGPROBS}]; got {value!r}")
+        if self.seed is not None:
+            _check("seed", _is_int(self.seed), f"must be an integer; got {self.seed!r}")
+
+    def _check_probabilities(self) -> None:
+        _check("temperature", _is_number(self.temperature) and self.temperature >= 0,
+               f"must be a number >= 0; got {self.temperature!r}")
+        _check("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, f"must be in (0, 1]; got {self.top_p!r}")
+        _check("top_k", _is_int(self.top_k) and self.top_k >= -1,
+               f"must be an integer >= -1 (0 or -1 disable it); got {self.top_k!r}")
+        _check("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, f"must be in [0, 1]; got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(name, _is_number(value) and -2 <= value <= 2, f"must be in [-2, 2]; got {value!r}")
+        _check("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"must be a number > 0; got {self.repetition_penalty!r}")
+        for token_id, bias in self.logit_bias.items():
+            _check("logit_bias", _is_number(bias) and -100 <= bias <= 100,
+                   f"values must be in [-100, 100]; got {bias!r} for token {token_id}")
+
+    def _check_stops(self) -> None:
+        for s in self.stop:
+            _check("stop", isinstance(s, str) and s != "", "must be non-empty strings")
+        for t in self.stop_token_ids:
+            _check("stop_token_ids", _is_int(t) and t >= 0, f"must be non-negative integers; got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is always the most likely one."""
+        return self.temperature < _GREEDY_EPSILON
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+# Temperatures below this are treated as greedy (dividing by them would overflow).
+_GREEDY_EPSILON = 1e-5

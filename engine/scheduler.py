@@ -1,0 +1,222 @@
+"""Continuous-batching scheduler with vLLM v1 semantics: synchronous, no trio, no torch.
+
+There are no prefill and decode phases. Each request knows how many of its tokens
+(prompt + output so far) are in the KV cache (``num_computed_tokens``); a step gives each
+scheduled request some of the rest, up to a per-step token budget.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+import attrs
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockManager
+from engine.request import Request, RequestStatus
+
+
+@attrs.frozen
+class ScheduledChunk:
+    """``num_new_tokens`` tokens of ``request`` to compute this step, from ``start``."""
+
+    request: Request
+    start: int  # == request.num_computed_tokens when scheduled
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last known token, so its logits give the next one."""
+        return self.end == self.request.num_tokens
+
+
+@attrs.frozen
+class SchedulerOutput:
+    """What one step computes. ``chunks`` are in batch order; ``finished_ids`` are requests
+    that ended since the previous step (so the runner can drop their per-request state)."""
+
+    chunks: list[ScheduledChunk]
+    num_batched_tokens: int
+    preempted_ids: list[str]
+    finished_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which requests the model computes.
+
+    Args:
+        config: budgets (``max_num_seqs``, ``max_num_batched_tokens``), chunked prefill and
+            the scheduling policy.
+        block_manager: owns the KV blocks.
+        max_model_len: the resolved longest sequence.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.priority_policy = config.scheduling_policy == "priority"
+        self.max_model_len = max_model_len
+        self.kv = block_manager
+        self.waiting: list[Request] = []  # sorted by _order_key
+        self.running: list[Request] = []  # in admission order
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    # ---- membership ----
+
+    def _order_key(self, request: Request) -> tuple[int, int]:
+        return (request.priority if self.priority_policy else 0, request.arrival_order)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=self._order_key)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish the named live requests as aborted, freeing their blocks; unknown ids are ignored."""
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+        return aborted
+
+    def finish(self, request: Request, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """Move a live request to a finished status and free everything it holds."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- the step ----
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work.
+
+        1. Running requests, oldest first, each get their remaining tokens (one, in decode;
+           a chunk, in a chunked prefill) up to the token budget. When a block cannot be
+           had, the newest running request (lowest priority first under ``priority``) is
+           preempted: its blocks are freed and it goes back to waiting, to be recomputed.
+        2. If nothing was preempted, waiting requests are admitted in order while the budget,
+           ``max_num_seqs`` and free blocks allow; their cached prefix is skipped, and a
+           prompt longer than the budget is chunked (or waits, without chunked prefill).
+        """
+        scheduled: dict[str, ScheduledChunk] = {}
+        preempted: list[str] = []
+        budget = self._schedule_running(self.max_num_batched_tokens, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        finished, self._finished_ids = self._finished_ids, []
+        chunks = list(scheduled.values())
+        return SchedulerOutput(chunks, sum(c.num_new_tokens for c in chunks), preempted, finished)
+
+    def _schedule_running(self, budget: int, scheduled: dict[str, ScheduledChunk], preempted: list[str]) -> int:
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                unscheduled = scheduled.pop(victim.request_id, None)
+                if unscheduled is not None:
+                    budget += unscheduled.num_new_tokens
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = ScheduledChunk(request, request.num_computed_tokens, num_new)
+                budget -= num_new
+        return budget
+
+    def _pick_victim(self) -> Request:
+        if self.priority_policy:
+            return max(self.running, key=self._order_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=self._order_key)
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            # Prompt logprobs need the logits of every prompt position, so no cache hits.
+            wants_all_logits = request.params.prompt_logprobs is not None
+            cached = [] if wants_all_logits else self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = request.num_tokens - num_cached
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            self._admit(request, num_cached)
+            scheduled[request.request_id] = ScheduledChunk(request, num_cached, num_new)
+            budget -= num_new
+
+    def _admit(self, request: Request, num_cached: int) -> None:
+        del self.waiting[0]
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Account for a finished step: advance computed counts, append sampled tokens and
+        finish requests that hit a stop condition. Returns the requests finished here."""
+        finished = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens = chunk.end
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_token(token)
+            status, stop_reason = self._check_stop(request, token)
+            if status is not None:
+                self.finish(request, status, stop_reason)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None

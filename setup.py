@@ -1,0 +1,36 @@
+"""Packaging for the engine: a trio-based LLM inference server with pluggable attention backends."""
+
+from setuptools import find_packages, setup
+
+BASE_REQUIREMENTS = [
+    # torch is pinned: this exact release is the CPU build these machines keep on disk; an
+    # unpinned torch pulls a multi-GB CUDA build.
+    "torch==2.13.0",
+    "transformers>=4.46",
+    "tokenizers>=0.21",
+    "gguf>=0.10",  # reads the default model's GGUF file
+    "safetensors>=0.4",
+    "trio>=0.22",
+    "attrs>=23.1",
+    "cattrs>=23.2",
+    "orjson>=3.9",
+    "cffi>=1.16",
+    "numpy>=1.26",
+]
+
+TEST_REQUIREMENTS = [
+    "pytest>=8",
+    "pytest-trio>=0.8",
+    "hypothesis>=6.100",
+    "accelerate>=0.30",  # transformers' GGUF model loader (the oracle) needs it
+]
+
+setup(
+    name="trio-llm-engine",
+    version="0.1.0",
+    description="OpenAI-compatible LLM inference server: trio actors, paged KV cache, pluggable attention backends",
+    python_requires=">=3.10",
+    packages=find_packages(include=["engine", "engine.*", "backends", "backends.*", "api", "api.*"]),
+    install_requires=BASE_REQUIREMENTS,
+    extras_require={"test": TEST_REQUIREMENTS},
+)
