@@ -121,7 +121,8 @@ def _process_row(logits: torch.Tensor, request: Request) -> None:
     params = request.params
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=logits.device)
-        logits.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), device=logits.device))
+        biases = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        logits.index_add_(0, ids, biases)
     if request.num_output_tokens < params.min_tokens:
         stops = list(params.stop_token_ids)
         if request.eos_token_id is not None and not params.ignore_eos:

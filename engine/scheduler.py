@@ -24,15 +24,15 @@ class ScheduledChunk:
     request: Request
     start: int  # == request.num_computed_tokens when scheduled
     num_new_tokens: int
+    # True when the chunk reaches the request's last known token, so its logits give the next one.
+    samples: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.end == self.request.num_tokens)
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last known token, so its logits give the next one."""
-        return self.end == self.request.num_tokens
 
 
 @attrs.frozen

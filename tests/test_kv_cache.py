@@ -1,0 +1,128 @@
+"""BlockManager: allocation, ref counts, prefix caching and LRU reuse; a hypothesis state machine
+checks that no block is leaked or owned twice under random allocate/free sequences."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.kv_cache import BlockManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=8)
+
+
+def make_request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, tokens, PARAMS, max_tokens=8, eos_token_id=None, arrival_order=0)
+
+
+def test_allocate_rounds_up_to_blocks_and_free_returns_them():
+    kv = BlockManager(num_blocks=8, block_size=4)
+    request = make_request("a", list(range(10)))
+    assert kv.allocate(request, 10)
+    assert len(kv.block_ids("a")) == 3
+    assert kv.num_free_blocks == 5
+    kv.free(request)
+    kv.free(request)  # idempotent
+    assert kv.num_free_blocks == 8
+    kv.check_invariants()
+
+
+def test_allocation_that_does_not_fit_changes_nothing():
+    kv = BlockManager(num_blocks=2, block_size=4)
+    assert not kv.allocate(make_request("a", list(range(9))), 9)
+    assert kv.num_free_blocks == 2 and kv.block_ids("a") == []
+    kv.check_invariants()
+
+
+def test_prefix_hit_shares_blocks_and_leaves_last_token_to_compute():
+    kv = BlockManager(num_blocks=16, block_size=4)
+    first = make_request("a", list(range(12)))
+    assert kv.allocate(first, 12)
+    second = make_request("b", list(range(12)))
+    hits = kv.find_cached_prefix(second)
+    assert len(hits) == 2  # 12 tokens = 3 full blocks, but the last token must be computed
+    assert kv.allocate(second, 4, hits)
+    assert kv.block_ids("b")[:2] == kv.block_ids("a")[:2]
+    assert kv.block_ids("b")[2] != kv.block_ids("a")[2]
+    assert kv.blocks[kv.block_ids("a")[0]].ref_count == 2
+    kv.check_invariants([first, second])
+
+
+def test_different_prefix_does_not_hit():
+    kv = BlockManager(num_blocks=16, block_size=4)
+    assert kv.allocate(make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]), 9)
+    assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 5, 5, 6, 7, 8, 9])) == []
+
+
+def test_freed_cached_blocks_stay_hittable_until_reused_in_lru_order():
+    kv = BlockManager(num_blocks=4, block_size=2)
+    old = make_request("old", [1, 2, 3, 4, 5])
+    assert kv.allocate(old, 5)
+    kv.free(old)
+    assert len(kv.find_cached_prefix(make_request("again", [1, 2, 3, 4, 5]))) == 2
+    # Fill the cache with other requests: unhashed free blocks go first, then the LRU ones.
+    filler = make_request("filler", [9, 9, 8, 8, 7, 7, 6])
+    assert kv.allocate(filler, 7)
+    assert kv.find_cached_prefix(make_request("again2", [1, 2, 3, 4, 5])) == []
+    kv.check_invariants([filler])
+
+
+def test_disabled_prefix_caching_never_hits():
+    kv = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    first = make_request("a", [1, 2, 3, 4, 5])
+    assert kv.allocate(first, 5)
+    assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5])) == []
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random allocations (with prefix hits), growth and frees over a small cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = BlockManager(num_blocks=12, block_size=2)
+        self.live: dict[str, Request] = {}
+        self.counter = 0
+
+    @rule(prefix=st.sampled_from([[1, 2, 3, 4], [1, 2, 5, 6], [7, 8]]), suffix=st.lists(st.integers(0, 3), max_size=5))
+    def add(self, prefix, suffix):
+        self.counter += 1
+        request = make_request(f"r{self.counter}", prefix + suffix)
+        hits = self.kv.find_cached_prefix(request)
+        num_new = request.num_tokens - len(hits) * self.kv.block_size
+        if self.kv.allocate(request, num_new, hits):
+            request.num_computed_tokens = request.num_tokens
+            self.live[request.request_id] = request
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def grow(self, data, token):
+        request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        request.append_token(token)
+        if self.kv.allocate(request, 1):
+            request.num_computed_tokens += 1
+        else:
+            request.token_ids.pop()
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        request = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
+        self.kv.free(request)
+
+    @invariant()
+    def consistent(self):
+        self.kv.check_invariants(list(self.live.values()))
+        needed = sum(-(-r.num_tokens // 2) for r in self.live.values())
+        assert self.kv.num_used_blocks <= needed  # sharing can only lower it
+
+    def teardown(self):
+        for request in self.live.values():
+            self.kv.free(request)
+        assert self.kv.num_used_blocks == 0
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

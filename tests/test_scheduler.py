@@ -1,0 +1,207 @@
+"""Scheduler: budgets, chunked prefill, preemption, policies, stop conditions; and a hypothesis
+state machine checking that, under random add/step/abort sequences, no block is leaked or
+owned twice and every request ends finished or aborted."""
+
+from __future__ import annotations
+
+import random
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+EOS = 0
+
+
+def make_scheduler(num_blocks=64, block_size=4, max_model_len=64, **fields) -> Scheduler:
+    config = EngineConfig(**fields)
+    return Scheduler(config, BlockManager(num_blocks, block_size, config.enable_prefix_caching), max_model_len)
+
+
+def make_request(request_id: str, prompt_len: int, max_tokens: int = 4, arrival: int = 0, priority: int = 0,
+                 **params) -> Request:
+    prompt = [1 + (i % 7) + 10 * int(request_id.strip("r") or 0) for i in range(prompt_len)]
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), max_tokens, EOS, arrival,
+                   priority=priority)
+
+
+def run_step(scheduler: Scheduler, token: int = 5):
+    out = scheduler.schedule()
+    sampled = {c.request.request_id: token for c in out.chunks if c.samples}
+    return out, scheduler.update(out, sampled)
+
+
+def test_running_requests_come_first_and_budget_is_respected():
+    s = make_scheduler(max_num_batched_tokens=10, max_num_seqs=4)
+    s.add_request(make_request("r1", 6))
+    out, _ = run_step(s)
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("r1", 6)]
+    s.add_request(make_request("r2", 20, arrival=1))
+    out, _ = run_step(s)
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("r1", 1), ("r2", 9)]
+    assert out.num_batched_tokens == 10
+
+
+def test_chunked_prefill_samples_only_after_the_last_chunk():
+    s = make_scheduler(max_num_batched_tokens=8)
+    request = make_request("r1", 20)
+    s.add_request(request)
+    chunks = [run_step(s)[0].chunks[0] for _ in range(3)]
+    assert [c.num_new_tokens for c in chunks] == [8, 8, 4]
+    assert [c.samples for c in chunks] == [False, False, True]
+    assert request.num_output_tokens == 1
+
+
+def test_without_chunked_prefill_a_long_prompt_waits_for_a_full_budget():
+    s = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False, max_num_seqs=4)
+    s.add_request(make_request("r1", 4))
+    s.add_request(make_request("r2", 14, arrival=1))
+    out, _ = run_step(s)
+    assert [c.request.request_id for c in out.chunks] == ["r1"]
+    out, _ = run_step(s)
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("r1", 1), ("r2", 14)]
+
+
+def test_max_num_seqs_limits_the_batch():
+    s = make_scheduler(max_num_seqs=2)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 3, arrival=i))
+    out, _ = run_step(s)
+    assert len(out.chunks) == 2 and len(s.waiting) == 1
+
+
+def test_preemption_frees_the_newest_and_requeues_it_first():
+    s = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, max_num_seqs=4)
+    old, new = make_request("r1", 8, max_tokens=8), make_request("r2", 8, max_tokens=8, arrival=1)
+    s.add_request(old)
+    s.add_request(new)
+    run_step(s)  # both admitted: 8 tokens in 2 full blocks each, plus a sampled 9th token
+    out, _ = run_step(s)  # both need a third block: none free
+    assert out.preempted_ids == ["r2"]
+    assert new.status == RequestStatus.WAITING and new.num_computed_tokens == 0
+    assert s.waiting[0] is new and s.num_preemptions == 1
+    s.kv.check_invariants([old, new])
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, max_num_seqs=1, scheduling_policy="priority")
+    s.add_request(make_request("r1", 3, arrival=0, priority=5))
+    s.add_request(make_request("r2", 3, arrival=1, priority=-1))
+    out, _ = run_step(s)
+    assert [c.request.request_id for c in out.chunks] == ["r2"]
+
+
+def test_stop_conditions():
+    s = make_scheduler(max_num_seqs=8)
+    eos = make_request("r1", 3)
+    stop_token = make_request("r2", 3, arrival=1, stop_token_ids=[7])
+    ignore = make_request("r3", 3, max_tokens=2, arrival=2, ignore_eos=True)
+    min_tok = make_request("r4", 3, max_tokens=4, arrival=3, min_tokens=2)
+    for r in (eos, stop_token, ignore, min_tok):
+        s.add_request(r)
+    out = s.schedule()
+    s.update(out, {"r1": EOS, "r2": 7, "r3": EOS, "r4": EOS})
+    assert (eos.finish_reason, eos.stop_reason) == ("stop", None)
+    assert (stop_token.finish_reason, stop_token.stop_reason) == ("stop", 7)
+    assert ignore.finish_reason is None and min_tok.finish_reason is None
+    out = s.schedule()
+    s.update(out, {"r3": EOS, "r4": EOS})
+    assert ignore.finish_reason == "length" and min_tok.finish_reason == "stop"
+    assert s.kv.num_used_blocks == 0 or s.requests == {}
+
+
+def test_abort_frees_blocks_and_ignores_unknown_ids():
+    s = make_scheduler()
+    request = make_request("r1", 9)
+    s.add_request(request)
+    run_step(s)
+    assert s.abort_requests(["r1", "nope"]) == [request]
+    assert request.finish_reason == "abort" and s.kv.num_used_blocks == 0
+    assert s.schedule().finished_ids == ["r1"]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random adds (shared prefixes, priorities), steps (random EOS) and aborts over a tight cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = random.Random(0)
+        policy = self.rng.choice(["fcfs", "priority"])
+        self.s = make_scheduler(num_blocks=12, block_size=4, max_model_len=48, max_num_seqs=4,
+                                max_num_batched_tokens=16, scheduling_policy=policy)
+        self.all: list[Request] = []
+
+    @rule(prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 20), priority=st.integers(-2, 2),
+          shared=st.booleans())
+    def add(self, prompt_len, max_tokens, priority, shared):
+        n = len(self.all)
+        prompt = ([3] * 8 if shared else []) + [100 + n] * prompt_len
+        max_tokens = min(max_tokens, 48 - len(prompt))
+        if max_tokens < 1:
+            return
+        request = Request(f"r{n}", prompt, SamplingParams(max_tokens=max_tokens), max_tokens, EOS, n,
+                          priority=priority)
+        self.s.add_request(request)
+        self.all.append(request)
+
+    @rule(eos_chance=st.sampled_from([0.0, 0.1, 0.5]))
+    def step(self, eos_chance):
+        out = self.s.schedule()
+        assert out.num_batched_tokens <= 16 and len(out.chunks) <= 4
+        for chunk in out.chunks:
+            assert chunk.request.status == RequestStatus.RUNNING and chunk.num_new_tokens >= 1
+        sampled = {c.request.request_id: (EOS if self.rng.random() < eos_chance else 9)
+                   for c in out.chunks if c.samples}
+        self.s.update(out, sampled)
+
+    @precondition(lambda self: self.s.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.s.requests)))
+        self.s.abort_requests([request_id])
+
+    @invariant()
+    def consistent(self):
+        live = list(self.s.requests.values())
+        self.s.kv.check_invariants(live)
+        assert set(map(id, live)) == set(map(id, self.s.waiting)) | set(map(id, self.s.running))
+        assert not set(map(id, self.s.waiting)) & set(map(id, self.s.running))
+        for request in self.all:
+            assert request.finished == (request.request_id not in self.s.requests)
+
+    def teardown(self):
+        for _ in range(2000):
+            if not self.s.requests:
+                break
+            self.step(0.0)
+        assert not self.s.requests, "requests left unfinished: the scheduler stalled"
+        assert all(r.finish_reason in ("stop", "length", "abort") for r in self.all)
+        assert self.s.kv.num_used_blocks == 0
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_config_rejects_bad_combinations():
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError) as exc:
+        EngineConfig(num_kv_blocks=4, kv_cache_memory=1 << 20)
+    assert exc.value.param == "num_kv_blocks"
+    with pytest.raises(ConfigError) as exc:
+        EngineConfig(block_size=12)
+    assert exc.value.param == "block_size"
+    with pytest.raises(ConfigError) as exc:
+        EngineConfig.from_kwargs(max_num_seq=3)
+    assert exc.value.param == "max_num_seq"
+    with pytest.raises(ConfigError) as exc:
+        EngineConfig(scheduling_policy="lifo")
+    assert "fcfs" in str(exc.value)
