@@ -1,18 +1,27 @@
 """The ``torch`` backend: paged attention in plain PyTorch, the oracle other backends are tested against.
 
-Decode rows (one new token per sequence) are batched: their blocks are gathered into a
-padded ``[B, max_seq_len]`` tensor and masked. Every sequence with more than one new token
-(prefill, chunked prefill over a cached prefix) is done on its own with a causal mask.
+Each sequence's blocks are gathered with ``index_select`` into a contiguous
+``[seq_len, num_kv_heads, head_size]`` run and handed (as a strided view, no further copy)
+to ``scaled_dot_product_attention`` with an explicit mask. Decode rows (one new token per
+sequence) are batched: sequences of similar length share one padded gather, so padding
+stays small. The query heads of a GQA group ride along as extra query rows of their KV
+head, so K/V is never repeated.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
+import torch.nn.functional as F
 
 from backends.base import AttentionMetadata
 
 # Cache layout: [2 (K, V), num_blocks, block_size, num_kv_heads, head_size].
 KEY, VALUE = 0, 1
+
+# A decode bucket holds sequences whose lengths are within this factor of its longest, so a
+# padded gather reads at most 1 / BUCKET_RATIO times the K/V it needs.
+BUCKET_RATIO = 0.75
 
 
 class TorchAttentionBackend:
@@ -35,74 +44,100 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         plan = meta.scratch.get("torch")
         if plan is None:
-            plan = meta.scratch["torch"] = _Plan.build(meta, kv_cache.shape[2])
-        if plan.decode_rows.numel():
-            _decode(query, kv_cache, plan, scale, out)
-        for row_start, row_end, seq_len, blocks in plan.prefills:
-            _prefill_one(query[row_start:row_end], kv_cache, blocks, seq_len, scale, out[row_start:row_end])
+            plan = meta.scratch["torch"] = _plan(meta, kv_cache.shape[2], query.device)
+        for bucket in plan.decode_buckets:
+            _decode(query, kv_cache, bucket, scale, out)
+        for prefill in plan.prefills:
+            _prefill(query, kv_cache, prefill, scale, out)
         return out
 
 
+@attrs.frozen
+class _DecodeBucket:
+    rows: torch.Tensor  # [B] query rows
+    blocks: torch.Tensor  # [B * max_blocks] block ids, row-major
+    mask: torch.Tensor  # [B, 1, 1, S] True where the key position is inside the sequence
+
+
+@attrs.frozen
+class _Prefill:
+    row_start: int
+    row_end: int
+    seq_len: int
+    blocks: torch.Tensor  # [num_blocks] block ids
+    mask: torch.Tensor  # [L, S] causal, True where allowed
+
+
+@attrs.frozen
 class _Plan:
+    decode_buckets: list[_DecodeBucket]
+    prefills: list[_Prefill]
+
+
+def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
     """Per-step index tensors, derived once from the metadata and reused by every layer."""
-
-    def __init__(self) -> None:
-        self.decode_rows = torch.empty(0, dtype=torch.long)
-        self.decode_blocks = torch.empty(0, 0, dtype=torch.long)  # [Bd, max_blocks]
-        self.decode_pad_mask = torch.empty(0, 0, dtype=torch.bool)  # [Bd, S]: True past seq_len
-        self.prefills: list[tuple[int, int, int, torch.Tensor]] = []  # (row_start, row_end, seq_len, blocks)
-
-    @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int) -> _Plan:
-        plan = cls()
-        starts = meta.query_start_loc.tolist()
-        seq_lens = meta.seq_lens.tolist()
-        decode_seqs = []
-        for i, seq_len in enumerate(seq_lens):
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    decodes, prefills = [], []
+    for i, seq_len in enumerate(seq_lens):
+        num_queries = starts[i + 1] - starts[i]
+        if num_queries == 1:
+            decodes.append(i)
+        elif num_queries > 1:
             num_blocks = -(-seq_len // block_size)
-            if starts[i + 1] - starts[i] == 1:
-                decode_seqs.append(i)
-            elif starts[i + 1] > starts[i]:
-                plan.prefills.append((starts[i], starts[i + 1], seq_len, meta.block_tables[i, :num_blocks].long()))
-        if decode_seqs:
-            index = torch.tensor(decode_seqs)
-            lens = meta.seq_lens[index].long()
-            max_blocks = -(-int(lens.max()) // block_size)
-            plan.decode_rows = meta.query_start_loc[index].long()
-            plan.decode_blocks = meta.block_tables[index, :max_blocks].long()
-            plan.decode_pad_mask = torch.arange(max_blocks * block_size) >= lens[:, None]
-        return plan
+            positions = torch.arange(seq_len, device=device)
+            mask = positions[None, :] <= positions[seq_len - num_queries:, None]
+            prefills.append(_Prefill(starts[i], starts[i + 1], seq_len,
+                                     meta.block_tables[i, :num_blocks].long(), mask))
+    decodes.sort(key=lambda i: seq_lens[i], reverse=True)
+    buckets = []
+    while decodes:
+        longest = seq_lens[decodes[0]]
+        size = next((n for n, i in enumerate(decodes) if seq_lens[i] < BUCKET_RATIO * longest), len(decodes))
+        buckets.append(_bucket(meta, decodes[:size], longest, block_size, starts, device))
+        decodes = decodes[size:]
+    return _Plan(buckets, prefills)
 
 
-def _decode(query: torch.Tensor, kv_cache: torch.Tensor, plan: _Plan, scale: float, out: torch.Tensor) -> None:
-    num_seqs = plan.decode_rows.shape[0]
+def _bucket(meta: AttentionMetadata, seqs: list[int], longest: int, block_size: int, starts: list[int],
+            device: torch.device) -> _DecodeBucket:
+    index = torch.tensor(seqs, device=device)
+    num_blocks = -(-longest // block_size)
+    lens = meta.seq_lens[index].long()
+    mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
+    rows = torch.tensor([starts[i] for i in seqs], device=device)
+    blocks = meta.block_tables[index, :num_blocks].long().flatten()
+    return _DecodeBucket(rows, blocks, mask[:, None, None, :])
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    # cache: [num_blocks, block_size, kv_heads, head_size] -> [num_seqs, kv_heads, S, head_size] (a strided view)
+    gathered = cache.index_select(0, blocks)
+    return gathered.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
+
+
+def _decode(query: torch.Tensor, kv_cache: torch.Tensor, bucket: _DecodeBucket, scale: float,
+            out: torch.Tensor) -> None:
+    num_seqs = bucket.rows.shape[0]
     num_heads, head_size = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    q = query[plan.decode_rows].view(num_seqs, num_kv_heads, group, head_size)
-    k = kv_cache[KEY][plan.decode_blocks].flatten(1, 2)  # [Bd, S, num_kv_heads, head_size]
-    v = kv_cache[VALUE][plan.decode_blocks].flatten(1, 2)
-    scores = torch.einsum("bkgd,bskd->bkgs", q.float(), k.float()) * scale
-    scores.masked_fill_(plan.decode_pad_mask[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    result = torch.einsum("bkgs,bskd->bkgd", probs, v.float())
-    out[plan.decode_rows] = result.reshape(num_seqs, num_heads, head_size).to(out.dtype)
+    q = query.index_select(0, bucket.rows).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_size)
+    k = _gather(kv_cache[KEY], bucket.blocks, num_seqs)  # [B, kv_heads, S, head_size]
+    v = _gather(kv_cache[VALUE], bucket.blocks, num_seqs)
+    result = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scale)  # [B, kv_heads, group, D]
+    out.index_copy_(0, bucket.rows, result.reshape(num_seqs, num_heads, head_size))
 
 
-def _prefill_one(
-    query: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, seq_len: int, scale: float, out: torch.Tensor
-) -> None:
-    # query: [L, num_heads, head_size], the last L of seq_len tokens
-    num_queries, num_heads, head_size = query.shape
+def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, prefill: _Prefill, scale: float, out: torch.Tensor) -> None:
+    q = query[prefill.row_start:prefill.row_end]  # [L, heads, head_size], the last L of seq_len positions
+    num_queries, num_heads, head_size = q.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    k = kv_cache[KEY][blocks].flatten(0, 1)[:seq_len]  # [S, num_kv_heads, head_size]
-    v = kv_cache[VALUE][blocks].flatten(0, 1)[:seq_len]
-    q = query.view(num_queries, num_kv_heads, group, head_size)
-    scores = torch.einsum("lkgd,skd->kgls", q.float(), k.float()) * scale
-    query_pos = torch.arange(seq_len - num_queries, seq_len)
-    future = torch.arange(seq_len)[None, :] > query_pos[:, None]  # [L, S]
-    scores.masked_fill_(future, float("-inf"))
-    probs = scores.softmax(dim=-1)
-    result = torch.einsum("kgls,skd->lkgd", probs, v.float())
-    out.copy_(result.reshape(num_queries, num_heads, head_size))
+    k = _gather(kv_cache[KEY], prefill.blocks, 1)[0, :, :prefill.seq_len]  # [kv_heads, S, head_size]
+    v = _gather(kv_cache[VALUE], prefill.blocks, 1)[0, :, :prefill.seq_len]
+    # Each KV head's group of query heads becomes group * L query rows: [kv_heads, group * L, head_size].
+    q = q.view(num_queries, num_kv_heads, group, head_size).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_size)
+    mask = prefill.mask.repeat(group, 1)  # [group * L, S]
+    result = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    result = result.view(num_kv_heads, group, num_queries, head_size).permute(2, 0, 1, 3)
+    out[prefill.row_start:prefill.row_end] = result.reshape(num_queries, num_heads, head_size)

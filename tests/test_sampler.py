@@ -1,0 +1,102 @@
+"""Sampler: each logits processor and sampling rule on hand-made logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.request import Request
+from engine.sampler import Sampler, apply_top_k_top_p
+from engine.sampling_params import SamplingParams
+
+VOCAB = 8
+
+
+def req(request_id="r", prompt=(1, 2), output=(), **params) -> Request:
+    params.setdefault("max_tokens", 16)
+    request = Request(request_id, list(prompt), SamplingParams(**params), params["max_tokens"], eos_token_id=7,
+                      arrival_order=0)
+    for t in output:
+        request.append_token(t)
+    return request
+
+
+def logits_of(*rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+ROW = [0.0, 1.0, 3.0, 2.0, 0.5, -1.0, 0.0, 2.5]
+
+
+def test_greedy_takes_the_argmax():
+    assert Sampler(0)(logits_of(ROW, ROW[::-1]), [req(temperature=0), req(temperature=0)]).token_ids == [2, 5]
+
+
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=0.01), dict(min_p=1.0)])
+def test_cuts_that_leave_one_token_act_greedy(params):
+    sampler = Sampler(0)
+    tokens = [sampler(logits_of(ROW), [req(temperature=1.5, **params)]).token_ids[0] for _ in range(20)]
+    assert set(tokens) == {2}
+
+
+def test_top_k_top_p_mask():
+    masked = apply_top_k_top_p(logits_of(ROW, ROW), [3, 0], [1.0, 0.5])
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [2, 3, 7]
+    probs = logits_of(ROW).softmax(-1)[0]
+    kept = torch.isfinite(masked[1]).nonzero().flatten().tolist()
+    assert 2 in kept and probs[kept].sum() >= 0.5 and probs[kept].sum() - probs[kept].min() < 0.5
+
+
+def test_temperature_sampling_follows_the_distribution():
+    sampler = Sampler(0)
+    probs = logits_of(ROW).softmax(-1)[0]
+    n = 4000
+    draws = sampler(logits_of(*[ROW] * n), [req(temperature=1.0) for _ in range(n)]).token_ids
+    counts = torch.bincount(torch.tensor(draws), minlength=VOCAB).float() / n
+    assert torch.allclose(counts, probs, atol=0.03)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    alone = [Sampler(0)(logits_of(ROW), [req("a", temperature=1.0, seed=5)]).token_ids[0] for _ in range(1)]
+    sampler = Sampler(123)
+    batch = sampler(logits_of(ROW[::-1], ROW, ROW), [req("x", temperature=1.0), req("a", temperature=1.0, seed=5),
+                                                    req("y", temperature=1.0, seed=6)])
+    assert batch.token_ids[1] == alone[0]
+    # The generator carries on between steps of the same request, and forget() resets it.
+    first = [Sampler(0)(logits_of(ROW), [req("a", temperature=1.0, seed=5)]).token_ids[0]]
+    s = Sampler(0)
+    seq = [s(logits_of(ROW), [req("a", temperature=1.0, seed=5)]).token_ids[0] for _ in range(5)]
+    assert seq[0] == first[0]
+    s.forget(["a"])
+    assert s(logits_of(ROW), [req("a", temperature=1.0, seed=5)]).token_ids[0] == seq[0]
+
+
+def test_logit_bias_and_min_tokens():
+    s = Sampler(0)
+    assert s(logits_of(ROW), [req(temperature=0, logit_bias={5: 10})]).token_ids == [5]
+    biased_to_eos = dict(temperature=0, logit_bias={7: 50}, stop_token_ids=[2])
+    assert s(logits_of(ROW), [req(**biased_to_eos)]).token_ids == [7]
+    # While fewer than min_tokens are out, EOS and stop tokens are masked.
+    assert s(logits_of(ROW), [req(min_tokens=2, output=(1,), **biased_to_eos)]).token_ids == [3]
+    assert s(logits_of(ROW), [req(min_tokens=1, output=(1,), **biased_to_eos)]).token_ids == [7]
+
+
+def test_penalties_match_their_definitions():
+    s = Sampler(0)
+    logits = logits_of(ROW)
+    # frequency: token 2 seen twice -> 3.0 - 2 * 1.0 = 1.0, below token 7's 2.5
+    assert s(logits, [req(temperature=0, output=(2, 2), frequency_penalty=1.0)]).token_ids == [7]
+    # presence: a flat -1.6 for any seen token: 3.0 - 1.6 = 1.4 < 2.0
+    assert s(logits, [req(temperature=0, output=(2, 7), presence_penalty=1.6)]).token_ids == [3]
+    # repetition (prompt tokens count too): 3.0 / 2 = 1.5 < 2.5
+    assert s(logits, [req(temperature=0, prompt=(2,), repetition_penalty=2.0)]).token_ids == [7]
+    assert torch.equal(logits, logits_of(ROW))  # the caller's logits are not modified
+
+
+def test_logprobs_report_raw_model_values_and_rank():
+    out = Sampler(0)(logits_of(ROW), [req(temperature=0, logprobs=2, logit_bias={5: 10})])
+    lp = out.logprobs[0]
+    raw = logits_of(ROW).log_softmax(-1)[0]
+    assert lp.token_id == 5 and lp.logprob == pytest.approx(raw[5].item())
+    assert lp.rank == 8  # the least likely token of the raw distribution
+    assert lp.top_ids == (2, 7)
