@@ -1,26 +1,31 @@
-"""The engine's public surface, named as in vLLM: ``LLM``, ``SamplingParams``, ``RequestOutput``.
+"""The engine's public surface, named as in vLLM: ``LLM``, ``SamplingParams``, ``RequestOutput``,
+plus ``open_engine``/``EngineClient`` for trio programs.
 
-``LLM`` is the offline API: give it prompts, get completions back in order.
+``LLM`` is the offline API: give it prompts, get completions back in order. It runs the
+same actor graph as ``open_engine``, inside ``trio.run``.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any, Union
 
+import attrs
+import trio
+
+from engine.async_engine import Engine, EngineClient, open_engine
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.errors import InvalidParameterError
+from engine.errors import EngineDeadError, InvalidParameterError
+from engine.messages import EngineStats, StepOutput
 from engine.models.loader import resolve_model
-from engine.output_processor import RequestState
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.tokenizer import apply_chat_template, load_tokenizer
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
-           "EngineConfig"]
+           "EngineConfig", "Engine", "EngineClient", "EngineDeadError", "EngineStats", "StepOutput", "open_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +35,7 @@ Message = dict[str, Any]
 
 
 class LLM:
-    """Offline generation over the engine.
+    """Offline generation: the same actor graph as the server, run with ``trio.run`` per call.
 
     Args:
         model: a ``.gguf`` file or Hugging Face directory; None serves the default model.
@@ -44,7 +49,6 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **fields)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
-        self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -54,20 +58,17 @@ class LLM:
         """Complete every prompt; outputs come back in the order of ``prompts``.
 
         Raises:
-            InvalidParameterError: a bad prompt or parameter (nothing is left queued).
+            InvalidParameterError: a bad prompt or parameter (checked before anything is queued).
+            EngineDeadError: the forward pass failed.
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        inputs = [self._tokenize(p) for p in prompt_list]
-        for ids, params in zip(inputs, params_list):  # reject bad input before queueing anything
-            self.engine.validate(ids[1], params)
-        states = {}
-        for (text, ids), params in zip(inputs, params_list):
-            request_id = str(next(self._ids))
-            states[request_id] = RequestState(request_id, text, ids, params, self.tokenizer)
-            self.engine.add_request(request_id, ids, params)
-        self._run(states)
-        return [s.output() for s in states.values()]
+        engine = Engine(self.engine, self.tokenizer)
+        inputs = [engine.client.prepare(p) for p in prompt_list]
+        for (_, ids), params in zip(inputs, params_list):
+            self.engine.validate(ids, params)
+        final = [attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+        return trio.run(self._generate_all, engine, inputs, final)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -82,17 +83,21 @@ class LLM:
             **(chat_template_kwargs or {}))} for conv in conversations]
         return self.generate(prompts, sampling_params)
 
-    def _run(self, states: dict[str, RequestState]) -> None:
-        try:
-            while self.engine.has_unfinished_requests:
-                for delta in self.engine.step():
-                    state = states[delta.request_id]
-                    hit = state.apply(delta)
-                    if hit is not None:
-                        self.engine.finish_request(delta.request_id, hit.index, hit.stop)
-        except BaseException:
-            self.engine.abort_requests(list(states))
-            raise
+    @staticmethod
+    async def _generate_all(engine: Engine, inputs: list[tuple[str | None, list[int]]],
+                            params_list: list[SamplingParams]) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(inputs)
+
+        async def collect(i: int, text: str | None, ids: list[int], params: SamplingParams) -> None:
+            async for output in engine.client.generate({"prompt": text, "prompt_token_ids": ids}, params,
+                                                       request_id=str(i)):
+                results[i] = output
+
+        async with engine.serve():
+            async with trio.open_nursery() as nursery:
+                for i, ((text, ids), params) in enumerate(zip(inputs, params_list)):
+                    nursery.start_soon(collect, i, text, ids, params)
+        return results
 
     @staticmethod
     def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
@@ -104,17 +109,6 @@ class LLM:
         if len(params) != num_prompts:
             raise InvalidParameterError("sampling_params", f"got {len(params)} sampling_params for {num_prompts} prompts")
         return params
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
-            raise InvalidParameterError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        return None, list(prompt)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

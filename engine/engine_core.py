@@ -141,6 +141,10 @@ class EngineCore:
         child_ids = [c for r in request_ids for c in self._children.get(r, ())]
         return [self._delta(r, ()) for r in self.scheduler.abort_requests(child_ids)]
 
+    def abort_all(self) -> list[TokenDelta]:
+        """Abort every live request (after a fault, or at shutdown)."""
+        return self.abort_requests(list(self._children))
+
     def finish_request(self, request_id: str, index: int, stop_reason: int | str | None) -> TokenDelta | None:
         """End one sequence as stopped (e.g. on a stop string found after detokenization)."""
         children = self._children.get(request_id, [])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from backends.base import BackendUnavailableError
 
-__all__ = ["BackendUnavailableError", "ConfigError", "InvalidParameterError"]
+__all__ = ["BackendUnavailableError", "ConfigError", "EngineDeadError", "InvalidParameterError"]
 
 
 class InvalidParameterError(ValueError):
@@ -25,3 +25,10 @@ class InvalidParameterError(ValueError):
 
 class ConfigError(InvalidParameterError):
     """An engine configuration field (or combination of fields) is invalid."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (a fault in a step, or shutdown); in-flight and later requests fail with this.
+
+    The original exception, if any, is ``__cause__``.
+    """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import attrs
 
 from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
 
 
 @attrs.frozen
@@ -43,3 +44,58 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+# ---- messages to the core actor ----
+
+@attrs.frozen
+class AddRequest:
+    """Queue a request. The core validates it; a rejection reaches the request's stream."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int = 0
+
+
+@attrs.frozen
+class AbortRequest:
+    """Stop requests (by the caller's ids) and free their KV blocks; unknown ids are ignored."""
+
+    request_ids: tuple[str, ...]
+
+
+@attrs.frozen
+class StopRequest:
+    """Finish one completion as 'stop' (the detokenizer found stop string ``stop_reason``)."""
+
+    request_id: str
+    index: int
+    stop_reason: str
+
+
+@attrs.frozen
+class RequestRejected:
+    """The core refused an ``AddRequest``; ``error`` says why (an InvalidParameterError)."""
+
+    request_id: str
+    error: Exception
+
+
+@attrs.frozen
+class StepTimings:
+    schedule_s: float
+    execute_s: float
+    update_s: float
+
+
+@attrs.frozen
+class StepOutput:
+    """One engine step's results, from the core actor to the detokenizer and step subscribers."""
+
+    deltas: tuple[TokenDelta, ...]
+    rejected: tuple[RequestRejected, ...]
+    stats: EngineStats
+    num_scheduled_tokens: int
+    num_scheduled_seqs: int
+    timings: StepTimings | None

@@ -1,0 +1,237 @@
+"""The concurrent engine: the core and detokenizer actors in one trio nursery, and the client API.
+
+Resource handling: ``Engine.run`` owns the actors; leaving it (cancellation, or a fault in
+the core) fails every open request stream with ``EngineDeadError``, so no consumer waits
+forever. Cancellation takes effect between steps: a step already in its worker thread
+finishes first (one step is the shutdown deadline).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from engine.core_actor import CoreActor
+from engine.detokenizer import DetokenizerActor
+from engine.engine_core import EngineCore
+from engine.errors import EngineDeadError, InvalidParameterError
+from engine.messages import AbortRequest, AddRequest, EngineStats, StepOutput
+from engine.output_channel import RequestOutputChannel
+from engine.output_processor import RequestState
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Step outputs the core may run ahead of the detokenizer before it waits.
+STEP_QUEUE_SIZE = 4
+# Step outputs a slow ``steps()`` subscriber may fall behind before steps are dropped for it.
+SUBSCRIBER_QUEUE_SIZE = 256
+
+
+class Engine:
+    """The actor graph over one ``EngineCore``; ``client`` is how requests get in."""
+
+    def __init__(self, core: EngineCore, tokenizer) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.client = EngineClient(self)
+        self.error: EngineDeadError | None = None
+        self.registry: dict[str, RequestOutputChannel] = {}
+        self.subscribers: set[trio.MemorySendChannel] = set()
+        self.num_dropped_steps = 0
+        self._inbox: trio.MemorySendChannel | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._inbox is not None and self.error is None
+
+    def send(self, message: AddRequest | AbortRequest) -> None:
+        """Hand a message to the core actor (never blocks)."""
+        if self.error is not None:
+            raise self.error
+        if self._inbox is None:
+            raise EngineDeadError("the engine is not running")
+        self._inbox.send_nowait(message)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Run the actors until cancelled or the core fails; ``task_status.started(client)`` once ready."""
+        inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
+        steps_send, steps_recv = trio.open_memory_channel(STEP_QUEUE_SIZE)
+        core = CoreActor(self.core, inbox_recv, steps_send)
+        detokenizer = DetokenizerActor(steps_recv, inbox_send, self.registry, self._publish)
+        self.error = None
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._run_core, core)
+                await nursery.start(detokenizer.run)
+                self._inbox = inbox_send
+                task_status.started(self.client)
+        finally:
+            self._inbox = None
+            self._fail_all(self.error or EngineDeadError("the engine has shut down"))
+            self.core.abort_all()  # requests die with the engine; their blocks are free for the next run
+
+    async def _run_core(self, core: CoreActor, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await core.run(task_status=task_status)
+        except Exception as exc:
+            log.exception("engine step failed; the engine is dead")
+            self.error = EngineDeadError(f"the engine failed: {exc!r}")
+            self.error.__cause__ = exc
+            self._fail_all(self.error)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for channel in self.registry.values():
+            channel.fail(error)
+        self.registry.clear()
+        for subscriber in self.subscribers:
+            subscriber.close()
+        self.subscribers.clear()
+
+    def _publish(self, step: StepOutput) -> None:
+        for subscriber in list(self.subscribers):
+            try:
+                subscriber.send_nowait(step)
+            except trio.WouldBlock:
+                self.num_dropped_steps += 1
+            except trio.BrokenResourceError:
+                self.subscribers.discard(subscriber)
+
+    @asynccontextmanager
+    async def serve(self) -> AsyncIterator[EngineClient]:
+        """Run the engine in a nursery of its own for the duration of the block."""
+        async with trio.open_nursery() as nursery:
+            client = await nursery.start(self.run)
+            try:
+                yield client
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+class EngineClient:
+    """What callers use: submit requests and read their outputs, abort, read stats.
+
+    All methods must be called from the trio thread that runs the engine.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        return self._engine.error is not None
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.core.max_model_len
+
+    def stats(self) -> EngineStats:
+        return self._engine.core.stats()
+
+    def prepare(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
+        """(prompt text, prompt token ids) for a prompt given as text, token ids or vLLM's dict forms."""
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self.prepare(prompt["prompt"])
+            raise InvalidParameterError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        return None, list(prompt)
+
+    async def generate(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit a request and iterate over its outputs (their form per ``sampling_params.output_kind``).
+
+        However the iteration ends (finished, exception, cancellation, ``break``), the request is
+        aborted and its KV blocks freed before the engine's next step. Use
+        ``contextlib.aclosing`` to make that happen at the ``break`` rather than at garbage
+        collection.
+
+        Raises:
+            InvalidParameterError: bad prompt or parameters (before anything is queued).
+            EngineDeadError: the engine failed or shut down.
+        """
+        params = sampling_params or SamplingParams()
+        channel = self._submit(prompt, params, request_id or uuid.uuid4().hex, priority)
+        request_id = channel.state.request_id
+        try:
+            async for output in channel:
+                yield output
+        finally:
+            if not channel.state.finished:
+                self.abort(request_id)
+
+    def _submit(self, prompt, params: SamplingParams, request_id: str, priority: int) -> RequestOutputChannel:
+        engine = self._engine
+        if engine.error is not None:
+            raise engine.error
+        if request_id in engine.registry:
+            raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
+        text, ids = self.prepare(prompt)
+        engine.core.validate(ids, params)
+        channel = RequestOutputChannel(RequestState(request_id, text, ids, params, self.tokenizer))
+        engine.send(AddRequest(request_id, tuple(ids), params, priority))
+        engine.registry[request_id] = channel
+        return channel
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; a no-op for unknown or finished ones (or a stopped engine)."""
+        engine = self._engine
+        if engine.running:
+            engine.send(AbortRequest((request_id,)))
+        else:
+            engine.registry.pop(request_id, None)
+
+    async def steps(self) -> AsyncIterator[StepOutput]:
+        """Every step's output, as it happens (for user actors: logging, metrics, tracing).
+
+        A subscriber that falls ``SUBSCRIBER_QUEUE_SIZE`` steps behind misses steps rather than
+        slowing the engine. Ends when the engine stops.
+        """
+        send, receive = trio.open_memory_channel(SUBSCRIBER_QUEUE_SIZE)
+        self._engine.subscribers.add(send)
+        try:
+            async with receive:
+                async for step in receive:
+                    yield step
+        finally:
+            self._engine.subscribers.discard(send)
+
+
+@asynccontextmanager
+async def open_engine(config=None, **fields: Any) -> AsyncIterator[EngineClient]:
+    """Load a model and run the engine for the duration of the block.
+
+    Args:
+        config: an ``EngineConfig``; or give its fields as keywords instead.
+
+    Yields:
+        the ``EngineClient``.
+    """
+    from engine.config import EngineConfig
+    from engine.models.loader import resolve_model
+    from engine.tokenizer import load_tokenizer
+
+    if config is None:
+        config = EngineConfig.from_kwargs(**fields)
+    elif fields:
+        raise InvalidParameterError(next(iter(fields)), "give a config or keyword fields, not both")
+    core = await trio.to_thread.run_sync(EngineCore, config)
+    tokenizer = await trio.to_thread.run_sync(load_tokenizer, resolve_model(config.model), config.tokenizer)
+    async with Engine(core, tokenizer).serve() as client:
+        yield client

@@ -1,0 +1,100 @@
+"""The core actor: owns the ``EngineCore`` and runs its steps, the device work in a worker thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from engine.engine_core import EngineCore
+from engine.errors import InvalidParameterError
+from engine.messages import (AbortRequest, AddRequest, RequestRejected, StepOutput, StepTimings, StopRequest,
+                             TokenDelta)
+
+log = logging.getLogger(__name__)
+
+Message = AddRequest | AbortRequest | StopRequest
+
+
+class CoreActor:
+    """Loop: drain the inbox (adds, aborts, stops) -> schedule -> execute in a worker thread
+    -> update -> send a ``StepOutput``. With nothing to run it sleeps on the inbox.
+
+    Aborts are applied only between steps, in the event loop, so the worker thread never
+    sees the scheduler change under it; an aborted request's blocks are free before the
+    next step is scheduled.
+
+    An exception from a step ends the actor: ``run`` raises it after closing its outbox,
+    and the engine turns it into ``EngineDeadError`` for every consumer.
+
+    Args:
+        core: the synchronous engine core.
+        inbox: messages from clients and the detokenizer (unbounded: senders never block).
+        outbox: step outputs to the detokenizer.
+    """
+
+    def __init__(self, core: EngineCore, inbox: trio.MemoryReceiveChannel, outbox: trio.MemorySendChannel) -> None:
+        self.core = core
+        self._inbox = inbox
+        self._outbox = outbox
+        # Results of messages (rejections, abort deltas) that ride out with the next step output.
+        self._rejected: list[RequestRejected] = []
+        self._extra_deltas: list[TokenDelta] = []
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async with self._outbox:
+            while True:
+                self._drain()
+                if not self.core.has_unfinished_requests:
+                    if self._rejected or self._extra_deltas:
+                        await self._send(self._step_output([], 0, 0, None))
+                    try:
+                        self._apply(await self._inbox.receive())
+                    except trio.EndOfChannel:
+                        return
+                    continue
+                await self._step()
+
+    async def _step(self) -> None:
+        t0 = time.perf_counter()
+        plan = self.core.schedule()
+        t1 = time.perf_counter()
+        result = await trio.to_thread.run_sync(self.core.execute, plan)
+        t2 = time.perf_counter()
+        deltas = self.core.update(plan, result)
+        t3 = time.perf_counter()
+        await self._send(self._step_output(deltas, plan.num_batched_tokens, len(plan.chunks),
+                                           StepTimings(t1 - t0, t2 - t1, t3 - t2)))
+
+    def _step_output(self, deltas: list[TokenDelta], num_tokens: int, num_seqs: int,
+                     timings: StepTimings | None) -> StepOutput:
+        extra, self._extra_deltas = self._extra_deltas, []
+        rejected, self._rejected = tuple(self._rejected), []
+        return StepOutput(tuple(extra + deltas), rejected, self.core.stats(), num_tokens, num_seqs, timings)
+
+    async def _send(self, step: StepOutput) -> None:
+        await self._outbox.send(step)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self._apply(self._inbox.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+
+    def _apply(self, message: Message) -> None:
+        if isinstance(message, AddRequest):
+            try:
+                self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.priority)
+            except InvalidParameterError as exc:
+                self._rejected.append(RequestRejected(message.request_id, exc))
+        elif isinstance(message, AbortRequest):
+            self._extra_deltas += self.core.abort_requests(message.request_ids)
+        elif isinstance(message, StopRequest):
+            delta = self.core.finish_request(message.request_id, message.index, message.stop_reason)
+            if delta is not None:
+                self._extra_deltas.append(delta)
+        else:
+            raise TypeError(f"unexpected message {message!r}")

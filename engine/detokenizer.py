@@ -1,0 +1,131 @@
+"""Incremental detokenization with stop strings, and the detokenizer actor.
+
+Text is produced token by token with tokenizers' ``DecodeStream`` (it holds back bytes of
+an incomplete UTF-8 character). On top of that, text that could be the start of a stop
+string is held back until it is known not to be one, so that what a stream has shown is
+always a prefix of the final text.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+from tokenizers.decoders import DecodeStream
+
+from engine.messages import StepOutput, StopRequest
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class IncrementalDetokenizer:
+    """The text of one completion, grown one token at a time.
+
+    ``text`` is everything decoded so far (minus anything after a stop string);
+    ``visible_text`` is the part safe to show: it excludes a tail that may still turn out
+    to be the start of a stop string.
+    """
+
+    def __init__(self, tokenizer, params: SamplingParams) -> None:
+        self._tokenizer = tokenizer.backend_tokenizer if hasattr(tokenizer, "backend_tokenizer") else tokenizer
+        self._skip_special = params.skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self._stops = params.stop
+        self._include_stop = params.include_stop_str_in_output
+        self._longest_stop = max((len(s) for s in self._stops), default=0)
+        self.text = ""
+        self._num_visible = 0
+        self.stop_hit: str | None = None
+
+    @property
+    def visible_text(self) -> str:
+        return self.text[:self._num_visible]
+
+    def add_token(self, token_id: int) -> str | None:
+        """Decode one more token; return the stop string if this token completed one."""
+        if self.stop_hit is not None:
+            return None
+        chunk = self._stream.step(self._tokenizer, token_id)
+        if chunk:
+            previous = len(self.text)
+            self.text += chunk
+            if self._stops and self._find_stop(previous):
+                return self.stop_hit
+        self._num_visible = len(self.text) - self._held_back()
+        return None
+
+    def finish(self, token_ids: list[int]) -> None:
+        """The completion ended: nothing is held back any more. Bytes of an unfinished UTF-8
+        character are flushed as the tokenizer's full decode would show them."""
+        if self.stop_hit is None:
+            full = self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
+            if full.startswith(self.text):
+                self.text = full
+        self._num_visible = len(self.text)
+
+    def _find_stop(self, previous: int) -> bool:
+        window = max(0, previous - self._longest_stop + 1)
+        found = [(pos, s) for s in self._stops if (pos := self.text.find(s, window)) >= 0]
+        if not found:
+            return False
+        pos, stop = min(found)
+        self.text = self.text[:pos + len(stop) if self._include_stop else pos]
+        self._num_visible = len(self.text)
+        self.stop_hit = stop
+        return True
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+
+class DetokenizerActor:
+    """Turns the core's ``StepOutput``s into per-request state and wakes each request's stream.
+
+    It never waits on a consumer: streams read the latest state when they get to it.
+
+    Args:
+        steps: step outputs from the core actor.
+        core_inbox: where stop-string hits go (as ``StopRequest``).
+        registry: request id -> the request's output channel (owned by the engine).
+        on_step: called with every step output after the streams are updated (subscribers).
+    """
+
+    def __init__(self, steps: trio.MemoryReceiveChannel, core_inbox: trio.MemorySendChannel, registry: dict,
+                 on_step: Callable[[StepOutput], None]) -> None:
+        self._steps = steps
+        self._core_inbox = core_inbox
+        self._registry = registry
+        self._on_step = on_step
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async with self._steps:
+            async for step in self._steps:
+                self.process(step)
+
+    def process(self, step: StepOutput) -> None:
+        for rejected in step.rejected:
+            channel = self._registry.pop(rejected.request_id, None)
+            if channel is not None:
+                channel.fail(rejected.error)
+        for delta in step.deltas:
+            channel = self._registry.get(delta.request_id)
+            if channel is None:  # the consumer has gone; its abort is on the way
+                continue
+            hit = channel.state.apply(delta)
+            if hit is not None:
+                self._core_inbox.send_nowait(StopRequest(delta.request_id, hit.index, hit.stop))
+            channel.notify()
+            if channel.state.finished:
+                del self._registry[delta.request_id]
+        self._on_step(step)
+
