@@ -49,7 +49,10 @@ class RequestOutputChannel:
         Raises:
             trio.EndOfChannel: the final output has been received.
             Exception: whatever ``fail`` was given (e.g. EngineDeadError, InvalidParameterError).
+
+        Like trio's own channels, it is a checkpoint even when an output is ready.
         """
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             if self._error is not None:
                 raise self._error
@@ -57,6 +60,7 @@ class RequestOutputChannel:
                 raise trio.EndOfChannel
             output = self._take()
             if output is not None:
+                await trio.lowlevel.cancel_shielded_checkpoint()
                 return output
             self._event = trio.Event()
             await self._event.wait()

@@ -94,3 +94,13 @@ def llm():
     from engine.api import LLM
 
     return LLM(backend="torch", num_kv_blocks=512)
+
+
+@pytest.fixture
+def tiny_core(tiny_model):
+    """A fresh engine core over the tiny random model (fast: for actor and scheduling logic)."""
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+
+    return EngineCore(EngineConfig(backend="torch", num_kv_blocks=64, max_model_len=256, max_num_seqs=32,
+                                   max_num_batched_tokens=256), model=tiny_model)

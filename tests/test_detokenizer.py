@@ -1,0 +1,94 @@
+"""Incremental detokenization: UTF-8 split across tokens, stop strings split across tokens,
+hold-back of possible stop-string prefixes; what has been shown is always a prefix of the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+TEXTS = [
+    "Hello, world! Plain ASCII text.",
+    "Emoji: 🎉🚀 and a family 👨‍👩‍👧 in a row.",
+    "中文测试：你好，世界。日本語もです。",
+    "Combining marks: e\u0301 a\u0300 n\u0303 and Zalgo h\u0336\u034fe\u0335llo.",
+    "Mixed: café ☕ naïve — “quotes” …",
+]
+
+
+def stream(tokenizer, token_ids, params):
+    detok = IncrementalDetokenizer(tokenizer, params)
+    shown = []
+    stop = None
+    for token in token_ids:
+        stop = detok.add_token(token)
+        shown.append(detok.visible_text)
+        if stop is not None:
+            break
+    if stop is None:
+        detok.finish(list(token_ids))
+    shown.append(detok.visible_text)
+    return detok, shown, stop
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_equals_the_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text)
+    detok, shown, _ = stream(tokenizer, ids, SamplingParams())
+    assert detok.text == tokenizer.decode(ids, skip_special_tokens=True) == text
+    for earlier, later in zip(shown, shown[1:]):
+        assert later.startswith(earlier)
+    # No partial character is ever shown: every prefix is valid text of the original.
+    assert all(text.startswith(s) for s in shown)
+
+
+def test_utf8_split_across_tokens_is_held_back(tokenizer):
+    ids = tokenizer.encode("🎉")
+    assert len(ids) > 1  # byte-level BPE splits the emoji
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams())
+    assert detok.add_token(ids[0]) is None and detok.visible_text == ""
+    for token in ids[1:]:
+        detok.add_token(token)
+    assert detok.visible_text == "🎉"
+
+
+def test_unfinished_character_at_the_end_shows_as_the_full_decode_does(tokenizer):
+    ids = tokenizer.encode("ok 🎉")[:-1]
+    detok, shown, _ = stream(tokenizer, ids, SamplingParams())
+    assert detok.visible_text == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("text, stop, expected", [
+    ("The answer is forty-two, obviously.", "forty-two", "The answer is "),
+    ("Emoji: 🎉🚀 and more", "🚀", "Emoji: 🎉"),
+    ("a b c STOP d e", " STOP", "a b c"),
+    ("中文测试：你好，世界。", "世界", "中文测试：你好，"),
+])
+def test_stop_string_split_across_tokens(tokenizer, text, stop, expected):
+    ids = tokenizer.encode(text)
+    detok, shown, hit = stream(tokenizer, ids, SamplingParams(stop=[stop]))
+    assert hit == stop
+    assert detok.visible_text == expected
+    assert all(expected.startswith(s) for s in shown)  # the stop string was never shown
+    kept, _, _ = stream(tokenizer, ids, SamplingParams(stop=[stop], include_stop_str_in_output=True))
+    assert kept.visible_text == expected + stop
+
+
+def test_possible_stop_prefix_is_held_back_then_released(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["<END>"]))
+    ids = tokenizer.encode("value <EN")
+    for token in ids:
+        detok.add_token(token)
+    assert detok.text == "value <EN" and detok.visible_text == "value "
+    for token in tokenizer.encode("D? no"):
+        detok.add_token(token)
+    assert detok.stop_hit is None and detok.visible_text.startswith("value <END? no"[:len(detok.visible_text)])
+    detok.finish(ids)
+    assert detok.visible_text == detok.text
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer):
+    ids = tokenizer.encode("one two three four")
+    detok, _, hit = stream(tokenizer, ids, SamplingParams(stop=["four", "two"]))
+    assert hit == "two" and detok.visible_text == "one "

@@ -1,0 +1,82 @@
+"""Streaming on the real model: 64 concurrent streams equal their non-streamed greedy text;
+multi-byte text streams intact; stop strings never leak."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from engine.async_engine import Engine
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+TOPICS = ["the sea", "a robot", "mountains", "coffee", "the moon", "a library", "trains", "winter"]
+UNICODE_PROMPTS = ["Écris une phrase en français sur le café ☕ :", "用中文写一句关于月亮的话：",
+                   "Reply with three emoji about the ocean 🌊:", "日本語で挨拶してください：",
+                   "Spell café with a combining accent: cafe\u0301 means"]
+
+
+def stream_params(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kw)
+
+
+async def stream_text(client, prompt, params) -> tuple[str, list[int], object]:
+    text, ids, last = "", [], None
+    async for output in client.generate(prompt, params):
+        text += output.outputs[0].text
+        ids += output.outputs[0].token_ids
+        last = output
+    return text, ids, last
+
+
+PROMPTS_64 = [f"Write one sentence about {TOPICS[i % 8]} (#{i}):" for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def non_streamed(llm):
+    """Greedy completions through the offline API (it runs trio itself, so outside the tests' loop)."""
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    unicode = SamplingParams(temperature=0, max_tokens=32)
+    return {
+        "64": [o.outputs[0].text for o in llm.generate(PROMPTS_64, greedy)],
+        "unicode": [o.outputs[0] for o in llm.generate(UNICODE_PROMPTS, unicode)],
+        "france": llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=20))[0].outputs[0],
+    }
+
+
+async def test_64_concurrent_streams_equal_non_streamed_text(llm, non_streamed):
+    prompts = PROMPTS_64
+    expected = non_streamed["64"]
+    streamed: list[str | None] = [None] * 64
+
+    async def one(i):
+        streamed[i] = (await stream_text(client, prompts[i], stream_params(24)))[0]
+
+    async with Engine(llm.engine, llm.tokenizer).serve() as client:
+        async with trio.open_nursery() as nursery:
+            for i in range(64):
+                nursery.start_soon(one, i)
+        assert client.stats().kv_blocks_used == 0
+    assert streamed == expected
+
+
+async def test_multibyte_text_streams_intact(llm, non_streamed):
+    outputs = []
+    async with Engine(llm.engine, llm.tokenizer).serve() as client:
+        for prompt, final in zip(UNICODE_PROMPTS, non_streamed["unicode"]):
+            text, ids, last = await stream_text(client, prompt, stream_params(32))
+            assert text == llm.tokenizer.decode(ids, skip_special_tokens=True)
+            assert text == final.text and ids == final.token_ids
+            outputs.append(text)
+    assert sum(any(ord(ch) > 127 for ch in text) for text in outputs) >= 2  # the model did answer in kind
+
+
+async def test_stop_string_is_never_streamed(llm, non_streamed):
+    prompt = "The capital of France is"
+    full = non_streamed["france"]
+    stop = full.text[full.text.index("answer") - 2:full.text.index("answer") + 3]  # spans tokens: " answ"-ish
+    async with Engine(llm.engine, llm.tokenizer).serve() as client:
+        text, ids, last = await stream_text(client, prompt, stream_params(20, stop=[stop]))
+    assert text == full.text[:full.text.index(stop)]
+    assert last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == stop
