@@ -112,9 +112,10 @@ class BlockManager:
         K/V is written, layer by layer, before anyone attends to it).
         """
         owned = self._owned.setdefault(request.request_id, [])
-        num_tokens = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        num_done = request.num_computed_tokens + len(cached_prefix) * self.block_size
+        num_tokens = num_done + num_new_tokens
         num_needed = cdiv(num_tokens, self.block_size) - len(owned) - len(cached_prefix)
-        num_revived = sum(1 for b in cached_prefix if b.ref_count == 0)
+        num_revived = sum(1 for b in cached_prefix if b.ref_count == 0) if cached_prefix else 0
         if num_needed > self.num_free_blocks - num_revived:
             if not owned:
                 del self._owned[request.request_id]
@@ -124,8 +125,8 @@ class BlockManager:
             owned.append(block)
         for _ in range(max(num_needed, 0)):
             owned.append(self._pop_free())
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, owned, num_tokens)
+        if self.enable_prefix_caching and num_tokens // self.block_size > num_done // self.block_size:
+            self._cache_full_blocks(request, owned, num_done // self.block_size, num_tokens // self.block_size)
         return True
 
     def free(self, request: Request) -> None:
@@ -159,10 +160,11 @@ class BlockManager:
         block.ref_count += 1
         return block
 
-    def _cache_full_blocks(self, request: Request, owned: list[KVBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Request, owned: list[KVBlock], first: int, end: int) -> None:
+        """Register blocks ``first:end`` (just filled) in the prefix cache."""
         self._update_hashes(request)
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        for block, block_hash in zip(owned[:num_full], request.block_hashes[:num_full]):
+        for i in range(first, min(end, len(request.block_hashes))):
+            block, block_hash = owned[i], request.block_hashes[i]
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block

@@ -53,17 +53,22 @@ class RequestOutputChannel:
         Like trio's own channels, it is a checkpoint even when an output is ready.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            if self._error is not None:
-                raise self._error
-            if self._closed:
-                raise trio.EndOfChannel
-            output = self._take()
-            if output is not None:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-                return output
+        output = self._next()
+        if output is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return output
+        while output is None:  # each wait is itself a checkpoint
             self._event = trio.Event()
             await self._event.wait()
+            output = self._next()
+        return output
+
+    def _next(self) -> RequestOutput | None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise trio.EndOfChannel
+        return self._take()
 
     def __aiter__(self) -> RequestOutputChannel:
         return self

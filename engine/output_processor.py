@@ -44,10 +44,11 @@ class RequestState:
         self.completions = [CompletionState(IncrementalDetokenizer(tokenizer, params)) for _ in range(params.n)]
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.num_cached_tokens = 0
+        self._num_unfinished = params.n
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        return self._num_unfinished == 0
 
     def apply(self, delta: TokenDelta) -> StopStringHit | None:
         """Add a delta; return a stop-string hit that the caller must report to the core."""
@@ -69,9 +70,9 @@ class RequestState:
             self._finish(completion, delta.finish_reason, delta.stop_reason)
         return None
 
-    @staticmethod
-    def _finish(completion: CompletionState, reason: str, stop_reason: int | str | None) -> None:
+    def _finish(self, completion: CompletionState, reason: str, stop_reason: int | str | None) -> None:
         completion.finish_reason, completion.stop_reason = reason, stop_reason
+        self._num_unfinished -= 1
         completion.detokenizer.finish(completion.token_ids)
 
     # ---- building outputs ----

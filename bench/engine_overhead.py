@@ -1,0 +1,151 @@
+"""Engine overhead without a model, and event-loop responsiveness with one.
+
+1. A null model (the runner returns a fixed token at once) at 1, 64 and 256 running
+   requests: steps per second and the per-step cost of scheduler + core actor +
+   detokenizer + output channels + consumers.
+2. Event-loop lag while the real model (shape; dummy weights unless --real-weights) decodes
+   64 requests: the largest delay seen by a ``trio.sleep(0)`` probe.
+
+    python bench/engine_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.async_engine import Engine  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.detokenizer import DetokenizerActor  # noqa: E402
+from engine.engine_core import EngineCore  # noqa: E402
+from engine.model_runner import RunnerOutput  # noqa: E402
+from engine.models.llama import LlamaConfig, LlamaModel  # noqa: E402
+from engine.models.loader import dummy_weights, resolve_model  # noqa: E402
+from engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from engine.tokenizer import load_tokenizer  # noqa: E402
+
+TOKEN = 1000  # the null model's every token (decodes to ordinary text)
+
+
+def null_core(num_requests: int) -> EngineCore:
+    tiny = LlamaConfig(vocab_size=49152, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
+                       num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=4096,
+                       tie_word_embeddings=True, eos_token_id=2)
+    model = LlamaModel.from_state_dict(tiny, dict(dummy_weights(tiny, 0)), torch.float32, "cpu")
+    config = EngineConfig(backend="torch", num_kv_blocks=max(num_requests, 8) * 40, max_model_len=512,
+                          max_num_seqs=max(num_requests, 1), max_num_batched_tokens=max(4096, num_requests * 16))
+    core = EngineCore(config, model=model)
+
+    def execute(plan, tables=None) -> RunnerOutput:
+        return RunnerOutput({c.request.request_id: TOKEN for c in plan.chunks if c.samples}, {}, {})
+
+    core.runner.execute = lambda plan, tables: execute(plan)
+    return core
+
+
+class TimedDetokenizer(DetokenizerActor):
+    """The detokenizer actor, timing its own work per step."""
+
+    times: list[float] = []
+
+    def process(self, step) -> None:
+        start = time.perf_counter()
+        super().process(step)
+        self.times.append(time.perf_counter() - start)
+
+
+async def measure_overhead(tokenizer, num_requests: int, num_steps: int) -> tuple[float, float, float]:
+    """(median wall time per step, steps/s, median engine-side time per step: schedule + update + detokenize)."""
+    core = null_core(num_requests)
+    params = SamplingParams(max_tokens=num_steps + 20, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    step_times: list[float] = []
+    engine_times: list[float] = []
+    TimedDetokenizer.times = []
+
+    async def consume(client, i):
+        async for _ in client.generate([100 + i % 500] * 16, params):
+            pass
+
+    async def watch(client):
+        last = None
+        async for step in client.steps():
+            now = time.perf_counter()
+            if step.timings is not None:
+                engine_times.append(step.timings.schedule_s + step.timings.update_s + TimedDetokenizer.times[-1])
+            if last is not None:
+                step_times.append(now - last)
+            last = now
+            if len(step_times) >= num_steps:
+                return
+
+    async with Engine(core, tokenizer).serve() as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, client)
+            for i in range(num_requests):
+                nursery.start_soon(consume, client, i)
+            while len(step_times) < num_steps:
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    steady = step_times[10:]  # skip the admission steps
+    return statistics.median(steady), 1 / statistics.mean(steady), statistics.median(engine_times[10:])
+
+
+async def measure_lag(args, tokenizer) -> tuple[float, float, int]:
+    config = EngineConfig(model=args.model, backend="torch", load_format="auto" if args.real_weights else "dummy",
+                          max_num_seqs=64)
+    core = await trio.to_thread.run_sync(EngineCore, config)
+    params = SamplingParams(max_tokens=args.lag_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    lags: list[float] = []
+
+    async def consume(client, i):
+        async for _ in client.generate([200 + i] * 64, params):
+            pass
+
+    async def probe():
+        while True:
+            t = time.perf_counter()
+            await trio.sleep(0)
+            lags.append(time.perf_counter() - t)
+            await trio.sleep(0.001)
+
+    async with Engine(core, tokenizer).serve() as client:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(probe)
+            async with trio.open_nursery() as requests:
+                for i in range(64):
+                    requests.start_soon(consume, client, i)
+            nursery.cancel_scope.cancel()
+        steps = client.stats().num_steps
+    return max(lags), statistics.median(lags), steps
+
+
+async def main(args) -> None:
+    import engine.async_engine
+
+    engine.async_engine.DetokenizerActor = TimedDetokenizer
+    tokenizer = load_tokenizer(resolve_model(args.model))
+    print("null model: per-step overhead of scheduler + actors + detokenizer + consumers")
+    for n in (1, 64, 256):
+        median, rate, engine_side = await measure_overhead(tokenizer, n, args.steps)
+        print(f"  {n:4d} running: {median * 1e3:7.3f} ms/step with {n} consumer tasks (median), {rate:8.1f} steps/s; "
+              f"engine side (schedule + update + detokenize) {engine_side * 1e3:.3f} ms/step")
+    max_lag, median_lag, steps = await measure_lag(args, tokenizer)
+    print(f"event-loop lag while the model decodes 64 requests ({steps} steps): "
+          f"max {max_lag * 1e3:.2f} ms, median {median_lag * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--lag-tokens", type=int, default=32)
+    parser.add_argument("--real-weights", action="store_true")
+    trio.run(main, parser.parse_args())
