@@ -10,12 +10,15 @@ BASE_REQUIREMENTS = [
     "tokenizers>=0.21",
     "gguf>=0.10",  # reads the default model's GGUF file
     "safetensors>=0.4",
-    "trio>=0.22",
+    "trio>=0.27",
     "attrs>=23.1",
     "cattrs>=23.2",
     "orjson>=3.9",
     "cffi>=1.16",
     "numpy>=1.26",
+    "quart-trio>=0.11",
+    "hypercorn>=0.16",
+    "prometheus_client>=0.20",
 ]
 
 TEST_REQUIREMENTS = [
@@ -23,6 +26,10 @@ TEST_REQUIREMENTS = [
     "pytest-trio>=0.8",
     "hypothesis>=6.100",
     "accelerate>=0.30",  # transformers' GGUF model loader (the oracle) needs it
+    "openai>=1.40",  # the official client, against our server
+    "jsonschema>=4.20",  # responses validated against OpenAI's published schemas
+    "pyyaml>=6",
+    "httpx>=0.27",
 ]
 
 setup(

@@ -17,7 +17,7 @@ import trio
 from engine.async_engine import Engine, EngineClient, open_engine
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
-from engine.errors import EngineDeadError, InvalidParameterError
+from engine.errors import EngineDeadError, InvalidParameterError, first_leaf
 from engine.messages import EngineStats, StepOutput
 from engine.models.loader import resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -93,10 +93,16 @@ class LLM:
                                                        request_id=str(i)):
                 results[i] = output
 
-        async with engine.serve():
-            async with trio.open_nursery() as nursery:
-                for i, ((text, ids), params) in enumerate(zip(inputs, params_list)):
-                    nursery.start_soon(collect, i, text, ids, params)
+        try:
+            async with engine.serve():
+                async with trio.open_nursery() as nursery:
+                    for i, ((text, ids), params) in enumerate(zip(inputs, params_list)):
+                        nursery.start_soon(collect, i, text, ids, params)
+        except BaseExceptionGroup as group:
+            leaf = first_leaf(group)
+            if isinstance(leaf, Exception):
+                raise leaf from None
+            raise
         return results
 
     @staticmethod
@@ -122,48 +128,11 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     return prompts
 
 
-def _build_parser():
-    import argparse
-
-    import attrs
-
-    parser = argparse.ArgumentParser(
-        prog="python -m engine.api",
-        description="Generate with the engine. Give prompts with --prompt, or type chat messages on stdin.")
-    for field in attrs.fields(EngineConfig):
-        flag = "--" + field.name.replace("_", "-")
-        if field.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default)
-        else:
-            kind = int if field.type in ("int", "int | None") else str
-            parser.add_argument(flag, type=kind, default=field.default, help=f"default: {field.default}")
-    parser.add_argument("--prompt", action="append", help="a text prompt (repeatable); otherwise chat on stdin")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--log-level", default="INFO")
-    return parser
-
-
 def main(argv: list[str] | None = None) -> None:
-    import sys
+    """``python -m engine.api``: serve the OpenAI-compatible HTTP API (see ``api.server``)."""
+    from api.server import main as serve_main
 
-    import attrs
-
-    args = _build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    fields = {f.name: getattr(args, f.name) for f in attrs.fields(EngineConfig)}
-    llm = LLM(**fields)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
-    if args.prompt:
-        for output in llm.generate(args.prompt, params):
-            print(output.prompt + output.outputs[0].text)
-        return
-    conversation: list[Message] = []
-    for line in sys.stdin:
-        conversation.append({"role": "user", "content": line.strip()})
-        reply = llm.chat(conversation, params)[0].outputs[0].text
-        conversation.append({"role": "assistant", "content": reply})
-        print(reply, flush=True)
+    serve_main(argv)
 
 
 if __name__ == "__main__":

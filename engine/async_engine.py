@@ -141,6 +141,10 @@ class EngineClient:
     def stats(self) -> EngineStats:
         return self._engine.core.stats()
 
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidParameterError if the engine would reject this prompt and parameters."""
+        self._engine.core.validate(prompt_token_ids, params)
+
     def prepare(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         """(prompt text, prompt token ids) for a prompt given as text, token ids or vLLM's dict forms."""
         if isinstance(prompt, str):
@@ -183,7 +187,7 @@ class EngineClient:
         if request_id in engine.registry:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt)
-        engine.core.validate(ids, params)
+        self.validate(ids, params)
         channel = RequestOutputChannel(RequestState(request_id, text, ids, params, self.tokenizer))
         engine.send(AddRequest(request_id, tuple(ids), params, priority))
         engine.registry[request_id] = channel

@@ -199,7 +199,8 @@ class EngineCore:
         if request.finished:
             self._forget_if_done(request.parent_id)
         return TokenDelta(request.parent_id, request.index, new_tokens, new_logprobs, prompt_logprobs,
-                          request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0))
+                          request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
+                          request.first_scheduled_at)
 
     def stats(self) -> EngineStats:
         kv = self.block_manager

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from backends.base import BackendUnavailableError
 
-__all__ = ["BackendUnavailableError", "ConfigError", "EngineDeadError", "InvalidParameterError"]
+__all__ = ["BackendUnavailableError", "ConfigError", "EngineDeadError", "InvalidParameterError", "first_leaf"]
 
 
 class InvalidParameterError(ValueError):
@@ -32,3 +32,14 @@ class EngineDeadError(RuntimeError):
 
     The original exception, if any, is ``__cause__``.
     """
+
+
+def first_leaf(error: BaseException) -> BaseException:
+    """The first non-group exception inside (nested) exception groups, or ``error`` itself.
+
+    Nurseries wrap a child task's exception in an ExceptionGroup; APIs that fan out to
+    tasks internally use this to raise the error their caller expects.
+    """
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

@@ -20,6 +20,7 @@ class TokenDelta:
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort' once finished
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    first_scheduled_at: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -95,7 +95,7 @@ class RequestOutputChannel:
         self._mark_sent(changed)
         self._closed = state.finished
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, prompt_logprobs, outputs,
-                             state.finished, state.num_cached_tokens)
+                             state.finished, state.num_cached_tokens, state.first_scheduled_at)
 
     def _changed(self, index: int) -> bool:
         c = self.state.completions[index]

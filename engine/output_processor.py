@@ -44,6 +44,7 @@ class RequestState:
         self.completions = [CompletionState(IncrementalDetokenizer(tokenizer, params)) for _ in range(params.n)]
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.num_cached_tokens = 0
+        self.first_scheduled_at: float | None = None
         self._num_unfinished = params.n
 
     @property
@@ -58,6 +59,7 @@ class RequestState:
         if delta.index == 0:
             self.prompt_logprobs += delta.new_prompt_logprobs
         self.num_cached_tokens = delta.num_cached_tokens
+        self.first_scheduled_at = self.first_scheduled_at or delta.first_scheduled_at
         for i, token in enumerate(delta.new_token_ids):
             completion.token_ids.append(token)
             if delta.new_logprobs:
@@ -96,7 +98,7 @@ class RequestState:
         """The whole request so far (vLLM's CUMULATIVE form)."""
         outputs = [self.completion_output(i) for i in range(len(self.completions))]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs_output(),
-                             outputs, self.finished, self.num_cached_tokens)
+                             outputs, self.finished, self.num_cached_tokens, self.first_scheduled_at)
 
     def decode_one(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -64,3 +64,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    first_scheduled_at: float | None = None  # time.monotonic() when the engine first scheduled it

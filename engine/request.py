@@ -54,6 +54,7 @@ class Request:
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prefix-cache hit length at first admission; -1 until admitted
     num_preemptions: int = 0
+    first_scheduled_at: float | None = None  # time.monotonic() at first admission
     block_hashes: list[int] = attrs.field(factory=list)  # hashes of full blocks of token_ids, in order
 
     def __attrs_post_init__(self) -> None:

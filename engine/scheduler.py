@@ -8,6 +8,7 @@ scheduled request some of the rest, up to a per-step token budget.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 
 import attrs
@@ -190,6 +191,7 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached
+            request.first_scheduled_at = time.monotonic()
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Account for a finished step: advance computed counts, append sampled tokens and

@@ -1,0 +1,381 @@
+"""The quart-trio application: routes, authentication, CORS and error mapping."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from typing import Any
+
+import attrs
+import orjson
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from api.errors import APIError, bad_request
+from api.metrics import CONTENT_TYPE, Metrics
+from api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse,
+                          sampling_params)
+from api.serving import (SSE_DONE, OutputTracker, chat_logprobs, completion_logprobs, merge, sse)
+from engine.async_engine import EngineClient
+from engine.errors import EngineDeadError, InvalidParameterError
+from engine.messages import EngineStats
+from engine.outputs import RequestOutput
+from engine.tokenizer import apply_chat_template
+
+log = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@attrs.define
+class ServerState:
+    """What the handlers share. ``client`` is None while the model loads."""
+
+    model_name: str
+    client: EngineClient | None = None
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    chat_template: str | None = None
+    created: int = attrs.field(factory=lambda: int(time.time()))
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status=status, content_type="application/json")
+
+
+def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> QuartTrio:
+    app = QuartTrio(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    metrics = Metrics(lambda: state.client.stats() if state.client else _EMPTY_STATS, state.model_name)
+    api = _Handlers(state, metrics)
+
+    @app.before_request
+    async def authenticate() -> Response | None:
+        if request.method == "OPTIONS" and state.allowed_origins:
+            return _cors(Response("", status=204))
+        if state.api_key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+        return None
+
+    @app.after_request
+    async def cors(response: Response) -> Response:
+        return _cors(response) if state.allowed_origins else response
+
+    def _cors(response: Response) -> Response:
+        origin = request.headers.get("Origin")
+        if "*" in state.allowed_origins or origin in state.allowed_origins:
+            response.headers["Access-Control-Allow-Origin"] = origin or "*"
+            response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+        return response
+
+    @app.errorhandler(APIError)
+    async def api_error(error: APIError) -> Response:
+        return json_response(error.body(), error.status)
+
+    @app.errorhandler(InvalidParameterError)
+    async def invalid(error: InvalidParameterError) -> Response:
+        return await api_error(APIError(400, str(error), error.param))
+
+    @app.errorhandler(EngineDeadError)
+    async def dead(error: EngineDeadError) -> Response:
+        return await api_error(APIError(503, "the engine is not available", code="engine_dead"))
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Response:
+        messages = {404: f"route {request.path} not found", 405: f"method {request.method} not allowed for {request.path}",
+                    413: f"request body larger than {max_body_bytes} bytes"}
+        return await api_error(APIError(error.code or 500, messages.get(error.code, error.description or "error")))
+
+    @app.errorhandler(Exception)
+    async def internal(error: Exception) -> Response:
+        log.error("unhandled error in %s %s", request.method, request.path, exc_info=error)
+        return await api_error(APIError(500, "internal server error", type="server_error"))
+
+    app.add_url_rule("/health", "health", api.health, methods=["GET"])
+    app.add_url_rule("/version", "version", api.version, methods=["GET"])
+    app.add_url_rule("/metrics", "metrics", api.metrics, methods=["GET"])
+    app.add_url_rule("/v1/models", "models", api.models, methods=["GET"])
+    app.add_url_rule("/tokenize", "tokenize", api.tokenize, methods=["POST"])
+    app.add_url_rule("/detokenize", "detokenize", api.detokenize, methods=["POST"])
+    app.add_url_rule("/v1/chat/completions", "chat", api.chat_completions, methods=["POST"])
+    app.add_url_rule("/v1/completions", "completions", api.completions, methods=["POST"])
+    return app
+
+
+_EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+class _Handlers:
+    def __init__(self, state: ServerState, metrics: Metrics) -> None:
+        self.state = state
+        self.metrics_registry = metrics
+
+    # ---- helpers ----
+
+    @property
+    def client(self) -> EngineClient:
+        client = self.state.client
+        if client is None:
+            raise APIError(503, "the model is still loading", code="model_loading")
+        if client.errored:
+            raise APIError(503, "the engine has failed; restart the server", code="engine_dead")
+        return client
+
+    async def body(self, cls: type) -> Any:
+        raw = await request.get_data()
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise bad_request(f"the body is not valid JSON: {exc}") from None
+        return parse(data, cls)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.state.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        return max(1, self.client.max_model_len - num_prompt_tokens)
+
+    def validate(self, prompt_ids: list[int], params) -> None:
+        self.client.validate(prompt_ids, params)
+
+    # ---- simple routes ----
+
+    async def health(self) -> Response:
+        if self.state.client is None or self.state.client.errored:
+            return Response("", status=503)
+        return Response("", status=200)
+
+    async def version(self) -> Response:
+        return json_response({"version": VERSION})
+
+    async def metrics(self) -> Response:
+        return Response(self.metrics_registry.exposition(), content_type=CONTENT_TYPE)
+
+    async def models(self) -> Response:
+        max_len = self.state.client.max_model_len if self.state.client else None
+        card = {"id": self.state.model_name, "object": "model", "created": self.state.created,
+                "owned_by": "trio-llm-engine", "root": self.state.model_name, "parent": None,
+                "max_model_len": max_len}
+        return json_response({"object": "list", "data": [card]})
+
+    async def tokenize(self) -> Response:
+        req = await self.body(TokenizeRequest)
+        self.check_model(req.model)
+        tokenizer = self.client.tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            ids = self.render_chat(req.messages, req.add_generation_prompt, False, None)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return json_response({"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids})
+
+    async def detokenize(self) -> Response:
+        req = await self.body(DetokenizeRequest)
+        self.check_model(req.model)
+        vocab = len(self.client.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        return json_response({"prompt": self.client.tokenizer.decode(req.tokens)})
+
+    # ---- chat ----
+
+    def render_chat(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                    template_kwargs: dict | None) -> list[int]:
+        converted = []
+        for i, m in enumerate(messages):
+            if m.role not in CHAT_ROLES:
+                raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}",
+                                  "messages")
+            converted.append({"role": "system" if m.role == "developer" else m.role,
+                              "content": self._text_content(m.content, i), **({"name": m.name} if m.name else {})})
+        try:
+            return apply_chat_template(self.client.tokenizer, converted, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       chat_template=self.state.chat_template, **(template_kwargs or {}))
+        except Exception as exc:  # a template error is the caller's input, not our failure
+            raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
+
+    @staticmethod
+    def _text_content(content, index: int) -> str:
+        if content is None or isinstance(content, str):
+            return content or ""
+        parts = []
+        for part in content:
+            if part.type != "text":
+                raise APIError(400, f"messages[{index}]: content of type {part.type!r} is not supported by this "
+                                    "server (text only)", "messages", code="unsupported_parameter")
+            parts.append(part.text or "")
+        return "".join(parts)
+
+    async def chat_completions(self) -> Response:
+        req: ChatCompletionRequest = await self.body(ChatCompletionRequest)
+        req.check_supported()
+        self.check_model(req.model)
+        ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                               req.chat_template_kwargs)
+        params = sampling_params(req, default_max_tokens=self.default_max_tokens(len(ids)), chat=True)
+        self.validate(ids, params)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        tracker = OutputTracker(self.metrics_registry, len(ids))
+        echo = self._chat_echo(req)
+        stream = self.client.generate({"prompt_token_ids": ids}, params, request_id=request_id,
+                                      priority=req.priority)
+        if req.stream:
+            return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo))
+        final = await self._final(stream, tracker)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": echo + c.text, "refusal": None},
+                    "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0) if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        return json_response({"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                              "model": self.state.model_name, "choices": choices, "usage": tracker.usage()})
+
+    @staticmethod
+    def _chat_echo(req: ChatCompletionRequest) -> str:
+        last = req.messages[-1]
+        if req.echo and last.role == "assistant" and isinstance(last.content, str):
+            return last.content
+        return ""
+
+    async def _chat_chunks(self, req, request_id: str, stream, tracker: OutputTracker, echo: str):
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+            data = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": self.state.model_name, "choices": choices}
+            if include_usage:
+                data["usage"] = usage if usage is not None else (tracker.usage() if continuous else None)
+            return sse(data)
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
+                      "finish_reason": None} for i in range(req.n)])
+        async for output in _guard(stream):
+            if isinstance(output, bytes):
+                yield output
+                return
+            tracker.observe(output)
+            choices = []
+            for c in output.outputs:
+                choice = {"index": c.index, "delta": {"content": c.text} if c.text or not c.finish_reason else {},
+                          "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
+                          if req.logprobs else None, "finish_reason": c.finish_reason}
+                if c.finish_reason:
+                    choice["stop_reason"] = c.stop_reason
+                choices.append(choice)
+            yield chunk(choices)
+        tracker.done()
+        if include_usage:
+            yield chunk([], tracker.usage())
+        yield SSE_DONE
+
+    # ---- completions ----
+
+    async def completions(self) -> Response:
+        req: CompletionRequest = await self.body(CompletionRequest)
+        req.check_supported()
+        self.check_model(req.model)
+        prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+        inputs = [self.client.prepare(p) for p in prompts]
+        all_params = []
+        for _, ids in inputs:
+            params = sampling_params(req, default_max_tokens=self.default_max_tokens(len(ids)), chat=False)
+            self.validate(ids, params)
+            all_params.append(params)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        tracker = OutputTracker(self.metrics_registry, sum(len(ids) for _, ids in inputs))
+        streams = [self.client.generate({"prompt": text, "prompt_token_ids": ids}, params,
+                                        request_id=f"{request_id}-{i}", priority=req.priority)
+                   for i, ((text, ids), params) in enumerate(zip(inputs, all_params))]
+        prompt_texts = [text if text is not None else self.client.tokenizer.decode(ids) for text, ids in inputs]
+        if req.stream:
+            return self.sse_response(self._completion_chunks(req, request_id, streams, tracker, prompt_texts))
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        async for index, output in merge(streams):
+            tracker.observe(output)
+            finals[index] = output
+        tracker.done()
+        choices = []
+        for p, final in enumerate(finals):
+            for c in final.outputs:
+                prefix = prompt_texts[p] if req.echo else ""
+                choices.append({"index": p * req.n + c.index, "text": prefix + c.text,
+                                "logprobs": completion_logprobs(c.logprobs, c.token_ids, req.logprobs, len(prefix))
+                                if req.logprobs is not None else None,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return json_response({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                              "model": self.state.model_name, "choices": choices, "usage": tracker.usage()})
+
+    async def _completion_chunks(self, req, request_id: str, streams, tracker: OutputTracker, prompt_texts):
+        created = int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+        offsets: dict[int, int] = {}
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+            data = {"id": request_id, "object": "text_completion", "created": created,
+                    "model": self.state.model_name, "choices": choices}
+            if include_usage:
+                data["usage"] = usage if usage is not None else (tracker.usage() if continuous else None)
+            return sse(data)
+
+        if req.echo:
+            yield chunk([{"index": p * req.n + i, "text": text, "logprobs": None, "finish_reason": None}
+                         for p, text in enumerate(prompt_texts) for i in range(req.n)])
+        async for item in _guard(merge(streams)):
+            if isinstance(item, bytes):
+                yield item
+                return
+            p, output = item
+            tracker.observe(output)
+            choices = []
+            for c in output.outputs:
+                index = p * req.n + c.index
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + len(c.text)
+                choices.append({"index": index, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            yield chunk(choices)
+        tracker.done()
+        if include_usage:
+            yield chunk([], tracker.usage())
+        yield SSE_DONE
+
+    # ---- shared ----
+
+    async def _final(self, stream, tracker: OutputTracker) -> RequestOutput:
+        final = None
+        async for output in stream:
+            tracker.observe(output)
+            final = output
+        tracker.done()
+        return final
+
+    @staticmethod
+    def sse_response(chunks) -> Response:
+        response = Response(chunks, content_type="text/event-stream")
+        response.headers["Cache-Control"] = "no-cache"
+        response.timeout = None  # a long generation is not a stalled response
+        return response
+
+
+async def _guard(stream):
+    """Pass items through; if the engine dies mid-stream, end with an error event and [DONE]."""
+    try:
+        async for item in stream:
+            yield item
+    except EngineDeadError:
+        log.warning("engine died during a streamed response")
+        yield sse(APIError(503, "the engine failed during generation", code="engine_dead").body()) + SSE_DONE

@@ -1,0 +1,244 @@
+"""Request bodies as attrs classes, structured from JSON with cattrs, and mapped to SamplingParams.
+
+Types are checked strictly (a string is not an int, a float is not an int); cattrs' errors
+name the failing field and become 400s. Range rules live in ``SamplingParams``. Unknown
+fields are ignored, as OpenAI and vLLM do; fields this server cannot honour are rejected
+by name.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Union
+
+import attrs
+import cattrs
+
+from api.errors import APIError, bad_request, unsupported
+from engine.errors import InvalidParameterError
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+StrOrList = Union[str, list[str], None]
+TokenPrompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+@attrs.frozen
+class TextPart:
+    type: str
+    text: str | None = None
+
+
+@attrs.frozen
+class ChatMessage:
+    role: str
+    content: Any = None  # str | list[TextPart] | None, structured by a hook
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+
+@attrs.frozen
+class StreamOptions:
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class SamplingFields:
+    """Fields common to chat and text completions (OpenAI's, then vLLM's extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: StrOrList = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+    prompt_logprobs: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[str] | None = None
+
+    def check_supported(self) -> None:
+        if self.tools and self.tool_choice not in (None, "none"):
+            raise unsupported("tool_choice", "tool calling (tool_choice other than 'none')")
+        if self.tool_choice not in (None, "none", "auto") or (self.tool_choice == "auto" and self.tools):
+            raise unsupported("tool_choice", "tool calling (tool_choice other than 'none')")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise unsupported("response_format", "response_format other than 'text'")
+        if self.audio is not None or (self.modalities and self.modalities != ["text"]):
+            raise unsupported("audio", "audio output")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+        if not self.messages:
+            raise bad_request("messages must not be empty", "messages")
+
+
+@attrs.frozen(kw_only=True)
+class CompletionRequest(SamplingFields):
+    prompt: Any  # TokenPrompt, structured by a hook
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise unsupported("suffix", "suffix (insertion)")
+        if self.best_of not in (None, self.n):
+            raise unsupported("best_of", "best_of other than n")
+
+
+@attrs.frozen(kw_only=True)
+class TokenizeRequest:
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class DetokenizeRequest:
+    tokens: list[int]
+    model: str | None = None
+
+
+# ---- the converter ----
+
+def _strict(kind: type, check) -> Any:
+    def hook(value: Any, _type: Any) -> Any:
+        if not check(value):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return kind(value)
+    return hook
+
+
+def _str_or_list(value: Any, _type: Any) -> StrOrList:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise TypeError("expected a string or a list of strings")
+
+
+def _content(value: Any, _type: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return [converter.structure(part, TextPart) for part in value]
+    raise TypeError("expected a string or a list of content parts")
+
+
+def _prompt(value: Any, _type: Any) -> Any:
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+    if isinstance(value, str) or is_ids(value):
+        return value
+    if isinstance(value, list) and value and (all(isinstance(p, str) for p in value) or all(is_ids(p) for p in value)):
+        return value
+    raise TypeError("expected a string, a list of strings, a list of token ids or a list of token-id lists")
+
+
+converter = cattrs.Converter(forbid_extra_keys=False)
+converter.register_structure_hook(int, _strict(int, lambda v: isinstance(v, int) and not isinstance(v, bool)))
+converter.register_structure_hook(float, _strict(float, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)))
+converter.register_structure_hook(bool, _strict(bool, lambda v: isinstance(v, bool)))
+converter.register_structure_hook(str, _strict(str, lambda v: isinstance(v, str)))
+converter.register_structure_hook(StrOrList, _str_or_list)
+converter.register_structure_hook_func(lambda t: t is Any, lambda v, _t: v)
+
+
+def parse(body: Any, cls: type) -> Any:
+    """Structure a parsed JSON body into ``cls``, turning type errors into a 400 naming the field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        request = converter.structure(body, cls)
+    except cattrs.BaseValidationError as exc:
+        message = "; ".join(cattrs.transform_error(exc, path="body"))
+        raise bad_request(f"invalid request: {message}", _first_param(message)) from None
+    fields = attrs.fields_dict(cls)
+    if "messages" in fields and request.messages is not None:
+        request = attrs.evolve(request, messages=[attrs.evolve(m, content=_structured(_content, m.content, "messages"))
+                                                  for m in request.messages])
+    if "prompt" in fields and cls is CompletionRequest:
+        request = attrs.evolve(request, prompt=_structured(_prompt, request.prompt, "prompt"))
+    return request
+
+
+def _structured(hook, value: Any, param: str) -> Any:
+    try:
+        return hook(value, None)
+    except (TypeError, cattrs.BaseValidationError) as exc:
+        raise bad_request(f"invalid request: {param}: {exc}", param) from None
+
+
+def _first_param(message: str) -> str | None:
+    match = re.search(r"@ body\.([A-Za-z_]+)", message)
+    return match.group(1) if match else None
+
+
+# ---- to SamplingParams ----
+
+_API_NAMES = {"logprobs": "top_logprobs"}  # our parameter name -> the chat API's, where they differ
+
+
+def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int | None,
+                    chat: bool) -> SamplingParams:
+    """The engine's parameters for a request; range errors become 400s naming the API field."""
+    if chat:
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = request.max_completion_tokens or request.max_tokens
+    else:
+        logprobs = request.logprobs
+        max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's completions default
+    fields = dict(
+        n=request.n, presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=request.top_k or 0, min_p=request.min_p or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0, seed=request.seed, stop=request.stop,
+        stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
+        ignore_eos=request.ignore_eos, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        min_tokens=request.min_tokens, logprobs=logprobs, prompt_logprobs=request.prompt_logprobs,
+        logit_bias=request.logit_bias, skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+    )
+    try:
+        return SamplingParams(**fields)
+    except InvalidParameterError as exc:
+        param = _API_NAMES.get(exc.param, exc.param) if chat else exc.param
+        raise APIError(400, str(exc).replace(exc.param, param, 1), param) from None

@@ -1,0 +1,259 @@
+"""The server as a real process on a loopback port, driven by the official openai client and raw HTTP.
+
+Responses are validated against OpenAI's published schemas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.openapi_schemas import OpenAISchemas
+
+pytestmark = pytest.mark.slow
+
+API_KEY = "test-key-123"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "engine.api", "--port", str(port), "--backend", "torch",
+                             "--num-kv-blocks", "512", "--api-key", API_KEY, "--log-level", "warning"],
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    health = []
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            health.append(httpx.get(base + "/health", timeout=2).status_code)
+            if health[-1] == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None, "the server exited during start-up"
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("server did not become healthy")
+    yield base, proc, health
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, "the server must exit 0 on SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def schemas():
+    return OpenAISchemas()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def post(server, path, body, key=API_KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(server[0] + path, content=data, headers={**headers, "Content-Type": "application/json"},
+                      timeout=120, **kw)
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+CHAT = [{"role": "user", "content": "Name three fruits."}]
+
+
+def test_health_is_503_while_loading_then_200(server):
+    health = server[2]
+    assert health[-1] == 200
+    assert set(health[:-1]) <= {503}
+
+
+def test_models_and_version(server, client, schemas):
+    models = httpx.get(server[0] + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    schemas.validate("ListModelsResponse", models)
+    card = models["data"][0]
+    assert card["id"] == MODEL and card["max_model_len"] == 8192 and card["root"] == MODEL
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(server[0] + "/version").json()["version"]
+
+
+def test_chat_streamed_equals_non_streamed(client, schemas, server):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    schemas.validate("CreateChatCompletionResponse", full.model_dump(exclude_unset=True))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    usage, expected = chunks[-1].usage, full.usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        expected.prompt_tokens, expected.completion_tokens, expected.total_tokens)
+    assert usage.prompt_tokens_details.cached_tokens == 32  # the same prompt again: its two full blocks hit
+    prompt_tokens = post(server, "/tokenize", {"messages": CHAT}).json()["count"]
+    assert full.usage.prompt_tokens == prompt_tokens
+    raw = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+    events = sse_events(raw)
+    assert raw.headers["content-type"].startswith("text/event-stream") and events[-1] == "[DONE]"
+    for event in events[:-1]:
+        schemas.validate("CreateChatCompletionStreamResponse", event)
+
+
+def test_completions_streamed_equals_non_streamed(client, schemas, server):
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    full = client.completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0)
+    schemas.validate("CreateCompletionResponse", full.model_dump(exclude_unset=True))
+    streamed = {0: "", 1: ""}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=16, temperature=0, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert [streamed[0], streamed[1]] == [c.text for c in sorted(full.choices, key=lambda c: c.index)]
+    events = sse_events(post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 4, "stream": True}))
+    for event in events[:-1]:
+        schemas.validate_completion_chunk(event)
+
+
+def test_n_stop_logprobs_seed(client, schemas):
+    two = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, n=2, temperature=1.0, seed=5)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    again = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, n=2, temperature=1.0, seed=5)
+    assert [c.message.content for c in two.choices] == [c.message.content for c in again.choices]
+    full = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=20, temperature=0)
+    word = full.choices[0].text.split()[2]
+    stopped = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=20,
+                                        temperature=0, stop=[word])
+    assert stopped.choices[0].text == full.choices[0].text[:full.choices[0].text.index(word)]
+    assert stopped.choices[0].finish_reason == "stop"
+    lp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                        top_logprobs=3)
+    schemas.validate("CreateChatCompletionResponse", lp.model_dump(exclude_unset=True))
+    content = lp.choices[0].logprobs.content
+    assert len(content) == lp.usage.completion_tokens and all(len(t.top_logprobs) == 3 for t in content)
+    assert "".join(t.token for t in content) == lp.choices[0].message.content
+    legacy = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, logprobs=2)
+    assert len(legacy.choices[0].logprobs.tokens) == 3
+
+
+def test_prefix_cache_shows_in_usage(client):
+    system = [{"role": "system", "content": "You are a terse assistant. " * 20}]
+    client.chat.completions.create(model=MODEL, messages=system + CHAT, max_tokens=2)
+    second = client.chat.completions.create(model=MODEL, messages=system + CHAT, max_tokens=2)
+    assert second.usage.prompt_tokens_details.cached_tokens >= 96
+
+
+def error_of(response: httpx.Response, schemas, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    schemas.validate("ErrorResponse", body)
+    assert "Traceback" not in response.text
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, param, words", [
+    (b"{not json", None, "JSON"),
+    ({"messages": CHAT, "max_tokens": "ten"}, "max_tokens", "int"),
+    ({"messages": CHAT, "temperature": -1}, "temperature", ">= 0"),
+    ({"messages": CHAT, "top_p": 2}, "top_p", "top_p"),
+    ({"messages": CHAT, "n": 0}, "n", "n"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs", "top_logprobs"),
+    ({"messages": "hello"}, "messages", "messages"),
+    ({}, "messages", "required"),
+    ({"messages": CHAT, "max_tokens": 100000}, "max_tokens", "8192"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+     "tool_choice", "not supported"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages", "not supported"),
+])
+def test_chat_errors(server, schemas, body, param, words):
+    error = error_of(post(server, "/v1/chat/completions", body), schemas, 400)
+    assert error["param"] == param and words in error["message"]
+
+
+def test_completion_errors(server, schemas):
+    assert error_of(post(server, "/v1/completions", {"prompt": "x", "suffix": "y"}), schemas, 400)["param"] == "suffix"
+    long = error_of(post(server, "/v1/completions", {"prompt": [5] * 8190, "max_tokens": 100}), schemas, 400)
+    assert "8192" in long["message"] and "8290" in long["message"]
+    assert error_of(post(server, "/v1/completions", {"prompt": [10**7]}), schemas, 400)["param"] == "prompt"
+    assert error_of(post(server, "/v1/completions", {"prompt": [1, "a"]}), schemas, 400)["param"] == "prompt"
+
+
+def test_auth_model_route_method_size_errors(server, schemas):
+    assert error_of(post(server, "/v1/chat/completions", {"messages": CHAT}, key=None), schemas, 401)
+    assert error_of(post(server, "/v1/chat/completions", {"messages": CHAT}, key="wrong"), schemas, 401)
+    missing = error_of(post(server, "/v1/chat/completions", {"messages": CHAT, "model": "gpt-9"}), schemas, 404)
+    assert missing["message"] == "The model `gpt-9` does not exist."
+    assert error_of(httpx.get(server[0] + "/v1/nothing-here", headers={"Authorization": f"Bearer {API_KEY}"}),
+                    schemas, 404)
+    assert error_of(httpx.get(server[0] + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}),
+                    schemas, 405)
+    huge = b'{"prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}'
+    assert error_of(post(server, "/v1/completions", huge), schemas, 413)
+
+
+def test_tokenize_detokenize_roundtrip(server):
+    ids = post(server, "/tokenize", {"prompt": "Hello world"}).json()["tokens"]
+    assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == "Hello world"
+    assert post(server, "/detokenize", {"tokens": [-1]}).status_code == 400
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server[0] + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} missing from /metrics")
+
+
+def test_disconnect_mid_stream_frees_everything(server):
+    body = {"messages": CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server[0] + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metric(server, "vllm:num_requests_running") == 1
+    deadline = time.monotonic() + 10
+    while metric(server, "vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(server, "vllm:num_requests_running") == 0
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_metrics_names(server, client):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    text = httpx.get(server[0] + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:request_success_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket"):
+        assert name in text, name
+    assert f'model_name="{MODEL}"' in text
+    assert metric(server, "vllm:generation_tokens_total") > 0
