@@ -1,6 +1,26 @@
 """Packaging for the engine: a trio-based LLM inference server with pluggable attention backends."""
 
+import importlib.util
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+
+
+class BuildWithNative(build_py):
+    """Also compile the native attention libraries (CPU always, CUDA when nvcc exists) into backends/lib."""
+
+    def run(self) -> None:
+        super().run()
+        spec = importlib.util.spec_from_file_location("native_build", HERE / "native" / "build.py")
+        native_build = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(native_build)
+        editable = getattr(self, "editable_mode", False)
+        out = HERE / "backends" / "lib" if editable else Path(self.build_lib) / "backends" / "lib"
+        native_build.build_all(out)
+
 
 BASE_REQUIREMENTS = [
     # torch is pinned: this exact release is the CPU build these machines keep on disk; an
@@ -40,4 +60,5 @@ setup(
     packages=find_packages(include=["engine", "engine.*", "backends", "backends.*", "api", "api.*"]),
     install_requires=BASE_REQUIREMENTS,
     extras_require={"test": TEST_REQUIREMENTS},
+    cmdclass={"build_py": BuildWithNative},
 )

@@ -88,16 +88,19 @@ class LLM:
                             params_list: list[SamplingParams]) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(inputs)
 
-        async def collect(i: int, text: str | None, ids: list[int], params: SamplingParams) -> None:
-            async for output in engine.client.generate({"prompt": text, "prompt_token_ids": ids}, params,
-                                                       request_id=str(i)):
+        async def collect(i: int, channel) -> None:
+            async for output in channel:
                 results[i] = output
 
         try:
-            async with engine.serve():
+            async with engine.serve() as client:
+                # Queue everything before the first step, so batches do not depend on task timing.
+                # Requests left unfinished by an error die with the engine when serve() exits.
+                channels = [client.submit({"prompt": text, "prompt_token_ids": ids}, params, request_id=str(i))
+                            for i, ((text, ids), params) in enumerate(zip(inputs, params_list))]
                 async with trio.open_nursery() as nursery:
-                    for i, ((text, ids), params) in enumerate(zip(inputs, params_list)):
-                        nursery.start_soon(collect, i, text, ids, params)
+                    for i, channel in enumerate(channels):
+                        nursery.start_soon(collect, i, channel)
         except BaseExceptionGroup as group:
             leaf = first_leaf(group)
             if isinstance(leaf, Exception):

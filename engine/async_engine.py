@@ -170,8 +170,7 @@ class EngineClient:
             InvalidParameterError: bad prompt or parameters (before anything is queued).
             EngineDeadError: the engine failed or shut down.
         """
-        params = sampling_params or SamplingParams()
-        channel = self._submit(prompt, params, request_id or uuid.uuid4().hex, priority)
+        channel = self.submit(prompt, sampling_params, request_id, priority)
         request_id = channel.state.request_id
         try:
             async for output in channel:
@@ -180,8 +179,18 @@ class EngineClient:
             if not channel.state.finished:
                 self.abort(request_id)
 
-    def _submit(self, prompt, params: SamplingParams, request_id: str, priority: int) -> RequestOutputChannel:
+    def submit(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
+               request_id: str | None = None, priority: int = 0) -> RequestOutputChannel:
+        """Queue a request now (no await) and return its output channel.
+
+        The caller owns the request: it must read the channel to the end or ``abort`` it.
+        ``generate`` is the safe wrapper; this is for callers that must queue many requests
+        before the engine takes its next step (the offline ``LLM`` does, so that batches
+        do not depend on task timing).
+        """
         engine = self._engine
+        params = sampling_params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
         if engine.error is not None:
             raise engine.error
         if request_id in engine.registry:

@@ -1,0 +1,75 @@
+"""The ``cuda`` backend: the CUDA paged-attention library through cffi, on torch's current stream."""
+
+from __future__ import annotations
+
+import torch
+
+from backends import native
+from backends.base import AttentionMetadata, BackendUnavailableError
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class CudaAttentionBackend:
+    name = "cuda"
+
+    def __init__(self, lib=None) -> None:
+        self._lib = lib if lib is not None else native.load_library("pa_cuda", "cuda")
+
+    @classmethod
+    def available(cls) -> bool:
+        return torch.cuda.is_available() and (native.LIB_DIR / "libpa_cuda.so").exists()
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        key, value = key.contiguous(), value.contiguous()
+        shape = native.write_kv_shape(key, value, kv_cache, slot_mapping, DTYPES)
+        _require_cuda(key)
+        rc = self._lib.pa_cuda_write_kv(shape, native.ptr(key), native.ptr(value), native.ptr(kv_cache),
+                                        native.ptr(slot_mapping, "int64_t *"), self._stream(key))
+        native.check_rc(rc, self._lib, "pa_cuda", "write_kv")
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               out: torch.Tensor) -> torch.Tensor:
+        query = query.contiguous()
+        shape = native.attention_shape(query, kv_cache, meta, out, DTYPES)
+        _require_cuda(query)
+        workspace = self._workspace(shape, meta, query.device)
+        rc = self._lib.pa_cuda_attention(shape, native.ptr(out), native.ptr(query), native.ptr(kv_cache),
+                                         native.ptr(meta.query_start_loc, "int32_t *"),
+                                         native.ptr(meta.seq_lens, "int32_t *"),
+                                         native.ptr(meta.block_tables, "int32_t *"), scale,
+                                         native.ptr(workspace), workspace.numel(), self._stream(query))
+        native.check_rc(rc, self._lib, "pa_cuda", "attention")
+        return out
+
+    def _workspace(self, shape, meta: AttentionMetadata, device: torch.device) -> torch.Tensor:
+        """Split-KV partials, sized once per step and shared by every layer."""
+        workspace = meta.scratch.get("cuda_workspace")
+        if workspace is None:
+            size = max(int(self._lib.pa_cuda_workspace_bytes(shape)), 1)
+            workspace = meta.scratch["cuda_workspace"] = torch.empty(size, dtype=torch.uint8, device=device)
+        return workspace
+
+    @staticmethod
+    def _stream(t: torch.Tensor):
+        return native.ffi().cast("void *", torch.cuda.current_stream(t.device).cuda_stream)
+
+
+def _require_cuda(t: torch.Tensor) -> None:
+    if t.device.type != "cuda":
+        raise ValueError(f"the cuda backend needs CUDA tensors; got {t.device}")
+
+
+def unavailable_reason() -> str | None:
+    """Why the cuda backend cannot run here, or None if it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch (is this a CPU-only torch build, or no GPU?)"
+    if not (native.LIB_DIR / "libpa_cuda.so").exists():
+        return f"libpa_cuda.so is not built in {native.LIB_DIR}: install nvcc and run `python native/build.py`"
+    return None
+
+
+__all__ = ["BackendUnavailableError", "CudaAttentionBackend", "unavailable_reason"]

@@ -1,0 +1,124 @@
+"""Loading the native libraries with cffi (ABI mode) and checking arguments before every call.
+
+A raw pointer carries no dtype, device, shape or layout, so everything the C side assumes
+is checked here first; a violation raises ``ValueError`` naming the argument.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import cache
+from pathlib import Path
+
+import torch
+from cffi import FFI
+
+from backends.base import AttentionMetadata, BackendUnavailableError
+
+HEADER = Path(__file__).resolve().parent.parent / "native" / "include" / "paged_attention.h"
+LIB_DIR = Path(os.environ.get("ENGINE_NATIVE_LIB_DIR") or Path(__file__).resolve().parent / "lib")
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class NativeKernelError(RuntimeError):
+    """A native kernel reported an error; the message is the library's (e.g. CUDA's)."""
+
+
+def _cdef_source() -> str:
+    """The header's declarations, without preprocessor lines, C++ guards or comments (cffi parses plain C)."""
+    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
+    text = re.sub(r"#ifdef __cplusplus.*?#endif", "", text, flags=re.S)
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+@cache
+def ffi() -> FFI:
+    instance = FFI()
+    instance.cdef(_cdef_source())
+    return instance
+
+
+def load_library(name: str, backend: str):
+    """``dlopen`` ``lib{name}.so``, or explain how to build it."""
+    path = LIB_DIR / f"lib{name}.so"
+    if not path.exists():
+        raise BackendUnavailableError(
+            f"the {backend} attention backend needs {path.name}, which is not built in {LIB_DIR}: "
+            f"run `python native/build.py` (or reinstall: pip install -e .)")
+    try:
+        return ffi().dlopen(str(path))
+    except OSError as exc:
+        raise BackendUnavailableError(f"the {backend} attention backend could not load {path}: {exc}") from exc
+
+
+def ptr(tensor: torch.Tensor, kind: str = "void *"):
+    return ffi().cast(kind, tensor.data_ptr())
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, ndim: int) -> None:
+    _require(t.dtype == dtype, f"{name} must be {dtype}; got {t.dtype}")
+    _require(t.device == device, f"{name} must be on {device}; got {t.device}")
+    _require(t.dim() == ndim, f"{name} must have {ndim} dimensions; got shape {tuple(t.shape)}")
+    _require(t.is_contiguous(), f"{name} must be contiguous")
+
+
+def attention_shape(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
+                    dtypes: tuple[torch.dtype, ...]):
+    """Check everything ``*_attention`` assumes; return the filled ``pa_shape``."""
+    device = query.device
+    _require(query.dtype in dtypes, f"query dtype {query.dtype} is not supported here (supported: {dtypes})")
+    _check_tensor("query", query, query.dtype, device, 3)
+    _check_tensor("out", out, query.dtype, device, 3)
+    _require(out.shape == query.shape, f"out shape {tuple(out.shape)} differs from query {tuple(query.shape)}")
+    _check_tensor("kv_cache", kv_cache, query.dtype, device, 5)
+    num_tokens, num_heads, head_size = query.shape
+    _, num_blocks, block_size, num_kv_heads, cache_head = kv_cache.shape
+    _require(kv_cache.shape[0] == 2, "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size]")
+    _require(cache_head == head_size, f"kv_cache head_size {cache_head} differs from query's {head_size}")
+    _require(num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    num_seqs = meta.seq_lens.shape[0]
+    _check_tensor("query_start_loc", meta.query_start_loc, torch.int32, device, 1)
+    _check_tensor("seq_lens", meta.seq_lens, torch.int32, device, 1)
+    _check_tensor("block_tables", meta.block_tables, torch.int32, device, 2)
+    _require(meta.query_start_loc.shape[0] == num_seqs + 1, "query_start_loc must have num_seqs + 1 entries")
+    _require(meta.block_tables.shape[0] == num_seqs, "block_tables must have one row per sequence")
+    _require(meta.max_seq_len <= meta.block_tables.shape[1] * block_size,
+             "max_seq_len exceeds what block_tables can address")
+    return _shape(num_tokens, num_seqs, num_heads, num_kv_heads, head_size, block_size, num_blocks,
+                  meta.block_tables.shape[1], meta.max_query_len, meta.max_seq_len, DTYPE_CODES[query.dtype])
+
+
+def write_kv_shape(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   dtypes: tuple[torch.dtype, ...]):
+    """Check everything ``*_write_kv`` assumes; return the filled ``pa_shape``."""
+    device = key.device
+    _require(key.dtype in dtypes, f"key dtype {key.dtype} is not supported here (supported: {dtypes})")
+    for name, t in (("key", key), ("value", value)):
+        _check_tensor(name, t, key.dtype, device, 3)
+    _require(value.shape == key.shape, "key and value shapes differ")
+    _check_tensor("kv_cache", kv_cache, key.dtype, device, 5)
+    _check_tensor("slot_mapping", slot_mapping, torch.int64, device, 1)
+    _require(slot_mapping.shape[0] == key.shape[0], "slot_mapping needs one slot per token")
+    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+    _require(tuple(key.shape[1:]) == (num_kv_heads, head_size), "key rows do not match the cache's [num_kv_heads, head_size]")
+    return _shape(key.shape[0], 0, num_kv_heads, num_kv_heads, head_size, block_size, num_blocks, 0, 0, 0,
+                  DTYPE_CODES[key.dtype])
+
+
+def _shape(*values: int):
+    shape = ffi().new("pa_shape *")
+    (shape.num_tokens, shape.num_seqs, shape.num_heads, shape.num_kv_heads, shape.head_size, shape.block_size,
+     shape.num_blocks, shape.max_blocks_per_seq, shape.max_query_len, shape.max_seq_len, shape.dtype) = values
+    return shape
+
+
+def check_rc(rc: int, lib, prefix: str, what: str) -> None:
+    if rc != 0:
+        message = ffi().string(getattr(lib, f"{prefix}_last_error")()).decode()
+        raise NativeKernelError(f"{what} failed: {message}")

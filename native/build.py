@@ -1,0 +1,76 @@
+"""Compile the native attention libraries.
+
+    python native/build.py [--out DIR] [--no-cuda]
+
+The CPU library is always built (system C++ compiler, OpenMP); the CUDA library when
+``nvcc`` is found (sm_80 and sm_90). ``setup.py`` runs this on install; run it by hand
+after editing the sources. Outputs: ``libpa_cpu.so`` and ``libpa_cuda.so`` in ``backends/lib``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_OUT = ROOT.parent / "backends" / "lib"
+CUDA_ARCHS = ("80", "90")
+
+
+def _run(cmd: list[str]) -> None:
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def build_cpu(out: Path) -> Path:
+    """Portable code with AVX2+FMA paths chosen at run time: no -march=native in what is shipped."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX): the cpu attention backend cannot be built")
+    target = out / "libpa_cpu.so"
+    _run([cxx, "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", f"-I{ROOT / 'include'}",
+          str(ROOT / "cpu" / "paged_attention_cpu.cpp"), "-o", str(target)])
+    return target
+
+
+def find_nvcc() -> str | None:
+    for candidate in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+def build_cuda(out: Path) -> Path | None:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print("nvcc not found: skipping the CUDA attention library", flush=True)
+        return None
+    target = out / "libpa_cuda.so"
+    gencode = [arg for arch in CUDA_ARCHS for arg in ("-gencode", f"arch=compute_{arch},code=sm_{arch}")]
+    _run([nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", *gencode,
+          f"-I{ROOT / 'include'}", str(ROOT / "cuda" / "paged_attention.cu"), "-o", str(target)])
+    return target
+
+
+def build_all(out: Path = DEFAULT_OUT, cuda: bool = True) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    built = [build_cpu(out)]
+    if cuda:
+        lib = build_cuda(out)
+        if lib is not None:
+            built.append(lib)
+    return built
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--no-cuda", action="store_true")
+    args = parser.parse_args()
+    for path in build_all(args.out, cuda=not args.no_cuda):
+        print(f"built {path}")
+    sys.exit(0)

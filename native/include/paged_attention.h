@@ -1,0 +1,68 @@
+/*
+ * One C ABI for the native attention backends (CPU and CUDA libraries export the same names
+ * with a prefix: pa_cpu_* and pa_cuda_*).
+ *
+ * Layouts (all contiguous, checked by the Python wrappers before every call, since a raw
+ * pointer carries no shape, dtype or device):
+ *   query, out    [num_tokens, num_heads, head_size]
+ *   key, value    [num_tokens, num_kv_heads, head_size]
+ *   kv_cache      [2, num_blocks, block_size, num_kv_heads, head_size]   (K then V)
+ *   slot_mapping  [num_tokens] int64: block * block_size + offset; a negative slot is skipped
+ *   query_start_loc [num_seqs + 1] int32, seq_lens [num_seqs] int32 (cached + new tokens),
+ *   block_tables  [num_seqs, max_blocks_per_seq] int32
+ *
+ * Sequence i owns query rows query_start_loc[i] .. query_start_loc[i+1]-1, which are its
+ * last tokens; each attends causally to its first seq_lens[i] tokens. GQA: query head h
+ * reads KV head h / (num_heads / num_kv_heads).
+ *
+ * Every function returns 0 on success, or a nonzero code with a message available from
+ * the library's last_error function (thread-local).
+ */
+#ifndef PAGED_ATTENTION_H
+#define PAGED_ATTENTION_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum pa_dtype { PA_FLOAT32 = 0, PA_BFLOAT16 = 1, PA_FLOAT16 = 2 };
+
+typedef struct pa_shape {
+    int32_t num_tokens;
+    int32_t num_seqs;
+    int32_t num_heads;
+    int32_t num_kv_heads;
+    int32_t head_size;
+    int32_t block_size;
+    int32_t num_blocks;
+    int32_t max_blocks_per_seq;
+    int32_t max_query_len;
+    int32_t max_seq_len;
+    int32_t dtype; /* enum pa_dtype */
+} pa_shape;
+
+/* CPU library (libpa_cpu.so) */
+int pa_cpu_write_kv(const pa_shape* shape, const void* key, const void* value, void* kv_cache,
+                    const int64_t* slot_mapping);
+int pa_cpu_attention(const pa_shape* shape, void* out, const void* query, const void* kv_cache,
+                     const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,
+                     float scale);
+const char* pa_cpu_last_error(void);
+const char* pa_cpu_isa(void); /* "avx2+fma" or "portable": the path chosen at run time */
+
+/* CUDA library (libpa_cuda.so); pointers are device pointers, stream a cudaStream_t */
+int pa_cuda_write_kv(const pa_shape* shape, const void* key, const void* value, void* kv_cache,
+                     const int64_t* slot_mapping, void* stream);
+int pa_cuda_attention(const pa_shape* shape, void* out, const void* query, const void* kv_cache,
+                      const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,
+                      float scale, void* workspace, int64_t workspace_bytes, void* stream);
+int64_t pa_cuda_workspace_bytes(const pa_shape* shape);
+const char* pa_cuda_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PAGED_ATTENTION_H */

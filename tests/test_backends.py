@@ -1,0 +1,129 @@
+"""Every runnable attention backend against the torch reference.
+
+Random, shuffled (non-contiguous) block tables; block sizes 16 and 32; head sizes 64 and
+128; GQA ratios 1, 3 and 8; pure decode, pure prefill, mixed batches, chunked prefill over
+a cached prefix; sequence lengths from 1 to 4096; padding rows with empty (-1) slots.
+
+Tolerances: float32 1e-4 (only summation order differs); bfloat16 2e-2 (inputs are bf16,
+so every product carries ~3 significant digits; the reference computes from the same bf16
+values in fp32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from backends import get_backend
+from backends.base import AttentionMetadata, BackendUnavailableError
+from backends.reference import TorchAttentionBackend
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+# (cached tokens, new tokens) per sequence
+CASES = {
+    "decode": [(40, 1), (1, 1), (500, 1), (4095, 1), (15, 1), (16, 1), (17, 1)],
+    "prefill": [(0, 1), (0, 37), (0, 200), (0, 16)],
+    "mixed": [(40, 1), (0, 37), (100, 1), (0, 5), (63, 1)],
+    "chunked": [(50, 20), (128, 64), (0, 33), (300, 1)],
+    "long": [(4000, 96), (0, 1), (2000, 1)],
+}
+
+
+def runnable_backends() -> list[str]:
+    names = ["cpu"]
+    if torch.cuda.is_available():
+        names += ["cuda", "triton"]
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        names.append("triton")
+    return names
+
+
+def device_for(name: str) -> str:
+    return "cuda" if name in ("cuda", "triton") and torch.cuda.is_available() else "cpu"
+
+
+def build_batch(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 8
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, slots, queries, keys, values, prefix = [], [], [], [], [], []
+    for cached, new in seqs:
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // block_size))]
+        tables.append(table)
+        positions = torch.arange(total)
+        seq_slots = torch.tensor(table)[positions // block_size] * block_size + positions % block_size
+        k = torch.randn(total, num_kv_heads, head_size, generator=gen)
+        v = torch.randn(total, num_kv_heads, head_size, generator=gen)
+        prefix.append((k[:cached], v[:cached], seq_slots[:cached]))
+        keys.append(k[cached:])
+        values.append(v[cached:])
+        slots.append(seq_slots[cached:])
+        queries.append(torch.randn(new, num_heads, head_size, generator=gen))
+    width = max(len(t) for t in tables)
+    starts = [0]
+    for _, n in seqs:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        slot_mapping=torch.cat(slots).to(device),
+        max_query_len=max(n for _, n in seqs), max_seq_len=max(c + n for c, n in seqs))
+    to = dict(dtype=dtype, device=device)
+    return dict(num_blocks=num_blocks, prefix=[(k.to(**to), v.to(**to), s.to(device)) for k, v, s in prefix],
+                key=torch.cat(keys).to(**to), value=torch.cat(values).to(**to), query=torch.cat(queries).to(**to),
+                meta=meta)
+
+
+def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device):
+    cache = torch.zeros(backend.kv_cache_shape(batch["num_blocks"], block_size, num_kv_heads, head_size),
+                        dtype=dtype, device=device)
+    for k, v, s in batch["prefix"]:
+        if len(s):
+            backend.write_kv(k, v, cache, s)
+    # a padding row whose slot is -1 must not be written anywhere
+    pad_k = torch.full_like(batch["key"][:1], 1e4)
+    backend.write_kv(torch.cat([batch["key"], pad_k]), torch.cat([batch["value"], pad_k]), cache,
+                     torch.cat([batch["meta"].slot_mapping, torch.tensor([-1], device=device)]))
+    assert not (cache == 1e4).any()
+    out = torch.empty_like(batch["query"])
+    backend.attend(batch["query"], cache, batch["meta"], head_size**-0.5, out)
+    return out, cache
+
+
+@pytest.mark.parametrize("backend_name", runnable_backends())
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size, head_size, num_heads, num_kv_heads", [
+    (16, 64, 9, 3), (32, 128, 8, 1), (16, 128, 8, 8), (32, 64, 24, 8),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_matches_reference(backend_name, case, block_size, head_size, num_heads, num_kv_heads, dtype):
+    device = device_for(backend_name)
+    if backend_name == "triton" and device == "cpu" and (case == "long" or dtype == torch.bfloat16):
+        pytest.skip("the triton interpreter is slow: small shapes only on CPU")
+    backend = get_backend(backend_name, device)
+    batch = build_batch(CASES[case], block_size, num_heads, num_kv_heads, head_size, dtype, device)
+    out, cache = run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device)
+    ref_batch = build_batch(CASES[case], block_size, num_heads, num_kv_heads, head_size, dtype, "cpu")
+    ref_out, ref_cache = run_backend(TorchAttentionBackend(), ref_batch, block_size, num_kv_heads, head_size,
+                                     dtype, "cpu")
+    assert torch.equal(cache.cpu(), ref_cache)  # cache writes are exact copies
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.cpu().float(), ref_out.float(), atol=tol, rtol=tol)
+
+
+def test_cpu_library_reports_its_isa():
+    backend = get_backend("cpu", "cpu")
+    assert backend.isa in ("avx2+fma", "portable")
+
+
+def test_explicit_backends_that_cannot_run_say_why():
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailableError, match="cuda backend cannot run"):
+            get_backend("cuda", "cpu")
+    with pytest.raises(BackendUnavailableError, match="cpu backend runs on CPU"):
+        get_backend("cpu", "cuda")
