@@ -51,19 +51,25 @@ def test_prompts_have_different_lengths(tokenizer):
     assert lengths[0] < 5 and lengths[-1] > 150 and len(set(lengths)) == len(lengths)
 
 
-def test_batched_greedy_matches_transformers(hf_oracle):
-    llm = LLM(backend="torch", num_kv_blocks=256)
+BACKENDS = pytest.mark.parametrize("backend", ["torch", "cpu"])
+
+
+@BACKENDS
+def test_batched_greedy_matches_transformers(hf_oracle, backend):
+    llm = LLM(backend=backend, num_kv_blocks=256)
     check_against_oracle(llm, PROMPTS, hf_oracle)
 
 
-def test_chunked_prefill_matches_transformers(hf_oracle):
-    llm = LLM(backend="torch", num_kv_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
+@BACKENDS
+def test_chunked_prefill_matches_transformers(hf_oracle, backend):
+    llm = LLM(backend=backend, num_kv_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
     check_against_oracle(llm, PROMPTS, hf_oracle)
     assert llm.engine.stats().num_steps > 150 // 32  # the long prompt really was split
 
 
-def test_prefix_cache_hits_match_transformers(hf_oracle):
-    llm = LLM(backend="torch", num_kv_blocks=256)
+@BACKENDS
+def test_prefix_cache_hits_match_transformers(hf_oracle, backend):
+    llm = LLM(backend=backend, num_kv_blocks=256)
     check_against_oracle(llm, PREFIX_PROMPTS, hf_oracle)
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits > 0
@@ -72,8 +78,9 @@ def test_prefix_cache_hits_match_transformers(hf_oracle):
     assert all(o.num_cached_tokens >= len(llm.get_tokenizer().encode(SHARED_PREFIX)) - 16 for o in outputs)
 
 
-def test_preemption_matches_transformers(hf_oracle):
-    llm = LLM(backend="torch", num_kv_blocks=20, max_model_len=320, enable_prefix_caching=False)
+@BACKENDS
+def test_preemption_matches_transformers(hf_oracle, backend):
+    llm = LLM(backend=backend, num_kv_blocks=20, max_model_len=320, enable_prefix_caching=False)
     check_against_oracle(llm, PROMPTS, hf_oracle)
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0

@@ -1,0 +1,105 @@
+"""Attention kernel microbenchmark: every available backend on the default model's shapes.
+
+Decode over batch sizes x context lengths, plus one prefill case. For each: time per call,
+achieved bandwidth (bytes of K/V read / time) and speed-up over the torch reference in the
+same run; on CPU also the fraction of the memory bandwidth a large copy reaches in the
+same run.
+
+    python bench/kernels.py [--backends torch,cpu] [--dtype float32] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backends import get_backend  # noqa: E402
+from backends.base import AttentionMetadata, BackendUnavailableError  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M
+BATCHES = (1, 8, 32, 128)
+CONTEXTS = (128, 1024, 4096)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, device: str, min_time: float = 0.3, max_iters: int = 50) -> float:
+    fn()
+    sync(device)
+    iters, start = 0, time.perf_counter()
+    while iters < max_iters and (iters < 3 or time.perf_counter() - start < min_time):
+        fn()
+        iters += 1
+    sync(device)
+    return (time.perf_counter() - start) / iters
+
+
+def memory_bandwidth(device: str) -> float:
+    """Bytes/s of a large copy (read + write), measured now."""
+    n = (512 << 20) // 4
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    seconds = timeit(lambda: dst.copy_(src), device, max_iters=10)
+    return 2 * src.numel() * 4 / seconds
+
+
+def make_case(num_seqs: int, context: int, query_len: int, dtype: torch.dtype, device: str):
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = num_seqs * blocks_per_seq
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=device)
+    tables = torch.randperm(num_blocks, device=device).view(num_seqs, blocks_per_seq).to(torch.int32)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * query_len
+    meta = AttentionMetadata(query_start_loc=starts,
+                             seq_lens=torch.full((num_seqs,), context, dtype=torch.int32, device=device),
+                             block_tables=tables, slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
+                             max_query_len=query_len, max_seq_len=context)
+    query = torch.randn(num_seqs * query_len, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=device)
+    kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_SIZE * cache.element_size()
+    return query, cache, meta, kv_bytes
+
+
+def run(args) -> None:
+    dtype = getattr(torch, args.dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    backends = {}
+    for name in args.backends.split(","):
+        try:
+            backends[name] = get_backend(name, device)
+        except BackendUnavailableError as exc:
+            print(f"skipping {name}: {exc}")
+    bandwidth = memory_bandwidth(device)
+    print(f"device {device}, dtype {args.dtype}, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'case':>22} {'backend':>8} {'time ms':>10} {'GB/s':>8} {'% copy bw':>9} {'vs torch':>9}")
+    batches = (1, 32) if args.quick else BATCHES
+    contexts = (1024,) if args.quick else CONTEXTS
+    cases = [(f"decode b={b} ctx={c}", b, c, 1) for b in batches for c in contexts]
+    cases.append(("prefill 4 x 512", 4, 512, 512))
+    for label, num_seqs, context, query_len in cases:
+        query, cache, meta, kv_bytes = make_case(num_seqs, context, query_len, dtype, device)
+        out = torch.empty_like(query)
+        baseline = None
+        for name, backend in backends.items():
+            meta.scratch.clear()
+            seconds = timeit(lambda: backend.attend(query, cache, meta, HEAD_SIZE**-0.5, out), device)
+            baseline = seconds if name == "torch" else baseline
+            ratio = f"{baseline / seconds:8.1f}x" if baseline else "       -"
+            rate = kv_bytes / seconds
+            print(f"{label:>22} {name:>8} {seconds * 1e3:10.3f} {rate / 1e9:8.1f} {100 * rate / bandwidth:8.0f}% {ratio}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default = "torch,cpu" if not torch.cuda.is_available() else "torch,cuda,triton"
+    parser.add_argument("--backends", default=default, help="comma-separated, torch first (the baseline)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quick", action="store_true", help="a few cases only")
+    run(parser.parse_args())
