@@ -26,6 +26,7 @@ BASE_REQUIREMENTS = [
     # torch is pinned: this exact release is the CPU build these machines keep on disk; an
     # unpinned torch pulls a multi-GB CUDA build.
     "torch==2.13.0",
+    "triton>=3.0",  # the triton attention backend (GPU; its interpreter runs the tests on CPU)
     "transformers>=4.46",
     "tokenizers>=0.21",
     "gguf>=0.10",  # reads the default model's GGUF file

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU only in its interpreter, which must be chosen before import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import attrs
 import pytest
-import torch
 
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import default_model_path, dummy_weights

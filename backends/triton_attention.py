@@ -1,0 +1,108 @@
+"""The ``triton`` backend: unified varlen paged attention and the cache write, in Triton.
+
+One program per (query token, KV head): it holds the GQA group's query heads as the rows of
+a tile (padded to 16 for ``tl.dot``), walks the sequence's cache blocks up to its causal
+limit, and keeps an online softmax per row. CI runs it on the CPU under
+``TRITON_INTERPRET=1`` (which must be set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from backends.base import AttentionMetadata
+
+MIN_DOT = 16  # tl.dot needs every dimension >= 16
+
+
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, kv_half, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot >= 0:
+        offs = tl.arange(0, ROW_PAD)
+        mask = offs < ROW
+        key = tl.load(key_ptr + token * ROW + offs, mask=mask)
+        value = tl.load(value_ptr + token * ROW + offs, mask=mask)
+        tl.store(cache_ptr + slot * ROW + offs, key, mask=mask)
+        tl.store(cache_ptr + kv_half + slot * ROW + offs, value, mask=mask)
+
+
+@triton.jit
+def _attention_kernel(out_ptr, q_ptr, cache_ptr, token_seq_ptr, qsl_ptr, seq_lens_ptr, tables_ptr, scale, kv_half,
+                      max_blocks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                      GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      IEEE: tl.constexpr):
+    token = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.load(token_seq_ptr + token)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    visible = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start) + 1  # keys [0, visible)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_SIZE)
+    offs_k = tl.arange(0, BLOCK_SIZE)
+    row_mask = offs_g < GROUP
+    q_offs = (token * NUM_HEADS + kv_head * GROUP + offs_g[:, None]) * HEAD_SIZE + offs_d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_SIZE]
+
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_SIZE], dtype=tl.float32)
+    for b in range(0, tl.cdiv(visible, BLOCK_SIZE)):
+        block = tl.load(tables_ptr + seq * max_blocks + b).to(tl.int64)
+        key_mask = b * BLOCK_SIZE + offs_k < visible
+        kv_offs = ((block * BLOCK_SIZE + offs_k[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_SIZE + offs_d[None, :]
+        k = tl.load(cache_ptr + kv_offs, mask=key_mask[:, None], other=0.0)  # [BLOCK_SIZE, HEAD_SIZE]
+        v = tl.load(cache_ptr + kv_half + kv_offs, mask=key_mask[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(key_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_SIZE]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        correction = tl.exp(m - m_new)
+        l = l * correction + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    result = acc / l[:, None]
+    tl.store(out_ptr + q_offs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        num_tokens = key.shape[0]
+        if num_tokens == 0:
+            return
+        row = key.shape[1] * key.shape[2]
+        _write_kv_kernel[(num_tokens,)](key.contiguous(), value.contiguous(), kv_cache, slot_mapping,
+                                        kv_cache[0].numel(), ROW=row, ROW_PAD=triton.next_power_of_2(row))
+
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               out: torch.Tensor) -> torch.Tensor:
+        num_tokens, num_heads, head_size = query.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        group = num_heads // num_kv_heads
+        token_seq = meta.scratch.get("triton_token_seq")
+        if token_seq is None:  # which sequence each query row belongs to, once per step
+            lengths = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
+            token_seq = meta.scratch["triton_token_seq"] = torch.repeat_interleave(
+                torch.arange(meta.num_seqs, device=query.device, dtype=torch.int32), lengths)
+        _attention_kernel[(num_tokens, num_kv_heads)](
+            out, query.contiguous(), kv_cache, token_seq, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            scale, kv_cache[0].numel(), meta.block_tables.shape[1], NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+            GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_SIZE=head_size,
+            BLOCK_SIZE=block_size, IEEE=query.dtype == torch.float32)
+        return out
