@@ -39,7 +39,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None) -> None:
         self.config = config
         self.device = resolve_device(config)
-        self.model = model or load_model(resolve_model(config.model), config.load_format,
+        source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
+        self.model = model or load_model(source, config.load_format,
                                           resolve_dtype(config, self.device), self.device, config.seed)
         self.backend = get_backend(config.backend, self.device)
         self.vocab_size = self.model.config.vocab_size

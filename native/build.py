@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
+import tempfile
 import shutil
 import subprocess
 import sys
@@ -32,9 +34,24 @@ def build_cpu(out: Path) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX): the cpu attention backend cannot be built")
     target = out / "libpa_cpu.so"
-    _run([cxx, "-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", f"-I{ROOT / 'include'}",
-          str(ROOT / "cpu" / "paged_attention_cpu.cpp"), "-o", str(target)])
+    common = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", f"-I{ROOT / 'include'}", f"-I{ROOT / 'cpu'}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = []
+        # The kernel twice: an AVX2+FMA variant and a portable one; the library picks at load time.
+        for variant, flags in (("pa_avx2", ["-mavx2", "-mfma"]), ("pa_portable", [])):
+            if flags and not _is_x86():
+                continue
+            obj = Path(tmp) / f"kernel_{variant}.o"
+            _run([cxx, *common, *flags, f"-DPA_NS={variant}", "-c", str(ROOT / "cpu" / "kernel.cpp"), "-o", str(obj)])
+            objects.append(str(obj))
+        defines = [] if _is_x86() else ["-DPA_NO_AVX2"]
+        _run([cxx, *common, *defines, "-shared", str(ROOT / "cpu" / "paged_attention_cpu.cpp"), *objects,
+              "-o", str(target)])
     return target
+
+
+def _is_x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64", "i686")
 
 
 def find_nvcc() -> str | None:

