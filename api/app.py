@@ -18,7 +18,7 @@ from api.errors import APIError, bad_request
 from api.metrics import CONTENT_TYPE, Metrics
 from api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse,
                           sampling_params)
-from api.serving import (SSE_DONE, OutputTracker, chat_logprobs, completion_logprobs, merge, sse)
+from api.serving import SSE_DONE, ChunkWriter, OutputTracker, chat_logprobs, completion_logprobs, merge, sse
 from engine.async_engine import EngineClient
 from engine.errors import EngineDeadError, InvalidParameterError
 from engine.messages import EngineStats
@@ -75,6 +75,22 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Qua
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
         return response
 
+    _register_error_handlers(app, max_body_bytes)
+
+    app.add_url_rule("/health", "health", api.health, methods=["GET"])
+    app.add_url_rule("/version", "version", api.version, methods=["GET"])
+    app.add_url_rule("/metrics", "metrics", api.metrics, methods=["GET"])
+    app.add_url_rule("/v1/models", "models", api.models, methods=["GET"])
+    app.add_url_rule("/tokenize", "tokenize", api.tokenize, methods=["POST"])
+    app.add_url_rule("/detokenize", "detokenize", api.detokenize, methods=["POST"])
+    app.add_url_rule("/v1/chat/completions", "chat", api.chat_completions, methods=["POST"])
+    app.add_url_rule("/v1/completions", "completions", api.completions, methods=["POST"])
+    return app
+
+
+def _register_error_handlers(app: QuartTrio, max_body_bytes: int) -> None:
+    """Every error leaves as OpenAI's error JSON; a 500 says nothing more than that (the log has the rest)."""
+
     @app.errorhandler(APIError)
     async def api_error(error: APIError) -> Response:
         return json_response(error.body(), error.status)
@@ -97,16 +113,6 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Qua
     async def internal(error: Exception) -> Response:
         log.error("unhandled error in %s %s", request.method, request.path, exc_info=error)
         return await api_error(APIError(500, "internal server error", type="server_error"))
-
-    app.add_url_rule("/health", "health", api.health, methods=["GET"])
-    app.add_url_rule("/version", "version", api.version, methods=["GET"])
-    app.add_url_rule("/metrics", "metrics", api.metrics, methods=["GET"])
-    app.add_url_rule("/v1/models", "models", api.models, methods=["GET"])
-    app.add_url_rule("/tokenize", "tokenize", api.tokenize, methods=["POST"])
-    app.add_url_rule("/detokenize", "detokenize", api.detokenize, methods=["POST"])
-    app.add_url_rule("/v1/chat/completions", "chat", api.chat_completions, methods=["POST"])
-    app.add_url_rule("/v1/completions", "completions", api.completions, methods=["POST"])
-    return app
 
 
 _EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -247,17 +253,7 @@ class _Handlers:
         return ""
 
     async def _chat_chunks(self, req, request_id: str, stream, tracker: OutputTracker, echo: str):
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = include_usage and req.stream_options.continuous_usage_stats
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-            data = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.state.model_name, "choices": choices}
-            if include_usage:
-                data["usage"] = usage if usage is not None else (tracker.usage() if continuous else None)
-            return sse(data)
-
+        chunk = ChunkWriter(request_id, "chat.completion.chunk", self.state.model_name, req.stream_options, tracker)
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(req.n)])
         async for output in _guard(stream):
@@ -275,7 +271,7 @@ class _Handlers:
                 choices.append(choice)
             yield chunk(choices)
         tracker.done()
-        if include_usage:
+        if chunk.include_usage:
             yield chunk([], tracker.usage())
         yield SSE_DONE
 
@@ -317,17 +313,8 @@ class _Handlers:
                               "model": self.state.model_name, "choices": choices, "usage": tracker.usage()})
 
     async def _completion_chunks(self, req, request_id: str, streams, tracker: OutputTracker, prompt_texts):
-        created = int(time.time())
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = include_usage and req.stream_options.continuous_usage_stats
+        chunk = ChunkWriter(request_id, "text_completion", self.state.model_name, req.stream_options, tracker)
         offsets: dict[int, int] = {}
-
-        def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
-            data = {"id": request_id, "object": "text_completion", "created": created,
-                    "model": self.state.model_name, "choices": choices}
-            if include_usage:
-                data["usage"] = usage if usage is not None else (tracker.usage() if continuous else None)
-            return sse(data)
 
         if req.echo:
             yield chunk([{"index": p * req.n + i, "text": text, "logprobs": None, "finish_reason": None}
@@ -349,7 +336,7 @@ class _Handlers:
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             yield chunk(choices)
         tracker.done()
-        if include_usage:
+        if chunk.include_usage:
             yield chunk([], tracker.usage())
         yield SSE_DONE
 

@@ -89,7 +89,7 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
             state.client = client
             stats = client.stats()
             log.info("serving %s as %r on http://%s:%d with backend %s; KV cache %d blocks x %d tokens = %d tokens",
-                     source.path.name, state.model_name, args.host, args.port, client._engine.core.backend.name,
+                     source.path.name, state.model_name, args.host, args.port, client.backend_name,
                      stats.kv_blocks_total, config.block_size, stats.kv_blocks_total * config.block_size)
             log.info("routes: %s", ", ".join(sorted(str(r.rule) for r in app.url_map.iter_rules()
                                                     if r.endpoint != "static")))

@@ -62,6 +62,23 @@ def completion_logprobs(positions: list[PositionLogprobs], token_ids: list[int],
             "text_offset": text_offset}
 
 
+class ChunkWriter:
+    """Frames the streamed chunks of one response; with include_usage every chunk carries a
+    ``usage`` key (null, or the running counts under continuous_usage_stats)."""
+
+    def __init__(self, request_id: str, kind: str, model: str, options, tracker: OutputTracker) -> None:
+        self.head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous = self.include_usage and options.continuous_usage_stats
+        self.tracker = tracker
+
+    def __call__(self, choices: list[dict], usage: dict | None = None) -> bytes:
+        data = {**self.head, "choices": choices}
+        if self.include_usage:
+            data["usage"] = usage if usage is not None else (self.tracker.usage() if self.continuous else None)
+        return sse(data)
+
+
 class OutputTracker:
     """Per-request bookkeeping shared by both endpoints: usage counts and metrics timings."""
 

@@ -138,6 +138,10 @@ class EngineClient:
     def max_model_len(self) -> int:
         return self._engine.core.max_model_len
 
+    @property
+    def backend_name(self) -> str:
+        return self._engine.core.backend.name
+
     def stats(self) -> EngineStats:
         return self._engine.core.stats()
 
