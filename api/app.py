@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 import attrs
+import jinja2
 import orjson
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -204,11 +205,12 @@ class _Handlers:
                                   "messages")
             converted.append({"role": "system" if m.role == "developer" else m.role,
                               "content": self._text_content(m.content, i), **({"name": m.name} if m.name else {})})
+        tokenizer = self.client.tokenizer
         try:
-            return apply_chat_template(self.client.tokenizer, converted, add_generation_prompt=add_generation_prompt,
+            return apply_chat_template(tokenizer, converted, add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message,
                                        chat_template=self.state.chat_template, **(template_kwargs or {}))
-        except Exception as exc:  # a template error is the caller's input, not our failure
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the caller's messages or kwargs
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
 
     @staticmethod
