@@ -57,7 +57,7 @@ setup(
     name="trio-llm-engine",
     version="0.1.0",
     description="OpenAI-compatible LLM inference server: trio actors, paged KV cache, pluggable attention backends",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # ExceptionGroup (trio nurseries)
     packages=find_packages(include=["engine", "engine.*", "backends", "backends.*", "api", "api.*"]),
     install_requires=BASE_REQUIREMENTS,
     extras_require={"test": TEST_REQUIREMENTS},
