@@ -56,3 +56,15 @@ async def test_500_hides_the_traceback():
     assert status == 500
     assert error(data)["message"] == "internal server error"
     assert b"secret" not in data and b"Traceback" not in data
+
+
+async def test_cors_headers_for_allowed_origins_only():
+    app = create_app(ServerState("m", allowed_origins=("https://ok.example",)))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        allowed = await client.get("/version", headers={"Origin": "https://ok.example"})
+        other = await client.get("/version", headers={"Origin": "https://evil.example"})
+        preflight = await client.options("/v1/chat/completions", headers={"Origin": "https://ok.example"})
+    assert allowed.headers["Access-Control-Allow-Origin"] == "https://ok.example"
+    assert "Access-Control-Allow-Origin" not in other.headers
+    assert preflight.status_code == 204 and "POST" in preflight.headers["Access-Control-Allow-Methods"]

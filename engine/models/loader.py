@@ -171,7 +171,10 @@ def gguf_weights(path: Path, config: LlamaConfig) -> Iterator[tuple[str, torch.T
 
     reader = _gguf_reader(path)
     arch = _field(reader, "general.architecture")
-    for tensor in reader.tensors:
+    total = len(reader.tensors)
+    for i, tensor in enumerate(reader.tensors, start=1):
+        if i % max(1, total // 4) == 0 or i == total:
+            log.info("dequantizing %s: %d/%d tensors", path.name, i, total)
         name = _hf_name(tensor.name)
         w = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a writable copy
         w = w.reshape([int(d) for d in reversed(tensor.shape)])
