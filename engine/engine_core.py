@@ -178,18 +178,18 @@ class EngineCore:
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled)
         deltas = []
+        sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
         for chunk in plan.chunks:
             request = chunk.request
-            self._num_prompt_tokens += max(0, min(chunk.end, request.num_prompt_tokens) - chunk.start)
-            token = result.sampled.get(request.request_id)
-            prompt_lps = result.prompt_logprobs.get(request.request_id, ())
+            if chunk.start < request.num_prompt_tokens:
+                self._num_prompt_tokens += min(chunk.end, request.num_prompt_tokens) - chunk.start
+            token = sampled.get(request.request_id)
+            prompt_lps = prompt_logprobs.get(request.request_id, ()) if prompt_logprobs else ()
             if token is None and not prompt_lps and not request.finished:
                 continue
-            new_lp = result.logprobs.get(request.request_id)
+            new_lp = logprobs.get(request.request_id) if logprobs else None
             deltas.append(self._delta(request, () if token is None else (token,),
                                       () if new_lp is None else (new_lp,), tuple(prompt_lps)))
-        for parent in {d.request_id for d in deltas if d.finished}:
-            self._forget_if_done(parent)
         return deltas
 
     def _forget_if_done(self, parent_id: str) -> None:

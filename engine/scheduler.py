@@ -26,10 +26,11 @@ class ScheduledChunk:
     start: int  # == request.num_computed_tokens when scheduled
     num_new_tokens: int
     # True when the chunk reaches the request's last known token, so its logits give the next one.
-    samples: bool = attrs.field(init=False)
+    samples: bool
 
-    def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "samples", self.end == self.request.num_tokens)
+    @classmethod
+    def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledChunk:
+        return cls(request, start, num_new_tokens, start + num_new_tokens == request.num_tokens)
 
     @property
     def end(self) -> int:
@@ -148,7 +149,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = ScheduledChunk(request, request.num_computed_tokens, num_new)
+                scheduled[request.request_id] = ScheduledChunk.of(request, request.num_computed_tokens, num_new)
                 budget -= num_new
         return budget
 
@@ -181,7 +182,7 @@ class Scheduler:
                 break
             self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self._admit(request, num_cached)
-            scheduled[request.request_id] = ScheduledChunk(request, num_cached, num_new)
+            scheduled[request.request_id] = ScheduledChunk.of(request, num_cached, num_new)
             budget -= num_new
 
     def _admit(self, request: Request, num_cached: int) -> None:
