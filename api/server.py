@@ -15,7 +15,7 @@ from hypercorn.trio import serve
 from api.app import ServerState, create_app
 from engine.async_engine import open_engine
 from engine.config import BACKENDS, DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
-from engine.errors import InvalidParameterError
+from engine.errors import BackendUnavailableError, InvalidParameterError, first_leaf
 from engine.models.loader import resolve_model
 
 log = logging.getLogger("engine.server")
@@ -111,5 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         trio.run(run_server, args)
-    except InvalidParameterError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    except BaseException as exc:  # configuration mistakes end the process with one clear line
+        leaf = first_leaf(exc)
+        if isinstance(leaf, (InvalidParameterError, BackendUnavailableError, OSError)):
+            raise SystemExit(f"error: {leaf}") from None
+        raise

@@ -48,6 +48,10 @@ def get_backend(name: str, device: str) -> AttentionBackend:
 
 
 def _triton(device: str) -> AttentionBackend:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailableError("the triton backend needs a CUDA GPU, and torch sees none")
     if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise BackendUnavailableError("the triton backend needs a GPU (or TRITON_INTERPRET=1, set before start-up, "
                                       "to run its kernels slowly on the CPU for testing)")

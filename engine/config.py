@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import attrs
@@ -109,6 +110,10 @@ def resolve_device(config: EngineConfig) -> str:
     """The torch device the engine runs on."""
     if config.device != "auto":
         return config.device
+    if config.backend in ("cuda", "triton") and os.environ.get("TRITON_INTERPRET") != "1":
+        return "cuda"  # asking for a GPU backend means the GPU; if there is none, the backend says so
+    if config.backend == "cpu":
+        return "cpu"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"

@@ -138,3 +138,9 @@ def test_explicit_backends_that_cannot_run_say_why():
             get_backend("cuda", "cpu")
     with pytest.raises(BackendUnavailableError, match="cpu backend runs on CPU"):
         get_backend("cpu", "cuda")
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailableError, match="needs a GPU"):
+        get_backend("triton", "cpu")

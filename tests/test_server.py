@@ -257,3 +257,19 @@ def test_metrics_names(server, client):
         assert name in text, name
     assert f'model_name="{MODEL}"' in text
     assert metric(server, "vllm:generation_tokens_total") > 0
+
+
+def test_a_backend_this_machine_cannot_run_is_one_clear_line():
+    if torch_cuda_available():
+        pytest.skip("this machine can run the cuda backend")
+    result = subprocess.run([sys.executable, "-m", "engine.api", "--backend", "cuda", "--port", str(free_port())],
+                            capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode != 0
+    assert "error: the cuda backend cannot run" in result.stderr and "Traceback" not in result.stderr
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
