@@ -8,6 +8,7 @@ always a prefix of the final text.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable
 
@@ -20,12 +21,42 @@ from engine.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 
+class _TextBuffer:
+    """Text grown by appends and read by slices, without joining all of it each time, so the
+    per-token work of a long completion stays proportional to the new text."""
+
+    def __init__(self) -> None:
+        self._chunks: list[str] = []
+        self._starts: list[int] = []  # offset of each chunk
+        self.length = 0
+
+    def append(self, chunk: str) -> None:
+        self._starts.append(self.length)
+        self._chunks.append(chunk)
+        self.length += len(chunk)
+
+    def slice(self, start: int, end: int | None = None) -> str:
+        end = self.length if end is None else end
+        if start >= end:
+            return ""
+        first = bisect.bisect_right(self._starts, start) - 1
+        last = bisect.bisect_left(self._starts, end)
+        joined = "".join(self._chunks[first:last])
+        offset = start - self._starts[first]
+        return joined[offset:offset + end - start]
+
+    def reset(self, text: str) -> None:
+        self._chunks, self._starts, self.length = [], [], 0
+        if text:
+            self.append(text)
+
+
 class IncrementalDetokenizer:
     """The text of one completion, grown one token at a time.
 
     ``text`` is everything decoded so far (minus anything after a stop string);
     ``visible_text`` is the part safe to show: it excludes a tail that may still turn out
-    to be the start of a stop string.
+    to be the start of a stop string. Streams read ``visible_since(offset)``.
     """
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
@@ -35,13 +66,20 @@ class IncrementalDetokenizer:
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._longest_stop = max((len(s) for s in self._stops), default=0)
-        self.text = ""
-        self._num_visible = 0
+        self._text = _TextBuffer()
+        self.num_visible = 0
         self.stop_hit: str | None = None
 
     @property
+    def text(self) -> str:
+        return self._text.slice(0)
+
+    @property
     def visible_text(self) -> str:
-        return self.text[:self._num_visible]
+        return self._text.slice(0, self.num_visible)
+
+    def visible_since(self, start: int) -> str:
+        return self._text.slice(start, self.num_visible)
 
     def add_token(self, token_id: int) -> str | None:
         """Decode one more token; return the stop string if this token completed one."""
@@ -49,11 +87,11 @@ class IncrementalDetokenizer:
             return None
         chunk = self._stream.step(self._tokenizer, token_id)
         if chunk:
-            previous = len(self.text)
-            self.text += chunk
+            previous = self._text.length
+            self._text.append(chunk)
             if self._stops and self._find_stop(previous):
                 return self.stop_hit
-        self._num_visible = len(self.text) - self._held_back()
+        self.num_visible = self._text.length - self._held_back()
         return None
 
     def finish(self, token_ids: list[int]) -> None:
@@ -62,26 +100,31 @@ class IncrementalDetokenizer:
         if self.stop_hit is None:
             full = self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
             if full.startswith(self.text):
-                self.text = full
-        self._num_visible = len(self.text)
+                self._text.reset(full)
+        self.num_visible = self._text.length
 
     def _find_stop(self, previous: int) -> bool:
-        window = max(0, previous - self._longest_stop + 1)
-        found = [(pos, s) for s in self._stops if (pos := self.text.find(s, window)) >= 0]
+        window_start = max(0, previous - self._longest_stop + 1)
+        window = self._text.slice(window_start)
+        found = [(pos, s) for s in self._stops if (pos := window.find(s)) >= 0]
         if not found:
             return False
         pos, stop = min(found)
-        self.text = self.text[:pos + len(stop) if self._include_stop else pos]
-        self._num_visible = len(self.text)
+        cut = window_start + pos + (len(stop) if self._include_stop else 0)
+        self._text.reset(self._text.slice(0, cut))
+        self.num_visible = self._text.length
         self.stop_hit = stop
         return True
 
     def _held_back(self) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        if not self._stops:
+            return 0
+        tail = self._text.slice(max(0, self._text.length - self._longest_stop + 1))
         longest = 0
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:k]):
+            for k in range(min(len(stop) - 1, len(tail)), longest, -1):
+                if tail.endswith(stop[:k]):
                     longest = k
                     break
         return longest

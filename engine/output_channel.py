@@ -99,13 +99,13 @@ class RequestOutputChannel:
 
     def _changed(self, index: int) -> bool:
         c = self.state.completions[index]
-        return (len(c.detokenizer.visible_text) > self._sent_chars[index] or len(c.token_ids) > self._sent_tokens[index]
+        return (c.detokenizer.num_visible > self._sent_chars[index] or len(c.token_ids) > self._sent_tokens[index]
                 or (c.finish_reason is not None and not self._sent_finished[index]))
 
     def _mark_sent(self, indices: list[int]) -> None:
         for i in indices:
             c = self.state.completions[i]
-            self._sent_chars[i] = len(c.detokenizer.visible_text)
+            self._sent_chars[i] = c.detokenizer.num_visible
             self._sent_tokens[i] = len(c.token_ids)
             self._sent_finished[i] = c.finish_reason is not None
         self._sent_prompt_logprobs = True

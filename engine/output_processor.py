@@ -86,7 +86,7 @@ class RequestState:
         if self.params.logprobs is not None:
             logprobs = [lp.to_dict(self.decode_one) for lp in c.logprobs[tokens_from:]]
             cumulative = sum(lp.logprob for lp in c.logprobs)
-        return CompletionOutput(index, c.detokenizer.visible_text[text_from:], c.token_ids[tokens_from:],
+        return CompletionOutput(index, c.detokenizer.visible_since(text_from), c.token_ids[tokens_from:],
                                 cumulative, logprobs, c.finish_reason, c.stop_reason)
 
     def prompt_logprobs_output(self) -> list[PositionLogprobs | None] | None:

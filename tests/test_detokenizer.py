@@ -3,9 +3,11 @@ hold-back of possible stop-string prefixes; what has been shown is always a pref
 
 from __future__ import annotations
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, _TextBuffer
 from engine.sampling_params import SamplingParams
 
 TEXTS = [
@@ -92,3 +94,18 @@ def test_earliest_of_several_stop_strings_wins(tokenizer):
     ids = tokenizer.encode("one two three four")
     detok, _, hit = stream(tokenizer, ids, SamplingParams(stop=["four", "two"]))
     assert hit == "two" and detok.visible_text == "one "
+
+
+@given(chunks=st.lists(st.text(min_size=1, max_size=5), max_size=12), data=st.data())
+def test_text_buffer_slices_like_a_string(chunks, data):
+    buffer, text = _TextBuffer(), ""
+    for chunk in chunks:
+        buffer.append(chunk)
+        text += chunk
+        start = data.draw(st.integers(0, len(text)))
+        end = data.draw(st.integers(start, len(text)))
+        assert buffer.slice(start, end) == text[start:end] and buffer.slice(start) == text[start:]
+    assert buffer.length == len(text)
+    cut = data.draw(st.integers(0, len(text)))
+    buffer.reset(buffer.slice(0, cut))
+    assert buffer.slice(0) == text[:cut]
