@@ -44,7 +44,8 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         plan = meta.scratch.get("torch")
         if plan is None:
-            plan = meta.scratch["torch"] = _plan(meta, kv_cache.shape[2], query.device)
+            group = query.shape[1] // kv_cache.shape[3]
+            plan = meta.scratch["torch"] = _plan(meta, kv_cache.shape[2], group, query.device)
         for bucket in plan.decode_buckets:
             _decode(query, kv_cache, bucket, scale, out)
         for prefill in plan.prefills:
@@ -65,7 +66,7 @@ class _Prefill:
     row_end: int
     seq_len: int
     blocks: torch.Tensor  # [num_blocks] block ids
-    mask: torch.Tensor  # [L, S] causal, True where allowed
+    mask: torch.Tensor  # [group * L, S] causal, True where allowed (one copy per query head of a GQA group)
 
 
 @attrs.frozen
@@ -74,7 +75,7 @@ class _Plan:
     prefills: list[_Prefill]
 
 
-def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+def _plan(meta: AttentionMetadata, block_size: int, group: int, device: torch.device) -> _Plan:
     """Per-step index tensors, derived once from the metadata and reused by every layer."""
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
@@ -88,7 +89,7 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Pl
             positions = torch.arange(seq_len, device=device)
             mask = positions[None, :] <= positions[seq_len - num_queries:, None]
             prefills.append(_Prefill(starts[i], starts[i + 1], seq_len,
-                                     meta.block_tables[i, :num_blocks].long(), mask))
+                                     meta.block_tables[i, :num_blocks].long(), mask.repeat(group, 1)))
     decodes.sort(key=lambda i: seq_lens[i], reverse=True)
     buckets = []
     while decodes:
@@ -137,7 +138,6 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, prefill: _Prefill, sca
     v = _gather(kv_cache[VALUE], prefill.blocks, 1)[0, :, :prefill.seq_len]
     # Each KV head's group of query heads becomes group * L query rows: [kv_heads, group * L, head_size].
     q = q.view(num_queries, num_kv_heads, group, head_size).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_size)
-    mask = prefill.mask.repeat(group, 1)  # [group * L, S]
-    result = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    result = F.scaled_dot_product_attention(q, k, v, attn_mask=prefill.mask, scale=scale)
     result = result.view(num_kv_heads, group, num_queries, head_size).permute(2, 0, 1, 3)
     out[prefill.row_start:prefill.row_end] = result.reshape(num_queries, num_heads, head_size)

@@ -79,12 +79,15 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim / 2]
         self.sin = freqs.sin().to(dtype=dtype, device=device)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, num_heads, head_dim]
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for a flat batch's positions, ``[T, 1, head_dim / 2]`` each; shared by every layer."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, num_heads, head_dim], halves rotated as in transformers' Llama
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 @attrs.define(eq=False)
@@ -146,9 +149,10 @@ class LlamaModel:
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for the flat batch ``input_ids`` ``[T]``."""
         x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        rope = self.rotary.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.config.rms_norm_eps),
-                                    positions, kv_cache, meta, backend)
+                                    rope, kv_cache, meta, backend)
             x = x + self._mlp(layer, rms_norm(x, layer.post_norm, self.config.rms_norm_eps))
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
@@ -156,14 +160,14 @@ class LlamaModel:
         """``[N, vocab]`` float32 logits for ``[N, hidden]`` hidden states."""
         return F.linear(hidden, self.lm_head).float()
 
-    def _attention(self, layer: LlamaLayer, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                   meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def _attention(self, layer: LlamaLayer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         cfg = self.config
         num_tokens = h.shape[0]
         qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), positions)  # [T, heads, head_dim]
-        k = self.rotary(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), positions)  # [T, kv_heads, head_dim]
+        q = apply_rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), *rope)  # [T, heads, head_dim]
+        k = apply_rotary(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), *rope)  # [T, kv_heads, head_dim]
         v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
