@@ -147,9 +147,6 @@ class _Handlers:
         if model is not None and model != self.state.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
 
-    def default_max_tokens(self, num_prompt_tokens: int) -> int:
-        return max(1, self.client.max_model_len - num_prompt_tokens)
-
     def validate(self, prompt_ids: list[int], params) -> None:
         self.client.validate(prompt_ids, params)
 
@@ -231,7 +228,7 @@ class _Handlers:
         self.check_model(req.model)
         ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                req.chat_template_kwargs)
-        params = sampling_params(req, default_max_tokens=self.default_max_tokens(len(ids)), chat=True)
+        params = sampling_params(req, chat=True)
         self.validate(ids, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = OutputTracker(self.metrics_registry, len(ids))
@@ -285,16 +282,14 @@ class _Handlers:
         self.check_model(req.model)
         prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
         inputs = [self.client.prepare(p) for p in prompts]
-        all_params = []
-        for _, ids in inputs:
-            params = sampling_params(req, default_max_tokens=self.default_max_tokens(len(ids)), chat=False)
+        params = sampling_params(req, chat=False)
+        for _, ids in inputs:  # every prompt is checked before any is queued
             self.validate(ids, params)
-            all_params.append(params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = OutputTracker(self.metrics_registry, sum(len(ids) for _, ids in inputs))
         streams = [self.client.generate({"prompt": text, "prompt_token_ids": ids}, params,
                                         request_id=f"{request_id}-{i}", priority=req.priority)
-                   for i, ((text, ids), params) in enumerate(zip(inputs, all_params))]
+                   for i, (text, ids) in enumerate(inputs)]
         prompt_texts = [text if text is not None else self.client.tokenizer.decode(ids) for text, ids in inputs]
         if req.stream:
             return self.sse_response(self._completion_chunks(req, request_id, streams, tracker, prompt_texts))

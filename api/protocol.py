@@ -215,8 +215,7 @@ def _first_param(message: str) -> str | None:
 _API_NAMES = {"logprobs": "top_logprobs"}  # our parameter name -> the chat API's, where they differ
 
 
-def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int | None,
-                    chat: bool) -> SamplingParams:
+def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat: bool) -> SamplingParams:
     """The engine's parameters for a request; range errors become 400s naming the API field."""
     if chat:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -231,7 +230,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, defau
         top_k=request.top_k or 0, min_p=request.min_p or 0.0,
         repetition_penalty=request.repetition_penalty or 1.0, seed=request.seed, stop=request.stop,
         stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
-        ignore_eos=request.ignore_eos, max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        ignore_eos=request.ignore_eos, max_tokens=max_tokens,
         min_tokens=request.min_tokens, logprobs=logprobs, prompt_logprobs=request.prompt_logprobs,
         logit_bias=request.logit_bias, skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens,

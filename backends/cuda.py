@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from backends import native
-from backends.base import AttentionMetadata, BackendUnavailableError
+from backends.base import AttentionMetadata
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -15,10 +15,6 @@ class CudaAttentionBackend:
 
     def __init__(self, lib=None) -> None:
         self._lib = lib if lib is not None else native.load_library("pa_cuda", "cuda")
-
-    @classmethod
-    def available(cls) -> bool:
-        return torch.cuda.is_available() and (native.LIB_DIR / "libpa_cuda.so").exists()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
@@ -71,5 +67,3 @@ def unavailable_reason() -> str | None:
         return f"libpa_cuda.so is not built in {native.LIB_DIR}: install nvcc and run `python native/build.py`"
     return None
 
-
-__all__ = ["BackendUnavailableError", "CudaAttentionBackend", "unavailable_reason"]
