@@ -12,6 +12,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class CudaAttentionBackend:
     name = "cuda"
+    device_type = "cuda"  # the library's kernels read device pointers
 
     def __init__(self, lib=None) -> None:
         self._lib = lib if lib is not None else native.load_library("pa_cuda", "cuda")
@@ -22,7 +23,7 @@ class CudaAttentionBackend:
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         key, value = key.contiguous(), value.contiguous()
         shape = native.write_kv_shape(key, value, kv_cache, slot_mapping, DTYPES)
-        _require_cuda(key)
+        self._check_device(key)
         rc = self._lib.pa_cuda_write_kv(shape, native.ptr(key), native.ptr(value), native.ptr(kv_cache),
                                         native.ptr(slot_mapping, "int64_t *"), self._stream(key))
         native.check_rc(rc, self._lib, "pa_cuda", "write_kv")
@@ -31,7 +32,10 @@ class CudaAttentionBackend:
                out: torch.Tensor) -> torch.Tensor:
         query = query.contiguous()
         shape = native.attention_shape(query, kv_cache, meta, out, DTYPES)
-        _require_cuda(query)
+        for name, t in (("query", query), ("kv_cache", kv_cache)):  # the kernel reads rows 16 bytes at a time
+            if t.data_ptr() % 16:
+                raise ValueError(f"{name} must start at a 16-byte aligned address")
+        self._check_device(query)
         workspace = self._workspace(shape, meta, query.device)
         rc = self._lib.pa_cuda_attention(shape, native.ptr(out), native.ptr(query), native.ptr(kv_cache),
                                          native.ptr(meta.query_start_loc, "int32_t *"),
@@ -49,14 +53,13 @@ class CudaAttentionBackend:
             workspace = meta.scratch["cuda_workspace"] = torch.empty(size, dtype=torch.uint8, device=device)
         return workspace
 
+    def _check_device(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device_type:
+            raise ValueError(f"the {self.name} backend needs {self.device_type.upper()} tensors; got {t.device}")
+
     @staticmethod
     def _stream(t: torch.Tensor):
         return native.ffi().cast("void *", torch.cuda.current_stream(t.device).cuda_stream)
-
-
-def _require_cuda(t: torch.Tensor) -> None:
-    if t.device.type != "cuda":
-        raise ValueError(f"the cuda backend needs CUDA tensors; got {t.device}")
 
 
 def unavailable_reason() -> str | None:

@@ -73,6 +73,19 @@ def build_cuda(out: Path) -> Path | None:
     return target
 
 
+def build_cuda_host_emulation(out: Path) -> Path:
+    """The CUDA library's source compiled for the host (see cuda/host_emulation.h): for tests
+    of its kernels on machines without a GPU. Its pointers are host pointers."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / "libpa_cuda_emulated.so"
+    _run([cxx, "-O2", "-std=c++17", "-fPIC", "-shared", "-x", "c++", "-DPA_CUDA_HOST_EMULATION", "-Wno-unknown-pragmas",
+          f"-I{ROOT / 'include'}", f"-I{ROOT / 'cuda'}", str(ROOT / "cuda" / "paged_attention.cu"), "-o", str(target)])
+    return target
+
+
 def build_all(out: Path = DEFAULT_OUT, cuda: bool = True) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     built = [build_cpu(out)]

@@ -4,23 +4,34 @@ Random, shuffled (non-contiguous) block tables; block sizes 16 and 32; head size
 128; GQA ratios 1, 3 and 8; pure decode, pure prefill, mixed batches, chunked prefill over
 a cached prefix; sequence lengths from 1 to 4096; padding rows with empty (-1) slots.
 
-Tolerances: float32 1e-4 (only summation order differs); bfloat16 2e-2 (inputs are bf16,
-so every product carries ~3 significant digits; the reference computes from the same bf16
-values in fp32).
+Tolerances: float32 1e-4 (only summation order differs); bfloat16 and float16 2e-2 (inputs
+are rounded to 16 bits, so every product carries ~3 significant digits; the reference
+computes from the same rounded values in fp32 and the backend rounds its output once).
+
+``cuda-emulated`` is the CUDA library's own source compiled for the host with
+``native/cuda/host_emulation.h`` (each CUDA thread a fiber, warp shuffles and barriers
+emulated): on machines without a GPU it checks the CUDA kernels' indexing, partitioning,
+synchronization and numerics, though not their speed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from backends import get_backend
+from backends import get_backend, native
 from backends.base import AttentionMetadata, BackendUnavailableError
+from backends.cuda import CudaAttentionBackend
 from backends.reference import TorchAttentionBackend
 
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+HALF_PRECISION = {"cpu": (torch.bfloat16,), "cuda": (torch.bfloat16, torch.float16),
+                  "triton": (torch.bfloat16, torch.float16), "cuda-emulated": (torch.bfloat16, torch.float16)}
 
 # (cached tokens, new tokens) per sequence
 CASES = {
@@ -38,6 +49,28 @@ INTERPRETER_CASES = {
     "mixed": [(20, 1), (0, 7), (33, 1)],
     "chunked": [(20, 5), (0, 3)],
 }
+# The emulated CUDA library runs every CUDA thread as a fiber: full cases but a shorter "long".
+EMULATION_CASES = {**CASES, "long": [(1100, 8), (0, 1), (2000, 1)]}
+
+
+class EmulatedCudaBackend(CudaAttentionBackend):
+    """The CUDA backend's wrapper over the host-compiled CUDA library: host pointers, no stream."""
+
+    name = "cuda-emulated"
+    device_type = "cpu"
+
+    @staticmethod
+    def _stream(t: torch.Tensor):
+        return native.ffi().NULL
+
+
+@pytest.fixture(scope="session")
+def emulated_cuda(tmp_path_factory) -> EmulatedCudaBackend:
+    spec = importlib.util.spec_from_file_location("native_build", Path(native.HEADER).parents[1] / "build.py")
+    native_build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native_build)
+    path = native_build.build_cuda_host_emulation(tmp_path_factory.mktemp("pa_cuda_emulated"))
+    return EmulatedCudaBackend(native.ffi().dlopen(str(path)))
 
 
 def runnable_backends() -> list[str]:
@@ -46,6 +79,8 @@ def runnable_backends() -> list[str]:
         names += ["cuda", "triton"]
     elif os.environ.get("TRITON_INTERPRET") == "1":
         names.append("triton")
+    if shutil.which(os.environ.get("CXX") or "c++") or shutil.which("g++"):
+        names.append("cuda-emulated")
     return names
 
 
@@ -108,21 +143,31 @@ def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, devi
 @pytest.mark.parametrize("block_size, head_size, num_heads, num_kv_heads", [
     (16, 64, 9, 3), (32, 128, 8, 1), (16, 128, 8, 8), (32, 64, 24, 8),
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_matches_reference(backend_name, case, block_size, head_size, num_heads, num_kv_heads, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_backend_matches_reference(request, backend_name, case, block_size, head_size, num_heads, num_kv_heads,
+                                   dtype):
+    if dtype != torch.float32 and dtype not in HALF_PRECISION[backend_name]:
+        pytest.skip(f"the {backend_name} backend has no {dtype}")
     device = device_for(backend_name)
     seqs = CASES[case]
     if backend_name == "triton" and device == "cpu":
-        if case not in INTERPRETER_CASES or dtype == torch.bfloat16:
-            pytest.skip("the triton interpreter is slow and has no bfloat16: small float32 shapes only on CPU")
+        if case not in INTERPRETER_CASES or dtype != torch.float32:
+            pytest.skip("the triton interpreter is slow and has no 16-bit floats: small float32 shapes only on CPU")
         seqs = INTERPRETER_CASES[case]
-    backend = get_backend(backend_name, device)
+    if backend_name == "cuda-emulated":
+        backend, seqs = request.getfixturevalue("emulated_cuda"), EMULATION_CASES[case]
+    else:
+        backend = get_backend(backend_name, device)
     batch = build_batch(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, device)
     out, cache = run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device)
+    # The reference runs in fp32 (or bf16) on the CPU from the same, already rounded, values.
+    ref_dtype = torch.float32 if dtype == torch.float16 else dtype
     ref_batch = build_batch(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, "cpu")
+    ref_batch = {**ref_batch, "prefix": [(k.to(ref_dtype), v.to(ref_dtype), s) for k, v, s in ref_batch["prefix"]],
+                 **{name: ref_batch[name].to(ref_dtype) for name in ("key", "value", "query")}}
     ref_out, ref_cache = run_backend(TorchAttentionBackend(), ref_batch, block_size, num_kv_heads, head_size,
-                                     dtype, "cpu")
-    assert torch.equal(cache.cpu(), ref_cache)  # cache writes are exact copies
+                                     ref_dtype, "cpu")
+    assert torch.equal(cache.cpu().to(ref_dtype), ref_cache)  # cache writes are exact copies
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.cpu().float(), ref_out.float(), atol=tol, rtol=tol)
 

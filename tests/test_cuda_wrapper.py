@@ -20,8 +20,16 @@ def test_cuda_library_is_built_and_exports_the_abi():
     lib = native.load_library("pa_cuda", "cuda")
     for symbol in ABI:
         assert getattr(lib, symbol) is not None
+    # 4 tokens x 3 KV heads over 1024 keys: partitions shrink from 512 to 128 keys (8 of them)
+    # to give the GPU more CTAs; each (token, head, partition) keeps max, sum and 64 floats.
     shape = native._shape(4, 1, 9, 3, 64, 16, 10, 1, 4, 1024, 0)
-    assert lib.pa_cuda_workspace_bytes(shape) == 4 * 9 * 2 * (64 + 2) * 4  # two split-KV partitions
+    assert lib.pa_cuda_workspace_bytes(shape) == 4 * 9 * 8 * (64 + 2) * 4
+    # 512 tokens x 3 KV heads already fill the GPU: 512-key partitions, two of them.
+    shape = native._shape(512, 1, 9, 3, 64, 16, 10, 1, 4, 1024, 0)
+    assert lib.pa_cuda_workspace_bytes(shape) == 512 * 9 * 2 * (64 + 2) * 4
+    # A single partition needs no workspace: the kernel writes the output itself.
+    shape = native._shape(512, 1, 9, 3, 64, 16, 10, 1, 4, 300, 0)
+    assert lib.pa_cuda_workspace_bytes(shape) == 0
 
 
 class FakeLib:
@@ -61,6 +69,7 @@ def good_args(dtype=torch.bfloat16):
     (lambda q, c, m, o: (q, c, AttentionMetadata(m.query_start_loc, m.seq_lens, m.block_tables,
                                                  m.slot_mapping, 2, 100), o), "max_seq_len"),
     (lambda q, c, m, o: (q.view(3, 4, 128), c, m, o.view(3, 4, 128)), "head_size"),
+    (lambda q, c, m, o: (torch.zeros(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape), c, m, o), "16-byte aligned"),
 ])
 def test_attention_arguments_are_checked_before_the_call(break_it, words):
     lib = FakeLib()

@@ -1,20 +1,26 @@
 // Paged attention on NVIDIA GPUs: varlen (prefill, decode, mixed), GQA-grouped, split-KV
 // partitions with a log-sum-exp reduce, fp32 / bf16 / fp16, plus the cache write.
 //
-// attention_kernel: one CTA per (KV head, query token, key partition). Its warps stride
-// over the partition's keys; the 32 lanes of a warp split the head dimension, so each K/V
-// row is read once per CTA and serves every query head of the GQA group. Each warp keeps
-// an online-softmax state per query head; the warps are merged in shared memory. With
-// several partitions the CTA writes (max, sum, acc) to the workspace and reduce_kernel
-// combines them; with one it writes the output directly.
+// attention_kernel: one CTA per (query token, KV head, key partition), for all query heads of
+// the GQA group, so each K/V row is read once per CTA. Lanes load 16 bytes at a time; a few
+// lanes cover a row and a warp reads several rows per step (see RowSplit). Partitions are
+// 128-512 keys (more of them when the batch is small); their (max, sum, acc) partials are
+// combined by reduce_kernel. Prefill and mixed batches use the same kernel: a query token
+// sees its sequence's keys up to its own position.
 //
-// Every launch is on the caller's stream and is followed by cudaGetLastError.
+// Every launch is on the caller's stream and is followed by cudaGetLastError. The same
+// source compiles for the host with PA_CUDA_HOST_EMULATION, which is how CI runs it.
 
 #include "paged_attention.h"
 
+#ifdef PA_CUDA_HOST_EMULATION  // tests run these kernels on the host: see host_emulation.h
+#include "host_emulation.h"
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#define PA_LAUNCH(kernel, grid, block, stream, ...) kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
+#endif
 
 #include <cstdint>
 #include <string>
@@ -35,27 +41,62 @@ int check_launch(const char* what) {
 }
 
 constexpr int kNumWarps = 4;
-constexpr int kMaxGroup = 8;           // query heads per KV head handled by one CTA
-constexpr int kPartitionSize = 512;    // keys per split-KV partition
-
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+constexpr int kMaxGroup = 8;  // query heads per KV head handled by one CTA
+constexpr unsigned kFullMask = 0xffffffffu;
 
 template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// How a warp covers K/V rows: every lane loads 16 bytes at a time, so a row of HEAD_SIZE
+// elements takes LANES_PER_KEY lanes and one warp reads KEYS_PER_WARP rows per step (four
+// 128-byte bf16 rows at head size 64), which keeps many loads in flight per warp.
+template <typename T, int HEAD_SIZE>
+struct RowSplit {
+    static constexpr int VEC = 16 / sizeof(T);  // elements per 16-byte load
+    static_assert(HEAD_SIZE % VEC == 0, "rows must be whole 16-byte vectors");
+    static constexpr int LANES_PER_KEY = HEAD_SIZE / VEC < 32 ? HEAD_SIZE / VEC : 32;
+    static constexpr int VECS_PER_LANE = HEAD_SIZE / (VEC * LANES_PER_KEY);
+    static constexpr int ELEMS = VEC * VECS_PER_LANE;  // row elements held by one lane
+    static constexpr int KEYS_PER_WARP = 32 / LANES_PER_KEY;
+    // Row element held at position e of lane `slice` (consecutive lanes read consecutive vectors).
+    static __device__ __forceinline__ int dim(int slice, int e) { return ((e / VEC) * LANES_PER_KEY + slice) * VEC + e % VEC; }
+};
+
+__device__ __forceinline__ unsigned word(const uint4& raw, int i) {
+    return i == 0 ? raw.x : i == 1 ? raw.y : i == 2 ? raw.z : raw.w;
+}
+
+// Element i of a 16-byte vector as a float, from its bits (no type punning through pointers).
+template <typename T> __device__ __forceinline__ float unpack(const uint4& raw, int i);
+template <> __device__ __forceinline__ float unpack<float>(const uint4& raw, int i) { return __uint_as_float(word(raw, i)); }
+template <> __device__ __forceinline__ float unpack<__nv_bfloat16>(const uint4& raw, int i) {
+    const unsigned w = word(raw, i / 2);
+    return __uint_as_float(i % 2 == 0 ? w << 16 : w & 0xffff0000u);
+}
+template <> __device__ __forceinline__ float unpack<__half>(const uint4& raw, int i) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(word(raw, i / 2) >> (16 * (i % 2)))));
+}
+
+// Loads this lane's part of a row as floats with 16-byte loads.
+template <typename T, int HEAD_SIZE>
+__device__ __forceinline__ void load_slice(const T* row, int slice, float (&dst)[RowSplit<T, HEAD_SIZE>::ELEMS]) {
+    using S = RowSplit<T, HEAD_SIZE>;
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
+    for (int v = 0; v < S::VECS_PER_LANE; ++v) {
+        const uint4* src = reinterpret_cast<const uint4*>(row + (v * S::LANES_PER_KEY + slice) * S::VEC);
+#ifdef PA_CUDA_HOST_EMULATION
+        pa_emu::check_aligned(src, "load_slice");
+#endif
+        const uint4 raw = *src;
+#pragma unroll
+        for (int i = 0; i < S::VEC; ++i) dst[v * S::VEC + i] = unpack<T>(raw, i);
+    }
 }
 
 struct Dims {
-    int num_seqs, num_heads, num_kv_heads, group, block_size, max_blocks_per_seq, num_partitions;
+    int num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq, num_partitions, partition_size;
     int64_t kv_half;  // elements of K (== of V) in the cache
 };
 
@@ -71,14 +112,22 @@ __global__ void write_kv_kernel(const T* __restrict__ key, const T* __restrict__
     }
 }
 
-template <typename T, int HEAD_SIZE>
+// One CTA per (query token, KV head, key partition), for the GROUP query heads sharing that
+// KV head. Lanes form groups of LANES_PER_KEY; each group walks its own keys with an online
+// softmax per query head, so every K/V row is read once per CTA. The groups' states are
+// merged through shared memory; with several partitions the CTA writes (max, sum, acc) to the
+// workspace for reduce_kernel, with one it writes the output.
+template <typename T, int HEAD_SIZE, int GROUP>
 __global__ void __launch_bounds__(kNumWarps * 32)
 attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ kv_cache,
                  const int32_t* __restrict__ qsl, const int32_t* __restrict__ seq_lens,
                  const int32_t* __restrict__ block_tables, float* __restrict__ workspace, float scale, Dims d) {
-    constexpr int PER_LANE = HEAD_SIZE / 32;
-    const int kv_head = blockIdx.x, token = blockIdx.y, part = blockIdx.z;
+    using S = RowSplit<T, HEAD_SIZE>;
+    constexpr int NUM_STATES = kNumWarps * S::KEYS_PER_WARP;  // lane groups per CTA
+    const int token = blockIdx.x, kv_head = blockIdx.y, part = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int slice = lane % S::LANES_PER_KEY;       // which 16-byte vectors of a row
+    const int state = warp * S::KEYS_PER_WARP + lane / S::LANES_PER_KEY;  // this lane group
 
     int lo = 0, hi = d.num_seqs - 1;  // the sequence owning this query row
     while (lo < hi) {
@@ -88,73 +137,82 @@ attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __re
     const int seq = lo;
     const int q_len = qsl[seq + 1] - qsl[seq];
     const int visible = seq_lens[seq] - q_len + (token - qsl[seq]) + 1;  // causal: keys [0, visible)
-    const int k_begin = part * kPartitionSize;
-    const int k_end = min(visible, k_begin + kPartitionSize);
+    const int k_begin = part * d.partition_size;
+    const int k_end = min(visible, k_begin + d.partition_size);
 
-    float q[kMaxGroup][PER_LANE], acc[kMaxGroup][PER_LANE], m[kMaxGroup], l[kMaxGroup];
+    float q[GROUP][S::ELEMS], acc[GROUP][S::ELEMS], m[GROUP], l[GROUP];
 #pragma unroll
-    for (int g = 0; g < kMaxGroup; ++g) {
+    for (int g = 0; g < GROUP; ++g) {
+        load_slice<T, HEAD_SIZE>(query + ((int64_t)token * d.num_heads + kv_head * GROUP + g) * HEAD_SIZE, slice, q[g]);
         m[g] = -INFINITY;
         l[g] = 0.f;
 #pragma unroll
-        for (int e = 0; e < PER_LANE; ++e) {
+        for (int e = 0; e < S::ELEMS; ++e) {
+            q[g][e] *= scale;
             acc[g][e] = 0.f;
-            q[g][e] = g < d.group
-                ? to_float(query[((int64_t)token * d.num_heads + kv_head * d.group + g) * HEAD_SIZE + lane * PER_LANE + e]) * scale
-                : 0.f;
-        }
-    }
-    const int32_t* table = block_tables + (int64_t)seq * d.max_blocks_per_seq;
-    for (int j = k_begin + warp; j < k_end; j += kNumWarps) {
-        const int64_t block = table[j / d.block_size];
-        const int64_t base = ((block * d.block_size + j % d.block_size) * d.num_kv_heads + kv_head) * HEAD_SIZE + lane * PER_LANE;
-        float k[PER_LANE], v[PER_LANE];
-#pragma unroll
-        for (int e = 0; e < PER_LANE; ++e) {
-            k[e] = to_float(kv_cache[base + e]);
-            v[e] = to_float(kv_cache[d.kv_half + base + e]);
-        }
-#pragma unroll
-        for (int g = 0; g < kMaxGroup; ++g) {
-            if (g >= d.group) break;
-            float s = 0.f;
-#pragma unroll
-            for (int e = 0; e < PER_LANE; ++e) s += q[g][e] * k[e];
-            s = warp_sum(s);
-            const float m_new = fmaxf(m[g], s);
-            const float correction = __expf(m[g] - m_new);
-            const float p = __expf(s - m_new);
-            l[g] = l[g] * correction + p;
-#pragma unroll
-            for (int e = 0; e < PER_LANE; ++e) acc[g][e] = acc[g][e] * correction + p * v[e];
-            m[g] = m_new;
         }
     }
 
-    __shared__ float s_m[kNumWarps][kMaxGroup], s_l[kNumWarps][kMaxGroup];
-    __shared__ float s_acc[kNumWarps][kMaxGroup][HEAD_SIZE];
-    for (int g = 0; g < d.group; ++g) {
-        if (lane == 0) {
-            s_m[warp][g] = m[g];
-            s_l[warp][g] = l[g];
+    const int32_t* table = block_tables + (int64_t)seq * d.max_blocks_per_seq;
+    // Every lane of a warp runs the same iterations (the shuffles need the whole warp); a
+    // lane group whose key is past the end computes on zeros and discards the result.
+    for (int first = k_begin + warp * S::KEYS_PER_WARP; first < k_end; first += NUM_STATES) {
+        const int j = first + lane / S::LANES_PER_KEY;
+        const bool valid = j < k_end;
+        float k[S::ELEMS], v[S::ELEMS];
+        if (valid) {
+            const int64_t block = table[j / d.block_size];
+            const T* k_row = kv_cache + ((block * d.block_size + j % d.block_size) * d.num_kv_heads + kv_head) * HEAD_SIZE;
+            load_slice<T, HEAD_SIZE>(k_row, slice, k);
+            load_slice<T, HEAD_SIZE>(k_row + d.kv_half, slice, v);
+        } else {
+#pragma unroll
+            for (int e = 0; e < S::ELEMS; ++e) k[e] = v[e] = 0.f;
         }
 #pragma unroll
-        for (int e = 0; e < PER_LANE; ++e) s_acc[warp][g][lane * PER_LANE + e] = acc[g][e];
+        for (int g = 0; g < GROUP; ++g) {
+            float s = 0.f;
+#pragma unroll
+            for (int e = 0; e < S::ELEMS; ++e) s = fmaf(q[g][e], k[e], s);
+#pragma unroll
+            for (int offset = S::LANES_PER_KEY / 2; offset > 0; offset >>= 1) s += __shfl_xor_sync(kFullMask, s, offset);
+            if (valid) {
+                const float m_new = fmaxf(m[g], s);
+                const float correction = __expf(m[g] - m_new);
+                const float p = __expf(s - m_new);
+                l[g] = l[g] * correction + p;
+#pragma unroll
+                for (int e = 0; e < S::ELEMS; ++e) acc[g][e] = fmaf(acc[g][e], correction, p * v[e]);
+                m[g] = m_new;
+            }
+        }
+    }
+
+    __shared__ float s_m[NUM_STATES][GROUP], s_l[NUM_STATES][GROUP];
+    __shared__ float s_acc[NUM_STATES][GROUP][HEAD_SIZE];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        if (slice == 0) {
+            s_m[state][g] = m[g];
+            s_l[state][g] = l[g];
+        }
+#pragma unroll
+        for (int e = 0; e < S::ELEMS; ++e) s_acc[state][g][S::dim(slice, e)] = acc[g][e];
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < d.group * HEAD_SIZE; idx += blockDim.x) {
+    for (int idx = threadIdx.x; idx < GROUP * HEAD_SIZE; idx += blockDim.x) {
         const int g = idx / HEAD_SIZE, dim = idx % HEAD_SIZE;
         float m_all = -INFINITY;
-        for (int w = 0; w < kNumWarps; ++w) m_all = fmaxf(m_all, s_m[w][g]);
+        for (int w = 0; w < NUM_STATES; ++w) m_all = fmaxf(m_all, s_m[w][g]);
         float l_all = 0.f, a_all = 0.f;
         if (m_all != -INFINITY) {
-            for (int w = 0; w < kNumWarps; ++w) {
+            for (int w = 0; w < NUM_STATES; ++w) {
                 const float weight = __expf(s_m[w][g] - m_all);
                 l_all += s_l[w][g] * weight;
                 a_all += s_acc[w][g][dim] * weight;
             }
         }
-        const int head = kv_head * d.group + g;
+        const int head = kv_head * GROUP + g;
         if (d.num_partitions == 1) {
             out[((int64_t)token * d.num_heads + head) * HEAD_SIZE + dim] = from_float<T>(l_all > 0.f ? a_all / l_all : 0.f);
         } else {
@@ -187,26 +245,63 @@ __global__ void reduce_kernel(T* __restrict__ out, const float* __restrict__ wor
     out[row * HEAD_SIZE + dim] = from_float<T>(l_all > 0.f ? a_all / l_all : 0.f);
 }
 
-int num_partitions(const pa_shape* s) { return (s->max_seq_len + kPartitionSize - 1) / kPartitionSize; }
+template <typename T>
+void launch_write_kv(const pa_shape* s, const void* key, const void* value, void* kv_cache, const int64_t* slot_mapping,
+                     int64_t row, int64_t kv_half, dim3 threads, cudaStream_t stream) {
+    auto write = write_kv_kernel<T>;
+    PA_LAUNCH(write, dim3(s->num_tokens), threads, stream, static_cast<const T*>(key), static_cast<const T*>(value),
+              static_cast<T*>(kv_cache), slot_mapping, row, kv_half);
+}
 
-template <typename T, int HEAD_SIZE>
+// Keys per split-KV partition: 512, or shorter (down to 128) while the grid would have
+// fewer than kMinCtas CTAs, so a few long sequences still spread over the whole GPU.
+constexpr int64_t kMinCtas = 1024;
+
+int partition_size(const pa_shape* s) {
+    int size = 512;
+    while (size > 128 && (int64_t)s->num_tokens * s->num_kv_heads * ((s->max_seq_len + size - 1) / size) < kMinCtas)
+        size /= 2;
+    return size;
+}
+
+int num_partitions(const pa_shape* s) {
+    const int size = partition_size(s);
+    return (s->max_seq_len + size - 1) / size;
+}
+
+template <typename T, int HEAD_SIZE, int GROUP>
 int launch_attention(const pa_shape* s, void* out, const void* query, const void* kv_cache, const int32_t* qsl,
                      const int32_t* seq_lens, const int32_t* block_tables, float scale, void* workspace,
                      cudaStream_t stream) {
-    Dims d{s->num_seqs, s->num_heads, s->num_kv_heads, s->num_heads / s->num_kv_heads, s->block_size,
-           s->max_blocks_per_seq, num_partitions(s),
-           (int64_t)s->num_blocks * s->block_size * s->num_kv_heads * s->head_size};
-    dim3 grid(s->num_kv_heads, s->num_tokens, d.num_partitions);
-    attention_kernel<T, HEAD_SIZE><<<grid, kNumWarps * 32, 0, stream>>>(
-        static_cast<T*>(out), static_cast<const T*>(query), static_cast<const T*>(kv_cache), qsl, seq_lens,
-        block_tables, static_cast<float*>(workspace), scale, d);
+    const Dims d{s->num_seqs, s->num_heads, s->num_kv_heads, s->block_size, s->max_blocks_per_seq, num_partitions(s),
+                 partition_size(s), (int64_t)s->num_blocks * s->block_size * s->num_kv_heads * s->head_size};
+    if (d.num_partitions > 65535) return fail("max_seq_len is too long for the CUDA kernel's grid");
+    const dim3 grid(s->num_tokens, s->num_kv_heads, d.num_partitions);
+    auto attention = attention_kernel<T, HEAD_SIZE, GROUP>;
+    PA_LAUNCH(attention, grid, dim3(kNumWarps * 32), stream, static_cast<T*>(out), static_cast<const T*>(query),
+              static_cast<const T*>(kv_cache), qsl, seq_lens, block_tables, static_cast<float*>(workspace), scale, d);
     if (int rc = check_launch("attention_kernel")) return rc;
     if (d.num_partitions > 1) {
-        reduce_kernel<T, HEAD_SIZE><<<dim3(s->num_tokens, s->num_heads), HEAD_SIZE, 0, stream>>>(
-            static_cast<T*>(out), static_cast<const float*>(workspace), s->num_heads, d.num_partitions);
+        auto reduce = reduce_kernel<T, HEAD_SIZE>;
+        PA_LAUNCH(reduce, dim3(s->num_tokens, s->num_heads), dim3(HEAD_SIZE), stream, static_cast<T*>(out),
+                  static_cast<const float*>(workspace), s->num_heads, d.num_partitions);
         if (int rc = check_launch("reduce_kernel")) return rc;
     }
     return 0;
+}
+
+template <typename T, int HEAD_SIZE>
+int dispatch_group(const pa_shape* s, void* out, const void* query, const void* kv_cache, const int32_t* qsl,
+                   const int32_t* seq_lens, const int32_t* block_tables, float scale, void* workspace,
+                   cudaStream_t stream) {
+#define PA_GROUP_CASE(G) \
+    case G: return launch_attention<T, HEAD_SIZE, G>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
+    switch (s->num_heads / s->num_kv_heads) {
+        PA_GROUP_CASE(1) PA_GROUP_CASE(2) PA_GROUP_CASE(3) PA_GROUP_CASE(4)
+        PA_GROUP_CASE(5) PA_GROUP_CASE(6) PA_GROUP_CASE(7) PA_GROUP_CASE(8)
+        default: return fail("GQA groups larger than 8 query heads per KV head are not supported");
+    }
+#undef PA_GROUP_CASE
 }
 
 template <typename T>
@@ -214,9 +309,9 @@ int dispatch_head_size(const pa_shape* s, void* out, const void* query, const vo
                        const int32_t* seq_lens, const int32_t* block_tables, float scale, void* workspace,
                        cudaStream_t stream) {
     switch (s->head_size) {
-        case 64: return launch_attention<T, 64>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
-        case 128: return launch_attention<T, 128>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
-        case 256: return launch_attention<T, 256>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
+        case 64: return dispatch_group<T, 64>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
+        case 128: return dispatch_group<T, 128>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
+        case 256: return dispatch_group<T, 256>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
         default: return fail("the CUDA library supports head sizes 64, 128 and 256; got " + std::to_string(s->head_size));
     }
 }
@@ -247,21 +342,12 @@ int pa_cuda_write_kv(const pa_shape* s, const void* key, const void* value, void
     if (s->num_tokens == 0) return 0;
     const int64_t row = (int64_t)s->num_kv_heads * s->head_size;
     const int64_t kv_half = (int64_t)s->num_blocks * s->block_size * row;
-    const int threads = row < 1024 ? (int)row : 1024;
+    const dim3 threads(row < 1024 ? (unsigned)row : 1024u);
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     switch (s->dtype) {
-        case PA_FLOAT32:
-            write_kv_kernel<float><<<s->num_tokens, threads, 0, st>>>(static_cast<const float*>(key), static_cast<const float*>(value),
-                                                                      static_cast<float*>(kv_cache), slot_mapping, row, kv_half);
-            break;
-        case PA_BFLOAT16:
-            write_kv_kernel<__nv_bfloat16><<<s->num_tokens, threads, 0, st>>>(
-                static_cast<const __nv_bfloat16*>(key), static_cast<const __nv_bfloat16*>(value),
-                static_cast<__nv_bfloat16*>(kv_cache), slot_mapping, row, kv_half);
-            break;
-        default:
-            write_kv_kernel<__half><<<s->num_tokens, threads, 0, st>>>(static_cast<const __half*>(key), static_cast<const __half*>(value),
-                                                                       static_cast<__half*>(kv_cache), slot_mapping, row, kv_half);
+        case PA_FLOAT32: launch_write_kv<float>(s, key, value, kv_cache, slot_mapping, row, kv_half, threads, st); break;
+        case PA_BFLOAT16: launch_write_kv<__nv_bfloat16>(s, key, value, kv_cache, slot_mapping, row, kv_half, threads, st); break;
+        default: launch_write_kv<__half>(s, key, value, kv_cache, slot_mapping, row, kv_half, threads, st);
     }
     return check_launch("write_kv_kernel");
 }
