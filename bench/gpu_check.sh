@@ -28,8 +28,8 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 step "build the native libraries"
 timeout 180 $PY native/build.py || exit 1
 
-step "cuda and triton backends against the torch reference (on the GPU)"
-timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_backends.py -k "cuda or triton" 2>&1 \
+step "cuda and triton backends against the torch reference, kernels and whole engine (on the GPU)"
+timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_backends.py -k "(cuda or triton) and not emulated" 2>&1 \
   | tee "$OUT/backend_tests.log" | tail -15 || status=1
 
 step "kernel benchmark: bfloat16 (copy bandwidth measured in the same run)"

@@ -68,7 +68,8 @@ def build_cuda(out: Path) -> Path | None:
         return None
     target = out / "libpa_cuda.so"
     gencode = [arg for arch in CUDA_ARCHS for arg in ("-gencode", f"arch=compute_{arch},code=sm_{arch}")]
-    _run([nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", *gencode,
+    # --threads 0: one compiler process per architecture, in parallel.
+    _run([nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", "--threads", "0", *gencode,
           f"-I{ROOT / 'include'}", str(ROOT / "cuda" / "paged_attention.cu"), "-o", str(target)])
     return target
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -13,6 +15,8 @@ if not torch.cuda.is_available():
 import attrs
 import pytest
 
+from backends import native
+from backends.cuda import CudaAttentionBackend
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import default_model_path, dummy_weights
 
@@ -111,3 +115,23 @@ def tiny_core(tiny_model):
 
     return EngineCore(EngineConfig(backend="torch", num_kv_blocks=64, max_model_len=256, max_num_seqs=32,
                                    max_num_batched_tokens=256), model=tiny_model)
+
+
+class EmulatedCudaBackend(CudaAttentionBackend):
+    """The CUDA backend's wrapper over the host-compiled CUDA library: host pointers, no stream."""
+
+    name = "cuda-emulated"
+    device_type = "cpu"
+
+    @staticmethod
+    def _stream(t: torch.Tensor):
+        return native.ffi().NULL
+
+
+@pytest.fixture(scope="session")
+def emulated_cuda(tmp_path_factory) -> EmulatedCudaBackend:
+    spec = importlib.util.spec_from_file_location("native_build", Path(native.HEADER).parents[1] / "build.py")
+    native_build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native_build)
+    path = native_build.build_cuda_host_emulation(tmp_path_factory.mktemp("pa_cuda_emulated"))
+    return EmulatedCudaBackend(native.ffi().dlopen(str(path)))

@@ -16,17 +16,14 @@ synchronization and numerics, though not their speed.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from backends import get_backend, native
+from backends import get_backend
 from backends.base import AttentionMetadata, BackendUnavailableError
-from backends.cuda import CudaAttentionBackend
 from backends.reference import TorchAttentionBackend
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -51,26 +48,6 @@ INTERPRETER_CASES = {
 }
 # The emulated CUDA library runs every CUDA thread as a fiber: full cases but a shorter "long".
 EMULATION_CASES = {**CASES, "long": [(1100, 8), (0, 1), (2000, 1)]}
-
-
-class EmulatedCudaBackend(CudaAttentionBackend):
-    """The CUDA backend's wrapper over the host-compiled CUDA library: host pointers, no stream."""
-
-    name = "cuda-emulated"
-    device_type = "cpu"
-
-    @staticmethod
-    def _stream(t: torch.Tensor):
-        return native.ffi().NULL
-
-
-@pytest.fixture(scope="session")
-def emulated_cuda(tmp_path_factory) -> EmulatedCudaBackend:
-    spec = importlib.util.spec_from_file_location("native_build", Path(native.HEADER).parents[1] / "build.py")
-    native_build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(native_build)
-    path = native_build.build_cuda_host_emulation(tmp_path_factory.mktemp("pa_cuda_emulated"))
-    return EmulatedCudaBackend(native.ffi().dlopen(str(path)))
 
 
 def runnable_backends() -> list[str]:
@@ -189,3 +166,59 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(BackendUnavailableError, match="needs a GPU"):
         get_backend("triton", "cpu")
+
+
+ENGINE_BACKENDS = ["cuda-emulated"] + (["cuda", "triton"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("backend_name", ENGINE_BACKENDS)
+def test_engine_matches_the_torch_backend(request, backend_name, monkeypatch):
+    """The model runner driving each backend (fp32, random weights) gives the torch backend's
+    greedy tokens and logprobs: chunked prefill, prefix-cache hits, several split-KV
+    partitions, and (cuda) the per-step workspace shared by every layer."""
+    import engine.engine_core
+    from engine.config import EngineConfig
+    from engine.engine_core import EngineCore
+    from engine.models.llama import LlamaConfig, LlamaModel
+    from engine.models.loader import dummy_weights
+    from engine.sampling_params import SamplingParams
+
+    device = device_for(backend_name)
+    config = LlamaConfig(vocab_size=512, hidden_size=192, intermediate_size=256, num_layers=2, num_heads=6,
+                         num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2)
+    # Weights 5x the dummy std (0.1): attention is peaked and matters to the logits, so a wrong
+    # kernel shows in the logprobs (at std 0.02 attention is near uniform and barely moves them).
+    weights = {name: w * 5 if name.startswith("model.layers.") and "norm" not in name else w
+               for name, w in dummy_weights(config, seed=1)}
+    model = LlamaModel.from_state_dict(config, weights, torch.float32, device)
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, 512, (64,), generator=gen).tolist()
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 40, 130, 300)]
+    prompts += [shared + [7, 8, 9], shared + [10, 11]]
+
+    def greedy(name: str) -> tuple[list[list[int]], torch.Tensor]:
+        """Each prompt's greedy tokens, and the logprob of every one of them."""
+        if name == "cuda-emulated":
+            emulated = request.getfixturevalue("emulated_cuda")
+            monkeypatch.setattr(engine.engine_core, "get_backend", lambda *_: emulated)
+            name = "torch"  # a valid config value; the patched lookup ignores it
+        core = EngineCore(EngineConfig(backend=name, device=device, dtype="float32", num_kv_blocks=128,
+                                       max_num_batched_tokens=64, max_num_seqs=8), model=model)
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, params)
+        tokens = {str(i): [] for i in range(len(prompts))}
+        logprobs = {str(i): [] for i in range(len(prompts))}
+        while core.has_unfinished_requests:
+            for delta in core.step():
+                tokens[delta.request_id] += delta.new_token_ids
+                logprobs[delta.request_id] += [p.logprob for p in delta.new_logprobs]
+        assert core.stats().prefix_cache_hits > 0
+        order = [str(i) for i in range(len(prompts))]
+        return [tokens[i] for i in order], torch.tensor([x for i in order for x in logprobs[i]])
+
+    expected_tokens, expected_logprobs = greedy("torch")  # first: the emulated run patches the lookup
+    tokens, logprobs = greedy(backend_name)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=1e-4)
