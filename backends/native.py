@@ -56,40 +56,49 @@ def ptr(tensor: torch.Tensor, kind: str = "void *"):
     return ffi().cast(kind, tensor.data_ptr())
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ValueError(message)
-
-
 def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, ndim: int) -> None:
-    _require(t.dtype == dtype, f"{name} must be {dtype}; got {t.dtype}")
-    _require(t.device == device, f"{name} must be on {device}; got {t.device}")
-    _require(t.dim() == ndim, f"{name} must have {ndim} dimensions; got shape {tuple(t.shape)}")
-    _require(t.is_contiguous(), f"{name} must be contiguous")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}; got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}; got {t.device}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions; got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
 
+
+# The checks below run for every layer of every step: each message is formatted only when
+# its check fails.
 
 def attention_shape(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
                     dtypes: tuple[torch.dtype, ...]):
     """Check everything ``*_attention`` assumes; return the filled ``pa_shape``."""
     device = query.device
-    _require(query.dtype in dtypes, f"query dtype {query.dtype} is not supported here (supported: {dtypes})")
+    if query.dtype not in dtypes:
+        raise ValueError(f"query dtype {query.dtype} is not supported here (supported: {dtypes})")
     _check_tensor("query", query, query.dtype, device, 3)
     _check_tensor("out", out, query.dtype, device, 3)
-    _require(out.shape == query.shape, f"out shape {tuple(out.shape)} differs from query {tuple(query.shape)}")
+    if out.shape != query.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} differs from query {tuple(query.shape)}")
     _check_tensor("kv_cache", kv_cache, query.dtype, device, 5)
     num_tokens, num_heads, head_size = query.shape
-    _, num_blocks, block_size, num_kv_heads, cache_head = kv_cache.shape
-    _require(kv_cache.shape[0] == 2, "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size]")
-    _require(cache_head == head_size, f"kv_cache head_size {cache_head} differs from query's {head_size}")
-    _require(num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    kv_parts, num_blocks, block_size, num_kv_heads, cache_head = kv_cache.shape
+    if kv_parts != 2:
+        raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size]")
+    if cache_head != head_size:
+        raise ValueError(f"kv_cache head_size {cache_head} differs from query's {head_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     num_seqs = meta.seq_lens.shape[0]
     _check_tensor("query_start_loc", meta.query_start_loc, torch.int32, device, 1)
     _check_tensor("seq_lens", meta.seq_lens, torch.int32, device, 1)
     _check_tensor("block_tables", meta.block_tables, torch.int32, device, 2)
-    _require(meta.query_start_loc.shape[0] == num_seqs + 1, "query_start_loc must have num_seqs + 1 entries")
-    _require(meta.block_tables.shape[0] == num_seqs, "block_tables must have one row per sequence")
-    _require(meta.max_seq_len <= meta.block_tables.shape[1] * block_size,
-             "max_seq_len exceeds what block_tables can address")
+    if meta.query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError("query_start_loc must have num_seqs + 1 entries")
+    if meta.block_tables.shape[0] != num_seqs:
+        raise ValueError("block_tables must have one row per sequence")
+    if meta.max_seq_len > meta.block_tables.shape[1] * block_size:
+        raise ValueError("max_seq_len exceeds what block_tables can address")
     return _shape(num_tokens, num_seqs, num_heads, num_kv_heads, head_size, block_size, num_blocks,
                   meta.block_tables.shape[1], meta.max_query_len, meta.max_seq_len, DTYPE_CODES[query.dtype])
 
@@ -98,24 +107,26 @@ def write_kv_shape(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
                    dtypes: tuple[torch.dtype, ...]):
     """Check everything ``*_write_kv`` assumes; return the filled ``pa_shape``."""
     device = key.device
-    _require(key.dtype in dtypes, f"key dtype {key.dtype} is not supported here (supported: {dtypes})")
-    for name, t in (("key", key), ("value", value)):
-        _check_tensor(name, t, key.dtype, device, 3)
-    _require(value.shape == key.shape, "key and value shapes differ")
+    if key.dtype not in dtypes:
+        raise ValueError(f"key dtype {key.dtype} is not supported here (supported: {dtypes})")
+    _check_tensor("key", key, key.dtype, device, 3)
+    _check_tensor("value", value, key.dtype, device, 3)
+    if value.shape != key.shape:
+        raise ValueError("key and value shapes differ")
     _check_tensor("kv_cache", kv_cache, key.dtype, device, 5)
     _check_tensor("slot_mapping", slot_mapping, torch.int64, device, 1)
-    _require(slot_mapping.shape[0] == key.shape[0], "slot_mapping needs one slot per token")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError("slot_mapping needs one slot per token")
     _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-    _require(tuple(key.shape[1:]) == (num_kv_heads, head_size), "key rows do not match the cache's [num_kv_heads, head_size]")
+    if key.shape[1:] != (num_kv_heads, head_size):
+        raise ValueError("key rows do not match the cache's [num_kv_heads, head_size]")
     return _shape(key.shape[0], 0, num_kv_heads, num_kv_heads, head_size, block_size, num_blocks, 0, 0, 0,
                   DTYPE_CODES[key.dtype])
 
 
 def _shape(*values: int):
-    shape = ffi().new("pa_shape *")
-    (shape.num_tokens, shape.num_seqs, shape.num_heads, shape.num_kv_heads, shape.head_size, shape.block_size,
-     shape.num_blocks, shape.max_blocks_per_seq, shape.max_query_len, shape.max_seq_len, shape.dtype) = values
-    return shape
+    """A ``pa_shape`` from its fields in declaration order (num_tokens ... dtype)."""
+    return ffi().new("pa_shape *", values)
 
 
 def check_rc(rc: int, lib, prefix: str, what: str) -> None:
