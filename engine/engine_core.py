@@ -170,7 +170,7 @@ class EngineCore:
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """The device work of a step; touches no scheduler state, so it may run in a worker thread."""
-        tables = {c.request.request_id: self.block_manager.block_ids(c.request.request_id) for c in plan.chunks}
+        tables = {c.request.request_id: self.block_manager.owned_blocks(c.request.request_id) for c in plan.chunks}
         return self.runner.execute(plan, tables)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[TokenDelta]:

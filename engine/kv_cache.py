@@ -70,6 +70,15 @@ class BlockManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._owned.get(request_id, ())]
 
+    def owned_blocks(self, request_id: str) -> list[KVBlock]:
+        """The request's blocks in order: the manager's own list, not a copy (do not modify it).
+
+        While the request holds blocks the list only grows; once they are freed (finish,
+        abort, preemption) a later allocation starts a new list. So a reader that remembers
+        the list and how much of it it has seen can pick up just the new blocks.
+        """
+        return self._owned.get(request_id, [])
+
     # ---- prefix cache ----
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
