@@ -44,6 +44,7 @@ struct alignas(16) uint4 {
 struct alignas(8) uint2 {
     unsigned x, y;
 };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 using cudaError_t = int;
 using cudaStream_t = void*;

@@ -79,19 +79,28 @@ template <> __device__ __forceinline__ float unpack<__half>(const uint4& raw, in
     return __half2float(__ushort_as_half(static_cast<unsigned short>(word(raw, i / 2) >> (16 * (i % 2)))));
 }
 
-// Loads this lane's part of a row as floats with 16-byte loads.
+// This lane's 16-byte vectors of a row (the raw bits; see RowSplit for which ones).
 template <typename T, int HEAD_SIZE>
-__device__ __forceinline__ void load_slice(const T* row, int slice, float (&dst)[RowSplit<T, HEAD_SIZE>::ELEMS]) {
+__device__ __forceinline__ void fetch_slice(const T* row, int slice, uint4 (&raw)[RowSplit<T, HEAD_SIZE>::VECS_PER_LANE]) {
     using S = RowSplit<T, HEAD_SIZE>;
 #pragma unroll
     for (int v = 0; v < S::VECS_PER_LANE; ++v) {
         const uint4* src = reinterpret_cast<const uint4*>(row + (v * S::LANES_PER_KEY + slice) * S::VEC);
 #ifdef PA_CUDA_HOST_EMULATION
-        pa_emu::check_aligned(src, "load_slice");
+        pa_emu::check_aligned(src, "fetch_slice");
 #endif
-        const uint4 raw = *src;
+        raw[v] = *src;
+    }
+}
+
+template <typename T, int HEAD_SIZE>
+__device__ __forceinline__ void unpack_slice(const uint4 (&raw)[RowSplit<T, HEAD_SIZE>::VECS_PER_LANE],
+                                             float (&dst)[RowSplit<T, HEAD_SIZE>::ELEMS]) {
+    using S = RowSplit<T, HEAD_SIZE>;
 #pragma unroll
-        for (int i = 0; i < S::VEC; ++i) dst[v * S::VEC + i] = unpack<T>(raw, i);
+    for (int v = 0; v < S::VECS_PER_LANE; ++v) {
+#pragma unroll
+        for (int i = 0; i < S::VEC; ++i) dst[v * S::VEC + i] = unpack<T>(raw[v], i);
     }
 }
 
@@ -143,7 +152,9 @@ attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __re
     float q[GROUP][S::ELEMS], acc[GROUP][S::ELEMS], m[GROUP], l[GROUP];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-        load_slice<T, HEAD_SIZE>(query + ((int64_t)token * d.num_heads + kv_head * GROUP + g) * HEAD_SIZE, slice, q[g]);
+        uint4 raw[S::VECS_PER_LANE];
+        fetch_slice<T, HEAD_SIZE>(query + ((int64_t)token * d.num_heads + kv_head * GROUP + g) * HEAD_SIZE, slice, raw);
+        unpack_slice<T, HEAD_SIZE>(raw, q[g]);
         m[g] = -INFINITY;
         l[g] = 0.f;
 #pragma unroll
@@ -154,21 +165,31 @@ attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __re
     }
 
     const int32_t* table = block_tables + (int64_t)seq * d.max_blocks_per_seq;
-    // Every lane of a warp runs the same iterations (the shuffles need the whole warp); a
-    // lane group whose key is past the end computes on zeros and discards the result.
-    for (int first = k_begin + warp * S::KEYS_PER_WARP; first < k_end; first += NUM_STATES) {
-        const int j = first + lane / S::LANES_PER_KEY;
-        const bool valid = j < k_end;
-        float k[S::ELEMS], v[S::ELEMS];
-        if (valid) {
+    // This lane group's K and V vectors of key j, or zeros past the partition's end.
+    uint4 k_raw[S::VECS_PER_LANE], v_raw[S::VECS_PER_LANE];
+    auto fetch_key = [&](int j) {
+        if (j < k_end) {
             const int64_t block = table[j / d.block_size];
             const T* k_row = kv_cache + ((block * d.block_size + j % d.block_size) * d.num_kv_heads + kv_head) * HEAD_SIZE;
-            load_slice<T, HEAD_SIZE>(k_row, slice, k);
-            load_slice<T, HEAD_SIZE>(k_row + d.kv_half, slice, v);
+            fetch_slice<T, HEAD_SIZE>(k_row, slice, k_raw);
+            fetch_slice<T, HEAD_SIZE>(k_row + d.kv_half, slice, v_raw);
         } else {
 #pragma unroll
-            for (int e = 0; e < S::ELEMS; ++e) k[e] = v[e] = 0.f;
+            for (int v = 0; v < S::VECS_PER_LANE; ++v) k_raw[v] = v_raw[v] = make_uint4(0, 0, 0, 0);
         }
+    };
+    // Every lane of a warp runs the same iterations (the shuffles need the whole warp); a
+    // lane group whose key is past the end computes on zeros and discards the result. The
+    // next step's rows are requested before this step's arithmetic, so each warp keeps two
+    // steps of loads in flight.
+    const int first_key = k_begin + warp * S::KEYS_PER_WARP + lane / S::LANES_PER_KEY;
+    fetch_key(first_key);
+    for (int j = first_key; j - lane / S::LANES_PER_KEY < k_end; j += NUM_STATES) {
+        const bool valid = j < k_end;
+        float k[S::ELEMS], v[S::ELEMS];
+        unpack_slice<T, HEAD_SIZE>(k_raw, k);
+        unpack_slice<T, HEAD_SIZE>(v_raw, v);
+        fetch_key(j + NUM_STATES);
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
             float s = 0.f;
