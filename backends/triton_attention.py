@@ -1,9 +1,12 @@
 """The ``triton`` backend: unified varlen paged attention and the cache write, in Triton.
 
-One program per (query token, KV head): it holds the GQA group's query heads as the rows of
-a tile (padded to 16 for ``tl.dot``), walks the sequence's cache blocks up to its causal
-limit, and keeps an online softmax per row. CI runs it on the CPU under
-``TRITON_INTERPRET=1`` (which must be set before triton is imported).
+One program per (query token, KV head, key split): it holds the GQA group's query heads as
+the rows of a tile (padded to 16 for ``tl.dot``), walks its share of the sequence's cache
+blocks up to the causal limit, and keeps an online softmax per row. When the batch alone
+would give the GPU too few programs (a few sequences decoding long contexts), the keys are
+split and a second kernel merges the splits' (max, sum, acc) partials by log-sum-exp. CI
+runs it on the CPU under ``TRITON_INTERPRET=1`` (which must be set before triton is
+imported).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import triton.language as tl
 from backends.base import AttentionMetadata
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
+MIN_PROGRAMS = 512  # split the keys when (tokens x KV heads) is below this...
+MIN_SPLIT_KEYS = 128  # ...but never into splits shorter than this
 
 
 @triton.jit
@@ -31,12 +36,13 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, kv_half, ROW: tl.c
 
 
 @triton.jit
-def _attention_kernel(out_ptr, q_ptr, cache_ptr, token_seq_ptr, qsl_ptr, seq_lens_ptr, tables_ptr, scale, kv_half,
-                      max_blocks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                      GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      IEEE: tl.constexpr):
+def _attention_kernel(out_ptr, partial_ptr, q_ptr, cache_ptr, token_seq_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
+                      scale, kv_half, max_blocks, split_blocks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(token_seq_ptr + token)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
@@ -52,7 +58,9 @@ def _attention_kernel(out_ptr, q_ptr, cache_ptr, token_seq_ptr, qsl_ptr, seq_len
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_SIZE], dtype=tl.float32)
-    for b in range(0, tl.cdiv(visible, BLOCK_SIZE)):
+    first_block = split * split_blocks
+    end_block = tl.minimum(tl.cdiv(visible, BLOCK_SIZE), first_block + split_blocks)
+    for b in range(first_block, end_block):
         block = tl.load(tables_ptr + seq * max_blocks + b).to(tl.int64)
         key_mask = b * BLOCK_SIZE + offs_k < visible
         kv_offs = ((block * BLOCK_SIZE + offs_k[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_SIZE + offs_d[None, :]
@@ -72,8 +80,30 @@ def _attention_kernel(out_ptr, q_ptr, cache_ptr, token_seq_ptr, qsl_ptr, seq_len
         else:
             acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    result = acc / l[:, None]
-    tl.store(out_ptr + q_offs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    if SPLIT:  # partials [token, head, split, 2 + HEAD_SIZE]: max, sum, unnormalized acc
+        num_splits = tl.num_programs(2)
+        rows = ((token * NUM_HEADS + kv_head * GROUP + offs_g) * num_splits + split) * (HEAD_SIZE + 2)
+        tl.store(partial_ptr + rows, m, mask=row_mask)
+        tl.store(partial_ptr + rows + 1, l, mask=row_mask)
+        tl.store(partial_ptr + rows[:, None] + 2 + offs_d[None, :], acc, mask=row_mask[:, None])
+    else:
+        result = acc / l[:, None]
+        tl.store(out_ptr + q_offs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+@triton.jit
+def _merge_kernel(out_ptr, partial_ptr, num_splits, HEAD_SIZE: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    row = tl.program_id(0)  # token * num_heads + head
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_SIZE)
+    split_mask = offs_s < num_splits
+    base = (row * num_splits + offs_s) * (HEAD_SIZE + 2)
+    m = tl.load(partial_ptr + base, mask=split_mask, other=float("-inf"))
+    l = tl.load(partial_ptr + base + 1, mask=split_mask, other=0.0)
+    acc = tl.load(partial_ptr + base[:, None] + 2 + offs_d[None, :], mask=split_mask[:, None], other=0.0)
+    weight = tl.exp(m - tl.max(m, axis=0))  # 0 for empty splits (m = -inf); split 0 is never empty
+    result = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+    tl.store(out_ptr + row * HEAD_SIZE + offs_d, result.to(out_ptr.dtype.element_ty))
 
 
 class TritonAttentionBackend:
@@ -100,9 +130,32 @@ class TritonAttentionBackend:
             lengths = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
             token_seq = meta.scratch["triton_token_seq"] = torch.repeat_interleave(
                 torch.arange(meta.num_seqs, device=query.device, dtype=torch.int32), lengths)
-        _attention_kernel[(num_tokens, num_kv_heads)](
-            out, query.contiguous(), kv_cache, token_seq, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            scale, kv_cache[0].numel(), meta.block_tables.shape[1], NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
-            GROUP=group, GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_SIZE=head_size,
-            BLOCK_SIZE=block_size, IEEE=query.dtype == torch.float32)
+        num_splits, split_blocks = _splits(num_tokens * num_kv_heads, meta.max_seq_len, block_size)
+        partials = out  # unused without splits
+        if num_splits > 1:  # shared by every layer of the step
+            partials = meta.scratch.get("triton_partials")
+            if partials is None:
+                partials = meta.scratch["triton_partials"] = torch.empty(
+                    (num_tokens, num_heads, num_splits, head_size + 2), dtype=torch.float32, device=query.device)
+        _attention_kernel[(num_tokens, num_kv_heads, num_splits)](
+            out, partials, query.contiguous(), kv_cache, token_seq, meta.query_start_loc, meta.seq_lens,
+            meta.block_tables, scale, kv_cache[0].numel(), meta.block_tables.shape[1], split_blocks,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
+            GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
+            IEEE=query.dtype == torch.float32, SPLIT=num_splits > 1)
+        if num_splits > 1:
+            _merge_kernel[(num_tokens * num_heads,)](out, partials, num_splits, HEAD_SIZE=head_size,
+                                                    SPLITS_PAD=triton.next_power_of_2(num_splits))
         return out
+
+
+def _splits(num_programs: int, max_seq_len: int, block_size: int) -> tuple[int, int]:
+    """(number of key splits, cache blocks per split) for a batch of ``num_programs``
+    (token, KV head) pairs: enough splits to reach ``MIN_PROGRAMS`` programs, none shorter
+    than ``MIN_SPLIT_KEYS`` keys."""
+    num_blocks = triton.cdiv(max_seq_len, block_size)
+    wanted = triton.cdiv(MIN_PROGRAMS, num_programs)
+    most = max(1, max_seq_len // MIN_SPLIT_KEYS)
+    num_splits = max(1, min(wanted, most))
+    split_blocks = triton.cdiv(num_blocks, num_splits)
+    return triton.cdiv(num_blocks, split_blocks), split_blocks

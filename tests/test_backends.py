@@ -45,6 +45,7 @@ INTERPRETER_CASES = {
     "prefill": [(0, 1), (0, 9)],
     "mixed": [(20, 1), (0, 7), (33, 1)],
     "chunked": [(20, 5), (0, 3)],
+    "long": [(300, 1), (0, 3), (150, 2)],  # key splits merged by a second kernel
 }
 # The emulated CUDA library runs every CUDA thread as a fiber: full cases but a shorter "long".
 EMULATION_CASES = {**CASES, "long": [(1100, 8), (0, 1), (2000, 1)]}
@@ -160,6 +161,15 @@ def test_explicit_backends_that_cannot_run_say_why():
             get_backend("cuda", "cpu")
     with pytest.raises(BackendUnavailableError, match="cpu backend runs on CPU"):
         get_backend("cpu", "cuda")
+
+
+def test_triton_splits_keys_only_when_the_batch_is_small():
+    from backends.triton_attention import _splits
+
+    assert _splits(1024, 4096, 16) == (1, 256)  # the batch fills the GPU: one program per row
+    assert _splits(3, 4096, 16) == (32, 8)  # one long decode: 32 splits of 128 keys
+    assert _splits(6, 301, 16) == (2, 10)  # never shorter than 128 keys
+    assert _splits(6, 100, 16) == (1, 7)
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
