@@ -33,7 +33,10 @@ timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_backen
   | tee "$OUT/backend_tests.log" | tail -15 || status=1
 
 step "kernel benchmark: bfloat16 (copy bandwidth measured in the same run)"
-timeout 150 $PY bench/kernels.py --backends torch,cuda,triton --dtype bfloat16 2>&1 | tee "$OUT/kernels.log" || status=1
+for shape in smollm2-135m llama-3-8b; do
+  timeout 120 $PY bench/kernels.py --backends torch,cuda,triton --dtype bfloat16 --shape "$shape" 2>&1 \
+    | tee -a "$OUT/kernels.log" || status=1
+done
 
 step "engine throughput on dummy weights (SmolLM2-135M shape, bf16)"
 for backend in cuda triton; do

@@ -5,7 +5,7 @@ achieved bandwidth (bytes of K/V read / time) and speed-up over the torch refere
 same run; on CPU also the fraction of the memory bandwidth a large copy reaches in the
 same run.
 
-    python bench/kernels.py [--backends torch,cpu] [--dtype float32] [--quick]
+    python bench/kernels.py [--backends torch,cpu] [--dtype float32] [--shape smollm2-135m] [--quick]
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from backends import get_backend  # noqa: E402
 from backends.base import AttentionMetadata, BackendUnavailableError  # noqa: E402
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M
+# (query heads, KV heads, head size): the default model's, and a larger model's rows
+SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3-8b": (32, 8, 128)}
+BLOCK_SIZE = 16
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (128, 1024, 4096)
 
@@ -52,18 +54,20 @@ def memory_bandwidth(device: str) -> float:
     return 2 * src.numel() * 4 / seconds
 
 
-def make_case(num_seqs: int, context: int, query_len: int, dtype: torch.dtype, device: str):
+def make_case(num_seqs: int, context: int, query_len: int, dtype: torch.dtype, device: str,
+              shape: str = "smollm2-135m"):
+    num_heads, num_kv_heads, head_size = SHAPES[shape]
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
-    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype, device=device)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype, device=device)
     tables = torch.randperm(num_blocks, device=device).view(num_seqs, blocks_per_seq).to(torch.int32)
     starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * query_len
     meta = AttentionMetadata(query_start_loc=starts,
                              seq_lens=torch.full((num_seqs,), context, dtype=torch.int32, device=device),
                              block_tables=tables, slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
                              max_query_len=query_len, max_seq_len=context)
-    query = torch.randn(num_seqs * query_len, NUM_HEADS, HEAD_SIZE, dtype=dtype, device=device)
-    kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_SIZE * cache.element_size()
+    query = torch.randn(num_seqs * query_len, num_heads, head_size, dtype=dtype, device=device)
+    kv_bytes = 2 * num_seqs * context * num_kv_heads * head_size * cache.element_size()
     return query, cache, meta, kv_bytes
 
 
@@ -77,19 +81,21 @@ def run(args) -> None:
         except BackendUnavailableError as exc:
             print(f"skipping {name}: {exc}")
     bandwidth = memory_bandwidth(device)
-    print(f"device {device}, dtype {args.dtype}, copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    num_heads, num_kv_heads, head_size = SHAPES[args.shape]
+    print(f"device {device}, dtype {args.dtype}, {args.shape} ({num_heads} query heads, {num_kv_heads} KV heads, "
+          f"head size {head_size}), copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     print(f"{'case':>22} {'backend':>8} {'time ms':>10} {'GB/s':>8} {'% copy bw':>9} {'vs torch':>9}")
     batches = (1, 32) if args.quick else BATCHES
     contexts = (1024,) if args.quick else CONTEXTS
     cases = [(f"decode b={b} ctx={c}", b, c, 1) for b in batches for c in contexts]
     cases.append(("prefill 4 x 512", 4, 512, 512))
     for label, num_seqs, context, query_len in cases:
-        query, cache, meta, kv_bytes = make_case(num_seqs, context, query_len, dtype, device)
+        query, cache, meta, kv_bytes = make_case(num_seqs, context, query_len, dtype, device, args.shape)
         out = torch.empty_like(query)
         baseline = None
         for name, backend in backends.items():
             meta.scratch.clear()
-            seconds = timeit(lambda: backend.attend(query, cache, meta, HEAD_SIZE**-0.5, out), device)
+            seconds = timeit(lambda: backend.attend(query, cache, meta, head_size**-0.5, out), device)
             baseline = seconds if name == "torch" else baseline
             ratio = f"{baseline / seconds:8.1f}x" if baseline else "       -"
             rate = kv_bytes / seconds
@@ -101,5 +107,6 @@ if __name__ == "__main__":
     default = "torch,cpu" if not torch.cuda.is_available() else "torch,cuda,triton"
     parser.add_argument("--backends", default=default, help="comma-separated, torch first (the baseline)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--quick", action="store_true", help="a few cases only")
     run(parser.parse_args())
