@@ -3,7 +3,8 @@
 # needing only the project and, if that machine lacks them, wheels in .whl/ (cffi,
 # pycparser: see bench/README.md). Builds the CUDA library, runs the cuda and triton
 # backend tests on the GPU, the kernel benchmark (with a device-copy bandwidth baseline
-# measured in the same run), and the engine on dummy weights; prints every figure.
+# measured in the same run), the engine on dummy weights, and last a compute-sanitizer
+# memcheck of the CUDA kernels; prints every figure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -43,4 +44,11 @@ for backend in cuda triton; do
   timeout 90 $PY bench/engine_throughput.py --backend "$backend" --num-requests 256 --prompt-len 512 \
     --output-len 128 2>&1 | tail -1 | tee -a "$OUT/engine.log" || status=1
 done
+step "memcheck: the CUDA kernels under compute-sanitizer on a few cases (where the runtime allows it)"
+if command -v compute-sanitizer >/dev/null; then
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 $PY -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/test_backends.py -k "reference and cuda and not emulated and fp32 and 16-64-9-3" 2>&1 | tail -15 \
+    | tee "$OUT/memcheck.log"
+  echo "memcheck exit status: ${PIPESTATUS[0]} (9 = errors found; other failures may mean the runtime has no sanitizer support)"
+fi
 exit $status
