@@ -100,9 +100,23 @@ def build_batch(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, dev
                 meta=meta)
 
 
+def guarded(shape, dtype, device, fill=0.0):
+    """A contiguous tensor of ``shape`` with NaN slabs right before and after it in memory, so
+    that a kernel reading past either end (nothing else checks raw pointers) gets NaN into its
+    output, and one writing there is caught by ``guards_intact``."""
+    storage = torch.full((shape[0] + 2, *shape[1:]), float("nan"), dtype=dtype, device=device)
+    inner = storage[1:-1]
+    inner.fill_(fill)
+    return inner, storage
+
+
+def guards_intact(storage) -> bool:
+    return bool(storage[0].isnan().all() and storage[-1].isnan().all())
+
+
 def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device):
-    cache = torch.zeros(backend.kv_cache_shape(batch["num_blocks"], block_size, num_kv_heads, head_size),
-                        dtype=dtype, device=device)
+    shape = backend.kv_cache_shape(batch["num_blocks"], block_size, num_kv_heads, head_size)
+    cache, cache_storage = guarded(shape, dtype, device)
     for k, v, s in batch["prefix"]:
         if len(s):
             backend.write_kv(k, v, cache, s)
@@ -111,8 +125,12 @@ def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, devi
     backend.write_kv(torch.cat([batch["key"], pad_k]), torch.cat([batch["value"], pad_k]), cache,
                      torch.cat([batch["meta"].slot_mapping, torch.tensor([-1], device=device)]))
     assert not (cache == 4096.0).any()
-    out = torch.empty_like(batch["query"])
-    backend.attend(batch["query"], cache, batch["meta"], head_size**-0.5, out)
+    query, query_storage = guarded(batch["query"].shape, dtype, device)
+    query.copy_(batch["query"])
+    out, out_storage = guarded(batch["query"].shape, dtype, device, fill=float("nan"))
+    backend.attend(query, cache, batch["meta"], head_size**-0.5, out)
+    assert guards_intact(cache_storage) and guards_intact(query_storage) and guards_intact(out_storage)
+    assert not out.isnan().any()  # every row written, nothing read from outside the tensors
     return out, cache
 
 
