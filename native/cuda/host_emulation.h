@@ -3,12 +3,13 @@
 //
 // Compiled only when PA_CUDA_HOST_EMULATION is defined (tests build the .cu file as C++ with
 // it). Each CTA runs on its own: every CUDA thread is a fiber scheduled cooperatively in one
-// OS thread (a six-register stack switch on x86-64, ucontext elsewhere); a fiber runs until it reaches a warp-level exchange
-// (__shfl_xor_sync, __syncwarp) or __syncthreads, and a barrier releases only when every
-// thread it names has arrived. A barrier that can never be released (divergent
-// __syncthreads, a lane that left the warp before a full-mask shuffle), a launch outside
-// CUDA's limits, or a misaligned vector load is reported through cudaGetLastError, as the
-// device would. Not emulated: concurrency between CTAs, memory ordering, timing.
+// OS thread (a six-register stack switch on x86-64, ucontext elsewhere); a fiber runs until
+// it reaches a warp-level exchange (__shfl_xor_sync, __syncwarp) or __syncthreads, and a
+// barrier releases only when every thread it names has arrived. A barrier that can never be
+// released (divergent __syncthreads, a lane that left the warp before a full-mask shuffle),
+// a launch outside CUDA's limits, or a misaligned vector load is reported through
+// cudaGetLastError, as the device would. Not emulated: concurrency between CTAs, memory
+// ordering, timing, and bounds (a wild read just reads the host's memory).
 #pragma once
 
 #include <ucontext.h>
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -86,9 +88,9 @@ inline __half __ushort_as_half(unsigned short bits) {
 
 namespace pa_emu {
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(PA_EMU_UCONTEXT)  // PA_EMU_UCONTEXT: test the portable path
 // Saves the callee-saved registers on the current stack, stores its pointer in *save and
-// continues on `load` (a stack saved the same way, or prepared by prepare_stack).
+// continues on `load` (a stack saved the same way, or set up by prepare_context).
 extern "C" void pa_emu_switch(void** save, void* load);
 asm(R"(
     .text
@@ -117,8 +119,8 @@ struct Context {
     void* sp = nullptr;
 };
 inline void switch_context(Context* from, Context* to) { pa_emu_switch(&from->sp, to->sp); }
-inline void prepare_context(Context* c, std::vector<char>& stack, void (*entry)(), Context*) {
-    auto top = (reinterpret_cast<uintptr_t>(stack.data() + stack.size())) & ~uintptr_t(15);
+inline void prepare_context(Context* c, char* stack, size_t size, void (*entry)(), Context*) {
+    auto top = (reinterpret_cast<uintptr_t>(stack + size)) & ~uintptr_t(15);
     auto* slots = reinterpret_cast<void**>(top);
     slots[-1] = nullptr;                           // entry never returns; keeps the ABI's alignment
     slots[-2] = reinterpret_cast<void*>(entry);    // where the first switch's `ret` lands
@@ -130,10 +132,10 @@ struct Context {
     ucontext_t uc;
 };
 inline void switch_context(Context* from, Context* to) { swapcontext(&from->uc, &to->uc); }
-inline void prepare_context(Context* c, std::vector<char>& stack, void (*entry)(), Context* link) {
+inline void prepare_context(Context* c, char* stack, size_t size, void (*entry)(), Context* link) {
     getcontext(&c->uc);
-    c->uc.uc_stack.ss_sp = stack.data();
-    c->uc.uc_stack.ss_size = stack.size();
+    c->uc.uc_stack.ss_sp = stack;
+    c->uc.uc_stack.ss_size = size;
     c->uc.uc_link = &link->uc;
     makecontext(&c->uc, entry, 0);
 }
@@ -141,9 +143,11 @@ inline void prepare_context(Context* c, std::vector<char>& stack, void (*entry)(
 
 enum class State { kRunnable, kWarpBarrier, kBlockBarrier, kDone };
 
+constexpr size_t kStackBytes = 128 * 1024;
+
 struct Fiber {
     Context context;
-    std::vector<char> stack;
+    std::unique_ptr<char[]> stack{new char[kStackBytes]};  // left uninitialized: no 16 MB memset per launch
     State state = State::kRunnable;
     uint3 thread_idx{};
     unsigned exchanges = 0;  // warp exchanges so far: picks the half of the exchange buffer
@@ -237,13 +241,11 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
                std::to_string(grid.z) + ", block of " + std::to_string(threads) + " threads)");
         return;
     }
-    constexpr size_t kStack = 256 * 1024;
     Cta c;
     c.grid_dim = grid;
     c.block_dim = block;
     c.fibers.resize(threads);
     c.exchange.assign(2 * threads, 0);
-    for (Fiber& f : c.fibers) f.stack.resize(kStack);
     c.body = [&] { kernel(args...); };
     Cta* saved = cta();
     cta() = &c;
@@ -259,7 +261,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
                             f.state = State::kRunnable;
                             f.thread_idx = {tx, ty, tz};
                             f.exchanges = 0;
-                            prepare_context(&f.context, f.stack, trampoline, &c.scheduler);
+                            prepare_context(&f.context, f.stack.get(), kStackBytes, trampoline, &c.scheduler);
                         }
                 if (!run_cta(c)) {
                     cta() = saved;
