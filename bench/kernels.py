@@ -45,12 +45,36 @@ def timeit(fn, device: str, min_time: float = 0.3, max_iters: int = 50) -> float
     return (time.perf_counter() - start) / iters
 
 
+def device_time(fn, iters: int = 20) -> float | None:
+    """Seconds per call on the GPU alone: ``fn`` captured once in a CUDA graph and replayed,
+    timed with events, so that host overhead (a few us of Python per call) is left out.
+    None if ``fn`` cannot be captured (e.g. it synchronizes)."""
+    try:
+        fn()  # warm-up: allocations and compilations happen outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return None
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
 def memory_bandwidth(device: str) -> float:
     """Bytes/s of a large copy (read + write), measured now."""
     n = (512 << 20) // 4
     src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    seconds = timeit(lambda: dst.copy_(src), device, max_iters=10)
+    seconds = device_time(lambda: dst.copy_(src)) if device == "cuda" else None
+    seconds = seconds or timeit(lambda: dst.copy_(src), device, max_iters=10)
     return 2 * src.numel() * 4 / seconds
 
 
@@ -84,7 +108,8 @@ def run(args) -> None:
     num_heads, num_kv_heads, head_size = SHAPES[args.shape]
     print(f"device {device}, dtype {args.dtype}, {args.shape} ({num_heads} query heads, {num_kv_heads} KV heads, "
           f"head size {head_size}), copy bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'case':>22} {'backend':>8} {'time ms':>10} {'GB/s':>8} {'% copy bw':>9} {'vs torch':>9}")
+    print(f"{'case':>22} {'backend':>8} {'time ms':>10} {'GB/s':>8} {'% copy bw':>9} {'vs torch':>9}"
+          + ("  timing" if device == "cuda" else ""))
     batches = (1, 32) if args.quick else BATCHES
     contexts = (1024,) if args.quick else CONTEXTS
     cases = [(f"decode b={b} ctx={c}", b, c, 1) for b in batches for c in contexts]
@@ -95,11 +120,18 @@ def run(args) -> None:
         baseline = None
         for name, backend in backends.items():
             meta.scratch.clear()
-            seconds = timeit(lambda: backend.attend(query, cache, meta, head_size**-0.5, out), device)
+
+            def call():
+                backend.attend(query, cache, meta, head_size**-0.5, out)
+
+            seconds, how = (device_time(call), "  graph") if device == "cuda" else (None, "")
+            if seconds is None:  # on a GPU, host time per call bounds this for small cases
+                seconds, how = timeit(call, device), ("  host" if device == "cuda" else "")
             baseline = seconds if name == "torch" else baseline
             ratio = f"{baseline / seconds:8.1f}x" if baseline else "       -"
             rate = kv_bytes / seconds
-            print(f"{label:>22} {name:>8} {seconds * 1e3:10.3f} {rate / 1e9:8.1f} {100 * rate / bandwidth:8.0f}% {ratio}")
+            print(f"{label:>22} {name:>8} {seconds * 1e3:10.3f} {rate / 1e9:8.1f} {100 * rate / bandwidth:8.0f}%"
+                  f" {ratio}{how}")
 
 
 if __name__ == "__main__":
