@@ -135,3 +135,24 @@ def emulated_cuda(tmp_path_factory) -> EmulatedCudaBackend:
     spec.loader.exec_module(native_build)
     path = native_build.build_cuda_host_emulation(tmp_path_factory.mktemp("pa_cuda_emulated"))
     return EmulatedCudaBackend(native.ffi().dlopen(str(path)))
+
+
+@pytest.fixture(scope="session")
+def portable_cpu(tmp_path_factory):
+    """The cpu backend on its portable kernels (what a CPU without AVX2+FMA runs): a copy of
+    the library loaded with PA_CPU_ISA=portable, which it reads once, when it loads."""
+    import shutil
+
+    from backends.cpu import CpuAttentionBackend
+
+    path = tmp_path_factory.mktemp("pa_cpu_portable") / "libpa_cpu.so"
+    shutil.copy(native.LIB_DIR / "libpa_cpu.so", path)
+    os.environ["PA_CPU_ISA"] = "portable"
+    try:
+        lib = native.ffi().dlopen(str(path))
+    finally:
+        del os.environ["PA_CPU_ISA"]
+    backend = CpuAttentionBackend.__new__(CpuAttentionBackend)
+    backend._lib = lib
+    assert backend.isa == "portable"
+    return backend

@@ -27,7 +27,7 @@ from backends.base import AttentionMetadata, BackendUnavailableError
 from backends.reference import TorchAttentionBackend
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
-HALF_PRECISION = {"cpu": (torch.bfloat16,), "cuda": (torch.bfloat16, torch.float16),
+HALF_PRECISION = {"cpu": (torch.bfloat16,), "cpu-portable": (torch.bfloat16,), "cuda": (torch.bfloat16, torch.float16),
                   "triton": (torch.bfloat16, torch.float16), "cuda-emulated": (torch.bfloat16, torch.float16)}
 
 # (cached tokens, new tokens) per sequence
@@ -52,7 +52,7 @@ EMULATION_CASES = {**CASES, "long": [(1100, 8), (0, 1), (2000, 1)]}
 
 
 def runnable_backends() -> list[str]:
-    names = ["cpu"]
+    names = ["cpu", "cpu-portable"]
     if torch.cuda.is_available():
         names += ["cuda", "triton"]
     elif os.environ.get("TRITON_INTERPRET") == "1":
@@ -152,6 +152,8 @@ def test_backend_matches_reference(request, backend_name, case, block_size, head
         seqs = INTERPRETER_CASES[case]
     if backend_name == "cuda-emulated":
         backend, seqs = request.getfixturevalue("emulated_cuda"), EMULATION_CASES[case]
+    elif backend_name == "cpu-portable":
+        backend = request.getfixturevalue("portable_cpu")
     else:
         backend = get_backend(backend_name, device)
     batch = build_batch(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, device)

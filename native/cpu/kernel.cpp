@@ -41,30 +41,45 @@ inline void scale(float* __restrict y, float a, int n) {
     for (int i = 0; i < n; ++i) y[i] *= a;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp of eight values <= 0 (softmax numerators); below -87.3, and -inf, give 0.
+inline __m256 exp256_nonpositive(__m256 x) {
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), ln2_hi = _mm256_set1_ps(0.693359375f),
+                 ln2_lo = _mm256_set1_ps(-2.12194440e-4f), lowest = _mm256_set1_ps(-87.3f);
+    const __m256 v = _mm256_max_ps(x, lowest);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_fnmadd_ps(k, ln2_hi, v);
+    f = _mm256_fnmadd_ps(k, ln2_lo, f);  // f in [-ln2/2, ln2/2]
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
+    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
+    return _mm256_and_ps(r, _mm256_cmp_ps(x, lowest, _CMP_GE_OQ));
+}
+
+inline float hmax256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
 // x[i] = exp(x[i]) for x[i] <= 0 (softmax numerators); -inf gives 0.
 inline void exp_nonpositive(float* x, int n) {
     int i = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), ln2_hi = _mm256_set1_ps(0.693359375f),
-                 ln2_lo = _mm256_set1_ps(-2.12194440e-4f), lowest = _mm256_set1_ps(-87.3f);
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_max_ps(_mm256_loadu_ps(x + i), lowest);
-        __m256 k = _mm256_round_ps(_mm256_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256 f = _mm256_fnmadd_ps(k, ln2_hi, v);
-        f = _mm256_fnmadd_ps(k, ln2_lo, f);  // f in [-ln2/2, ln2/2]
-        __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3981999507e-3f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
-        p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
-        p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
-        __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-        __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(pow2));
-        // inputs below the clamp (or -inf) underflow to 0
-        r = _mm256_and_ps(r, _mm256_cmp_ps(_mm256_loadu_ps(x + i), lowest, _CMP_GE_OQ));
-        _mm256_storeu_ps(x + i, r);
-    }
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp256_nonpositive(_mm256_loadu_ps(x + i)));
 #endif
     for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
@@ -150,39 +165,210 @@ int64_t out_offset(const Problem& p, const WorkItem& w, int qi, int head) {
     return (token * p.s->num_heads + head) * p.s->head_size;
 }
 
-// One cache block's contribution to every row (query, head) of the item: scores, one rescale
-// of each row's running sums, then the weighted V accumulation (the flash-attention
-// recurrence). k and v point at the block's first token, KV head 0; rows are `stride` apart.
+// The online-softmax step of one row over `n` raw scores (q.k, times `scale` here): returns
+// the factor the row's accumulator must be multiplied by before this block's weighted V is
+// added, and leaves exp(score - new max) in `scores`.
+inline float softmax_step(float* scores, int n, float scale, float& m, float& l) {
+    float block_max = kNegInf;
+    for (int j = 0; j < n; ++j) {
+        scores[j] *= scale;
+        block_max = std::max(block_max, scores[j]);
+    }
+    const float m_new = std::max(m, block_max);
+    for (int j = 0; j < n; ++j) scores[j] -= m_new;
+    exp_nonpositive(scores, n);
+    float sum = 0.f;
+    for (int j = 0; j < n; ++j) sum += scores[j];
+    const float correction = m == kNegInf ? 0.f : std::exp(m - m_new);
+    l = l * correction + sum;
+    m = m_new;
+    return correction;
+}
+
+// One row at a time: scores, one rescale of the row's running sums, then the weighted V
+// accumulation (the flash-attention recurrence).
+void attend_rows_one_by_one(const Problem& p, Scratch& sc, const float* kh, const float* vh, int64_t stride,
+                            const int* rows, int num_rows, int visible) {
+    const int D = p.s->head_size;
+    float* scores = sc.scores.data();
+    for (int i = 0; i < num_rows; ++i) {
+        const int r = rows[i];
+        dots(&sc.q[static_cast<size_t>(r) * D], kh, stride, visible, D, scores);
+        float* acc = &sc.acc[static_cast<size_t>(r) * D];
+        const float correction = softmax_step(scores, visible, p.scale, sc.m[r], sc.l[r]);
+        if (correction != 1.f) scale(acc, correction, D);
+        weighted_sum(acc, scores, vh, stride, visible, D);
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// R rows (R <= kRowsPerPass) that see the same `visible` keys of a block, against one KV
+// head's keys transposed into `kt` (D x kp, zero past `visible`): every K and V vector
+// loaded serves all R rows, and the scores come out one key per lane, with no horizontal
+// sums. For prefill, where a work item holds many rows per KV head.
+template <int R>
+void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp, const float* vh, int64_t stride,
+                          const int* rows, int visible) {
+    const int D = p.s->head_size;
+    const float* q[R];
+    float* acc[R];
+    float* scores[R];
+    for (int i = 0; i < R; ++i) {
+        q[i] = &sc.q[static_cast<size_t>(rows[i]) * D];
+        acc[i] = &sc.acc[static_cast<size_t>(rows[i]) * D];
+        scores[i] = &sc.scores[static_cast<size_t>(i) * kp];
+    }
+    const __m256 scale_v = _mm256_set1_ps(p.scale);
+    for (int j0 = 0; j0 < visible; j0 += 16) {  // scores, 16 keys at a time
+        __m256 s[R][2];
+        for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm256_setzero_ps();
+        for (int d = 0; d < D; ++d) {
+            const __m256 k0 = _mm256_loadu_ps(kt + static_cast<size_t>(d) * kp + j0);
+            const __m256 k1 = _mm256_loadu_ps(kt + static_cast<size_t>(d) * kp + j0 + 8);
+            for (int i = 0; i < R; ++i) {
+                const __m256 qd = _mm256_broadcast_ss(q[i] + d);
+                s[i][0] = _mm256_fmadd_ps(qd, k0, s[i][0]);
+                s[i][1] = _mm256_fmadd_ps(qd, k1, s[i][1]);
+            }
+        }
+        for (int i = 0; i < R; ++i) {
+            _mm256_storeu_ps(scores[i] + j0, _mm256_mul_ps(s[i][0], scale_v));
+            _mm256_storeu_ps(scores[i] + j0 + 8, _mm256_mul_ps(s[i][1], scale_v));
+        }
+    }
+    // Online softmax, eight scores at a time; keys past `visible` count as -inf.
+    const int padded = (visible + 15) / 16 * 16;
+    const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), limit = _mm256_set1_ps(static_cast<float>(visible));
+    const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+    alignas(32) float m_old[8] = {}, m_new[8] = {};
+    float sums[R];
+    for (int i = 0; i < R; ++i) {
+        __m256 mx = neg_inf;
+        for (int j = 0; j < padded; j += 8) {
+            const __m256 inside = _mm256_cmp_ps(_mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(j))), limit, _CMP_LT_OQ);
+            const __m256 sv = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(scores[i] + j), inside);
+            _mm256_storeu_ps(scores[i] + j, sv);
+            mx = _mm256_max_ps(mx, sv);
+        }
+        m_old[i] = sc.m[rows[i]];
+        m_new[i] = std::max(m_old[i], hmax256(mx));
+        const __m256 mn = _mm256_set1_ps(m_new[i]);
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < padded; j += 8) {
+            const __m256 e = exp256_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores[i] + j), mn));
+            _mm256_storeu_ps(scores[i] + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        sums[i] = hsum256(sum);
+    }
+    // exp(m_old - m_new) for every row at once: 0 for a row with no keys yet (m_old = -inf)
+    alignas(32) float correction[8];
+    _mm256_store_ps(correction, exp256_nonpositive(_mm256_sub_ps(_mm256_load_ps(m_old), _mm256_load_ps(m_new))));
+    for (int i = 0; i < R; ++i) {
+        sc.l[rows[i]] = sc.l[rows[i]] * correction[i] + sums[i];
+        sc.m[rows[i]] = m_new[i];
+    }
+    for (int d = 0; d < D; d += 16) {  // weighted V, 16 dimensions of every row at a time
+        __m256 a[R][2];
+        for (int i = 0; i < R; ++i) {  // each row's running sum, rescaled to the new max
+            const __m256 c = _mm256_set1_ps(correction[i]);
+            a[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d), c);
+            a[i][1] = _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d + 8), c);
+        }
+        for (int j = 0; j < visible; ++j) {
+            const __m256 v0 = _mm256_loadu_ps(vh + j * stride + d);
+            const __m256 v1 = _mm256_loadu_ps(vh + j * stride + d + 8);
+            for (int i = 0; i < R; ++i) {
+                const __m256 w = _mm256_broadcast_ss(scores[i] + j);
+                a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(w, v1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < R; ++i) {
+            _mm256_storeu_ps(acc[i] + d, a[i][0]);
+            _mm256_storeu_ps(acc[i] + d + 8, a[i][1]);
+        }
+    }
+}
+
+// kt[d * kp + j] = k[j * stride + d] for j < count, 0 for count <= j < kp: 8 x 8 tiles
+// transposed in registers.
+void transpose_keys(const float* k, int64_t stride, int count, int D, int kp, float* kt) {
+    for (int j0 = 0; j0 < kp; j0 += 8) {
+        for (int d0 = 0; d0 < D; d0 += 8) {
+            __m256 r[8];
+            for (int t = 0; t < 8; ++t)
+                r[t] = j0 + t < count ? _mm256_loadu_ps(k + (j0 + t) * stride + d0) : _mm256_setzero_ps();
+            const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
+            const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
+            const __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
+            const __m256 a6 = _mm256_unpacklo_ps(r[6], r[7]), a7 = _mm256_unpackhi_ps(r[6], r[7]);
+            const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xee);
+            const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xee);
+            const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xee);
+            const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xee);
+            const __m256 out[8] = {_mm256_permute2f128_ps(b0, b4, 0x20), _mm256_permute2f128_ps(b1, b5, 0x20),
+                                   _mm256_permute2f128_ps(b2, b6, 0x20), _mm256_permute2f128_ps(b3, b7, 0x20),
+                                   _mm256_permute2f128_ps(b0, b4, 0x31), _mm256_permute2f128_ps(b1, b5, 0x31),
+                                   _mm256_permute2f128_ps(b2, b6, 0x31), _mm256_permute2f128_ps(b3, b7, 0x31)};
+            for (int t = 0; t < 8; ++t) _mm256_storeu_ps(kt + static_cast<size_t>(d0 + t) * kp + j0, out[t]);
+        }
+    }
+}
+
+void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp, const float* vh, int64_t stride,
+                          const int* rows, int num_rows, int visible) {
+    switch (num_rows) {
+        case 1: return attend_rows_together<1>(p, sc, kt, kp, vh, stride, rows, visible);
+        case 2: return attend_rows_together<2>(p, sc, kt, kp, vh, stride, rows, visible);
+        case 3: return attend_rows_together<3>(p, sc, kt, kp, vh, stride, rows, visible);
+        default: return attend_rows_together<4>(p, sc, kt, kp, vh, stride, rows, visible);
+    }
+}
+#endif
+
+// One cache block's contribution to every row (query, head) of the item, KV head by KV
+// head. k and v point at the block's first token, KV head 0; rows are `stride` apart.
 void attend_block(const Problem& p, const WorkItem& w, Scratch& sc, const float* k, const float* v, int64_t stride,
                   int k0, int count, int ctx) {
     const int D = p.s->head_size, H = p.s->num_heads, G = p.group;
-    float* scores = sc.scores.data();
-    for (int qi = w.q_begin; qi < w.q_end; ++qi) {
-        const int visible = std::min(count, ctx + qi + 1 - k0);  // causal limit within this block
-        if (visible <= 0) continue;
-        for (int head = 0; head < H; ++head) {
-            const int r = (qi - w.q_begin) * H + head;
-            const float* q = &sc.q[static_cast<size_t>(r) * D];
-            const float* kh = k + (head / G) * D;
-            const float* vh = v + (head / G) * D;
-            dots(q, kh, stride, visible, D, scores);
-            float block_max = kNegInf;
-            for (int j = 0; j < visible; ++j) {
-                scores[j] *= p.scale;
-                block_max = std::max(block_max, scores[j]);
+#if defined(__AVX2__) && defined(__FMA__)
+    // Prefill: transposing this block's keys pays off once several rows share them.
+    const bool together = (w.q_end - w.q_begin) * G >= kRowsPerPass && D % 16 == 0;
+    const int kp = padded_keys(p.s->block_size);
+#endif
+    int rows[kRowsPerPass];
+    for (int kv_head = 0; kv_head < p.s->num_kv_heads; ++kv_head) {
+        const float* kh = k + kv_head * D;
+        const float* vh = v + kv_head * D;
+#if defined(__AVX2__) && defined(__FMA__)
+        if (together) transpose_keys(kh, stride, count, D, kp, sc.kt.data());
+#endif
+        // Rows that see the same keys go through together: runs of up to kRowsPerPass rows
+        // of one visible count (all of them, except in the block holding the diagonal).
+        int num_rows = 0, run_visible = 0;
+        auto flush = [&] {
+            if (num_rows == 0) return;
+#if defined(__AVX2__) && defined(__FMA__)
+            if (together) {
+                attend_rows_together(p, sc, sc.kt.data(), kp, vh, stride, rows, num_rows, run_visible);
+                num_rows = 0;
+                return;
             }
-            const float m_new = std::max(sc.m[r], block_max);
-            for (int j = 0; j < visible; ++j) scores[j] -= m_new;
-            exp_nonpositive(scores, visible);
-            float* acc = &sc.acc[static_cast<size_t>(r) * D];
-            const float correction = sc.m[r] == kNegInf ? 0.f : std::exp(sc.m[r] - m_new);
-            if (correction != 1.f) scale(acc, correction, D);
-            float sum = 0.f;
-            for (int j = 0; j < visible; ++j) sum += scores[j];
-            weighted_sum(acc, scores, vh, stride, visible, D);
-            sc.l[r] = sc.l[r] * correction + sum;
-            sc.m[r] = m_new;
+#endif
+            attend_rows_one_by_one(p, sc, kh, vh, stride, rows, num_rows, run_visible);
+            num_rows = 0;
+        };
+        for (int qi = w.q_begin; qi < w.q_end; ++qi) {
+            const int visible = std::min(count, ctx + qi + 1 - k0);  // causal limit within this block
+            if (visible <= 0) continue;
+            for (int g = 0; g < G; ++g) {
+                if (num_rows == kRowsPerPass || (num_rows > 0 && visible != run_visible)) flush();
+                rows[num_rows++] = (qi - w.q_begin) * H + kv_head * G + g;
+                run_visible = visible;
+            }
         }
+        flush();
     }
 }
 

@@ -35,10 +35,16 @@ struct Problem {
     int64_t kv_half;  // elements in one of K or V
 };
 
-// Per-thread scratch: the running softmax state of every (query, head) row of an item and,
-// for bf16, one block of K and V converted to fp32.
+constexpr int kRowsPerPass = 4;  // query rows sharing one pass over a block's keys (prefill)
+
+// Keys of a block rounded up to whole 16-key chunks (the transposed-K layout's row length).
+inline int padded_keys(int block_size) { return (block_size + 15) / 16 * 16; }
+
+// Per-thread scratch: the running softmax state of every (query, head) row of an item; for
+// bf16, one block of K and V converted to fp32; for prefill, one KV head's keys of a block
+// transposed (head_size x padded keys) and the scores of a pass.
 struct Scratch {
-    std::vector<float> q, acc, m, l, k, v, scores;
+    std::vector<float> q, acc, m, l, k, v, scores, kt;
     void reserve(int rows, int head_size, int block_size, int64_t kv_row) {
         q.resize(static_cast<size_t>(rows) * head_size);
         acc.resize(static_cast<size_t>(rows) * head_size);
@@ -46,7 +52,8 @@ struct Scratch {
         l.resize(rows);
         k.resize(static_cast<size_t>(block_size) * kv_row);
         v.resize(static_cast<size_t>(block_size) * kv_row);
-        scores.resize(block_size);
+        scores.resize(static_cast<size_t>(kRowsPerPass) * padded_keys(block_size));
+        kt.resize(static_cast<size_t>(head_size) * padded_keys(block_size));
     }
 };
 

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -34,7 +35,11 @@ int fail(const std::string& message) {
     return 1;
 }
 
+// The AVX2+FMA kernels where the CPU has them, else the portable ones; PA_CPU_ISA=portable
+// in the environment when the library loads forces the portable ones (tests use it).
 Kernels pick_kernels() {
+    const char* forced = std::getenv("PA_CPU_ISA");
+    if (forced != nullptr && std::string(forced) == "portable") return pa::pa_portable::kernels();
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(PA_NO_AVX2)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return pa::pa_avx2::kernels();
