@@ -70,17 +70,24 @@ def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.
 # The checks below run for every layer of every step: each message is formatted only when
 # its check fails.
 
+def _check_rows(name: str, rows: torch.Tensor, twin_name: str, twin: torch.Tensor, kv_cache: torch.Tensor,
+                dtypes: tuple[torch.dtype, ...]) -> None:
+    """``rows`` ([tokens, heads, head_size]) in a supported dtype; ``twin`` shaped like it; the
+    5-d cache; all of that dtype, contiguous, on one device."""
+    if rows.dtype not in dtypes:
+        raise ValueError(f"{name} dtype {rows.dtype} is not supported here (supported: {dtypes})")
+    _check_tensor(name, rows, rows.dtype, rows.device, 3)
+    _check_tensor(twin_name, twin, rows.dtype, rows.device, 3)
+    if twin.shape != rows.shape:
+        raise ValueError(f"{twin_name} shape {tuple(twin.shape)} differs from {name} {tuple(rows.shape)}")
+    _check_tensor("kv_cache", kv_cache, rows.dtype, rows.device, 5)
+
+
 def attention_shape(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
                     dtypes: tuple[torch.dtype, ...]):
     """Check everything ``*_attention`` assumes; return the filled ``pa_shape``."""
     device = query.device
-    if query.dtype not in dtypes:
-        raise ValueError(f"query dtype {query.dtype} is not supported here (supported: {dtypes})")
-    _check_tensor("query", query, query.dtype, device, 3)
-    _check_tensor("out", out, query.dtype, device, 3)
-    if out.shape != query.shape:
-        raise ValueError(f"out shape {tuple(out.shape)} differs from query {tuple(query.shape)}")
-    _check_tensor("kv_cache", kv_cache, query.dtype, device, 5)
+    _check_rows("query", query, "out", out, kv_cache, dtypes)
     num_tokens, num_heads, head_size = query.shape
     kv_parts, num_blocks, block_size, num_kv_heads, cache_head = kv_cache.shape
     if kv_parts != 2:
@@ -107,13 +114,7 @@ def write_kv_shape(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
                    dtypes: tuple[torch.dtype, ...]):
     """Check everything ``*_write_kv`` assumes; return the filled ``pa_shape``."""
     device = key.device
-    if key.dtype not in dtypes:
-        raise ValueError(f"key dtype {key.dtype} is not supported here (supported: {dtypes})")
-    _check_tensor("key", key, key.dtype, device, 3)
-    _check_tensor("value", value, key.dtype, device, 3)
-    if value.shape != key.shape:
-        raise ValueError("key and value shapes differ")
-    _check_tensor("kv_cache", kv_cache, key.dtype, device, 5)
+    _check_rows("key", key, "value", value, kv_cache, dtypes)
     _check_tensor("slot_mapping", slot_mapping, torch.int64, device, 1)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError("slot_mapping needs one slot per token")
