@@ -13,8 +13,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 class CpuAttentionBackend:
     name = "cpu"
 
-    def __init__(self) -> None:
-        self._lib = native.load_library("pa_cpu", "cpu")
+    def __init__(self, lib=None) -> None:
+        self._lib = lib if lib is not None else native.load_library("pa_cpu", "cpu")
 
     @property
     def isa(self) -> str:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import torch
 
@@ -15,8 +13,6 @@ if not torch.cuda.is_available():
 import attrs
 import pytest
 
-from backends import native
-from backends.cuda import CudaAttentionBackend
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import default_model_path, dummy_weights
 
@@ -115,44 +111,3 @@ def tiny_core(tiny_model):
 
     return EngineCore(EngineConfig(backend="torch", num_kv_blocks=64, max_model_len=256, max_num_seqs=32,
                                    max_num_batched_tokens=256), model=tiny_model)
-
-
-class EmulatedCudaBackend(CudaAttentionBackend):
-    """The CUDA backend's wrapper over the host-compiled CUDA library: host pointers, no stream."""
-
-    name = "cuda-emulated"
-    device_type = "cpu"
-
-    @staticmethod
-    def _stream(t: torch.Tensor):
-        return native.ffi().NULL
-
-
-@pytest.fixture(scope="session")
-def emulated_cuda(tmp_path_factory) -> EmulatedCudaBackend:
-    spec = importlib.util.spec_from_file_location("native_build", Path(native.HEADER).parents[1] / "build.py")
-    native_build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(native_build)
-    path = native_build.build_cuda_host_emulation(tmp_path_factory.mktemp("pa_cuda_emulated"))
-    return EmulatedCudaBackend(native.ffi().dlopen(str(path)))
-
-
-@pytest.fixture(scope="session")
-def portable_cpu(tmp_path_factory):
-    """The cpu backend on its portable kernels (what a CPU without AVX2+FMA runs): a copy of
-    the library loaded with PA_CPU_ISA=portable, which it reads once, when it loads."""
-    import shutil
-
-    from backends.cpu import CpuAttentionBackend
-
-    path = tmp_path_factory.mktemp("pa_cpu_portable") / "libpa_cpu.so"
-    shutil.copy(native.LIB_DIR / "libpa_cpu.so", path)
-    os.environ["PA_CPU_ISA"] = "portable"
-    try:
-        lib = native.ffi().dlopen(str(path))
-    finally:
-        del os.environ["PA_CPU_ISA"]
-    backend = CpuAttentionBackend.__new__(CpuAttentionBackend)
-    backend._lib = lib
-    assert backend.isa == "portable"
-    return backend

@@ -16,14 +16,18 @@ synchronization and numerics, though not their speed.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from backends import get_backend
+from backends import get_backend, native
 from backends.base import AttentionMetadata, BackendUnavailableError
+from backends.cpu import CpuAttentionBackend
+from backends.cuda import CudaAttentionBackend
 from backends.reference import TorchAttentionBackend
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
@@ -49,6 +53,42 @@ INTERPRETER_CASES = {
 }
 # The emulated CUDA library runs every CUDA thread as a fiber: full cases but a shorter "long".
 EMULATION_CASES = {**CASES, "long": [(1100, 8), (0, 1), (2000, 1)]}
+
+
+class EmulatedCudaBackend(CudaAttentionBackend):
+    """The CUDA backend's wrapper over the host-compiled CUDA library: host pointers, no stream."""
+
+    name = "cuda-emulated"
+    device_type = "cpu"
+
+    @staticmethod
+    def _stream(t: torch.Tensor):
+        return native.ffi().NULL
+
+
+@pytest.fixture(scope="session")
+def emulated_cuda(tmp_path_factory) -> EmulatedCudaBackend:
+    spec = importlib.util.spec_from_file_location("native_build", Path(native.HEADER).parents[1] / "build.py")
+    native_build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native_build)
+    path = native_build.build_cuda_host_emulation(tmp_path_factory.mktemp("pa_cuda_emulated"))
+    return EmulatedCudaBackend(native.ffi().dlopen(str(path)))
+
+
+@pytest.fixture(scope="session")
+def portable_cpu(tmp_path_factory):
+    """The cpu backend on its portable kernels (what a CPU without AVX2+FMA runs): a copy of
+    the library loaded with PA_CPU_ISA=portable, which it reads once, when it loads."""
+    path = tmp_path_factory.mktemp("pa_cpu_portable") / "libpa_cpu.so"
+    shutil.copy(native.LIB_DIR / "libpa_cpu.so", path)
+    os.environ["PA_CPU_ISA"] = "portable"
+    try:
+        lib = native.ffi().dlopen(str(path))
+    finally:
+        del os.environ["PA_CPU_ISA"]
+    backend = CpuAttentionBackend(lib)
+    assert backend.isa == "portable"
+    return backend
 
 
 def runnable_backends() -> list[str]:
