@@ -4,7 +4,7 @@
 // Compiled only when PA_CUDA_HOST_EMULATION is defined (tests build the .cu file as C++ with
 // it). Each CTA runs on its own: every CUDA thread is a fiber scheduled cooperatively in one
 // OS thread (a six-register stack switch on x86-64, ucontext elsewhere); a fiber runs until
-// it reaches a warp-level exchange (__shfl_xor_sync, __syncwarp) or __syncthreads, and a
+// it reaches a warp-level exchange (__shfl_xor_sync) or __syncthreads, and a
 // barrier releases only when every thread it names has arrived. A barrier that can never be
 // released (divergent __syncthreads, a lane that left the warp before a full-mask shuffle),
 // a launch outside CUDA's limits, or a misaligned vector load is reported through
@@ -25,7 +25,6 @@
 
 #define __global__
 #define __device__
-#define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
@@ -43,9 +42,6 @@ struct uint3 {
 struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
-struct alignas(8) uint2 {
-    unsigned x, y;
-};
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
 using cudaError_t = int;
@@ -59,12 +55,6 @@ struct __half {
     _Float16 value;
 };
 
-inline float __bfloat162float(__nv_bfloat16 v) {
-    uint32_t u = uint32_t(v.bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
 inline __nv_bfloat16 __float2bfloat16(float f) {  // round to nearest even, as the device does
     uint32_t u;
     std::memcpy(&u, &f, 4);
@@ -155,7 +145,7 @@ struct Fiber {
 
 struct Cta {
     uint3 block_idx{};
-    dim3 block_dim, grid_dim;
+    dim3 block_dim;
     std::vector<Fiber> fibers;
     Fiber* current = nullptr;
     Context scheduler;
@@ -242,7 +232,6 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
         return;
     }
     Cta c;
-    c.grid_dim = grid;
     c.block_dim = block;
     c.fibers.resize(threads);
     c.exchange.assign(2 * threads, 0);
@@ -274,7 +263,6 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args... args) {
 inline uint3 thread_idx() { return cta()->current->thread_idx; }
 inline uint3 block_idx() { return cta()->block_idx; }
 inline uint3 block_dim() { return {cta()->block_dim.x, cta()->block_dim.y, cta()->block_dim.z}; }
-inline uint3 grid_dim() { return {cta()->grid_dim.x, cta()->grid_dim.y, cta()->grid_dim.z}; }
 
 inline void check_full_warp(unsigned mask, const char* what) {
     Cta* c = cta();
@@ -306,7 +294,6 @@ inline int xor_source(int lane, int mask, int width) {
     const int target = lane ^ mask;
     return target / width == lane / width ? target : lane;
 }
-inline int index_source(int lane, int src, int width) { return lane / width * width + src % width; }
 
 template <typename T>
 void check_aligned(const T* p, const char* what) {
@@ -318,21 +305,11 @@ void check_aligned(const T* p, const char* what) {
 #define threadIdx (::pa_emu::thread_idx())
 #define blockIdx (::pa_emu::block_idx())
 #define blockDim (::pa_emu::block_dim())
-#define gridDim (::pa_emu::grid_dim())
 
 inline void __syncthreads() { pa_emu::yield(pa_emu::State::kBlockBarrier); }
-inline void __syncwarp(unsigned mask = 0xffffffffu) {
-    pa_emu::check_full_warp(mask, "__syncwarp");
-    pa_emu::yield(pa_emu::State::kWarpBarrier);
-    ++pa_emu::cta()->current->exchanges;
-}
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T value, int lane_mask, int width = 32) {
     return pa_emu::exchange(mask, value, pa_emu::xor_source, lane_mask, width, "__shfl_xor_sync");
-}
-template <typename T>
-T __shfl_sync(unsigned mask, T value, int src_lane, int width = 32) {
-    return pa_emu::exchange(mask, value, pa_emu::index_source, src_lane, width, "__shfl_sync");
 }
 
 namespace pa_emu {
