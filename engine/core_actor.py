@@ -8,7 +8,7 @@ import time
 import trio
 
 from engine.engine_core import EngineCore
-from engine.errors import InvalidParameterError
+from engine.errors import InvalidParameterError, RequestFailedError
 from engine.messages import (AbortRequest, AddRequest, RequestRejected, StepOutput, StepTimings, StopRequest,
                              TokenDelta)
 
@@ -90,6 +90,10 @@ class CoreActor:
                 self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.priority)
             except InvalidParameterError as exc:
                 self._rejected.append(RequestRejected(message.request_id, exc))
+            except Exception as exc:  # a fault of this request's own, not of the engine
+                log.exception("request %s could not be added", message.request_id)
+                error = RequestFailedError(f"the engine could not add the request: {exc!r}")
+                self._rejected.append(RequestRejected(message.request_id, error))
         elif isinstance(message, AbortRequest):
             self._extra_deltas += self.core.abort_requests(message.request_ids)
         elif isinstance(message, StopRequest):

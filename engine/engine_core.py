@@ -22,7 +22,7 @@ from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model, resolve_model
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MIN_SEED, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -102,21 +102,22 @@ class EngineCore:
         if request_id in self._children:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
-        max_tokens = self.validate(prompt, params)
+        max_tokens = self.validate(prompt, params, priority)
         arrival = next(self._arrivals)
-        children = []
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
-            child_params = params if params.seed is None or index == 0 else attrs.evolve(params, seed=params.seed + index)
-            self.scheduler.add_request(Request(child_id, prompt, child_params, max_tokens, self.eos_token_id, arrival,
-                                               priority=priority, parent_id=request_id, index=index))
-            children.append(child_id)
-        self._children[request_id] = children
+        children = [Request(child_id(request_id, index), prompt, _child_params(params, index), max_tokens,
+                            self.eos_token_id, arrival, priority=priority, parent_id=request_id, index=index)
+                    for index in range(params.n)]
+        for child in children:
+            self.scheduler.add_request(child)
+        self._children[request_id] = [c.request_id for c in children]
 
-    def validate(self, prompt: list[int], params: SamplingParams) -> int:
+    def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
         """Check a prompt and its parameters against the model; return the resolved max_tokens."""
         if not prompt:
             raise InvalidParameterError("prompt", "the prompt is empty")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidParameterError("priority", f"priority {priority!r} needs the 'priority' scheduling policy; "
+                                                    f"this engine schedules {self.config.scheduling_policy}")
         self._check_token_ids("prompt", prompt)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("logit_bias", params.logit_bias)
@@ -174,17 +175,20 @@ class EngineCore:
         return self.runner.execute(plan, tables)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[TokenDelta]:
+        deltas, failed_parents = self._fail_requests(result.failed)
         self.scheduler.update(plan, result.sampled)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled)
-        deltas = []
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
         for chunk in plan.chunks:
             request = chunk.request
             if chunk.start < request.num_prompt_tokens:
                 self._num_prompt_tokens += min(chunk.end, request.num_prompt_tokens) - chunk.start
+            if request.parent_id in failed_parents:
+                continue
             token = sampled.get(request.request_id)
             prompt_lps = prompt_logprobs.get(request.request_id, ()) if prompt_logprobs else ()
+            request.num_prompt_logprobs += len(prompt_lps)
             if token is None and not prompt_lps and not request.finished:
                 continue
             new_lp = logprobs.get(request.request_id) if logprobs else None
@@ -192,16 +196,33 @@ class EngineCore:
                                       () if new_lp is None else (new_lp,), tuple(prompt_lps)))
         return deltas
 
+    def _fail_requests(self, errors: dict[str, Exception]) -> tuple[list[TokenDelta], set[str]]:
+        """Finish the sequences whose own part of the step raised, as 'error', and abort their
+        siblings (the caller sees one request). Returns their deltas and the callers' ids."""
+        deltas, parents = [], set()
+        for request_id, error in errors.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            log.error("request %s failed in the engine (the engine goes on)", request.parent_id, exc_info=error)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            deltas.append(self._delta(request, (), error=f"{type(error).__name__}: {error}"))
+            parents.add(request.parent_id)
+        for parent_id in parents:
+            deltas += self.abort_requests([parent_id])
+        return deltas, parents
+
     def _forget_if_done(self, parent_id: str) -> None:
         if not any(c in self.scheduler.requests for c in self._children.get(parent_id, ())):
             self._children.pop(parent_id, None)
 
-    def _delta(self, request: Request, new_tokens: tuple[int, ...], new_logprobs=(), prompt_logprobs=()) -> TokenDelta:
+    def _delta(self, request: Request, new_tokens: tuple[int, ...], new_logprobs=(), prompt_logprobs=(),
+               error: str | None = None) -> TokenDelta:
         if request.finished:
             self._forget_if_done(request.parent_id)
         return TokenDelta(request.parent_id, request.index, new_tokens, new_logprobs, prompt_logprobs,
                           request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
-                          request.first_scheduled_at)
+                          request.first_scheduled_at, error)
 
     def stats(self) -> EngineStats:
         kv = self.block_manager
@@ -217,3 +238,20 @@ class EngineCore:
             num_generation_tokens=self._num_generation_tokens,
             num_steps=self._num_steps,
         )
+
+
+def child_id(request_id: str, index: int) -> str:
+    """The engine's id of completion ``index`` of the caller's request ``request_id``.
+
+    Always prefixed, also for n == 1: the prefix is digits up to the first '_', so no two
+    (request id, index) pairs share a child id, whatever ids callers choose.
+    """
+    return f"{index}_{request_id}"
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Completion ``index`` draws from seed + index (wrapping around the seed range), so the n
+    completions differ."""
+    if params.seed is None or index == 0:
+        return params
+    return attrs.evolve(params, seed=(params.seed + index - MIN_SEED) % 2**64 + MIN_SEED)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from backends.base import BackendUnavailableError
 
-__all__ = ["BackendUnavailableError", "ConfigError", "EngineDeadError", "InvalidParameterError", "first_leaf"]
+__all__ = ["BackendUnavailableError", "ConfigError", "EngineDeadError", "InvalidParameterError", "RequestFailedError",
+           "first_leaf"]
 
 
 class InvalidParameterError(ValueError):
@@ -31,6 +32,12 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (a fault in a step, or shutdown); in-flight and later requests fail with this.
 
     The original exception, if any, is ``__cause__``.
+    """
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its sampling set-up, its logits processing, its
+    detokenization) while the engine itself is fine: only that request ends with this error.
     """
 
 

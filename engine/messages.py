@@ -17,10 +17,11 @@ class TokenDelta:
     new_token_ids: tuple[int, ...]
     new_logprobs: tuple[TokenLogprobs, ...] = ()
     new_prompt_logprobs: tuple[TokenLogprobs, ...] = ()
-    finish_reason: str | None = None  # 'stop' | 'length' | 'abort' once finished
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort' | 'error' once finished
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     first_scheduled_at: float | None = None
+    error: str | None = None  # why this request failed alone (finish_reason 'error')
 
     @property
     def finished(self) -> bool:

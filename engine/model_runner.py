@@ -12,18 +12,20 @@ from backends.base import AttentionBackend, AttentionMetadata
 from engine.kv_cache import KVBlock
 from engine.models.llama import LlamaModel
 from engine.outputs import TokenLogprobs
-from engine.sampler import Sampler, position_logprobs
+from engine.sampler import Sampler, isolated, position_logprobs
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 
 
 @attrs.frozen
 class RunnerOutput:
     """Per request id: the sampled token (only for chunks that reach the last known token),
-    its logprobs if asked, and prompt logprobs computed in this chunk if asked."""
+    its logprobs if asked, prompt logprobs computed in this chunk if asked, and the error of
+    each request whose own part of the step failed (its other entries are to be ignored)."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict[str, list[TokenLogprobs]]
+    failed: dict[str, Exception] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -128,15 +130,17 @@ class ModelRunner:
             return RunnerOutput({}, {}, {})
         batch = self._prepare(output.chunks, block_tables)
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
-        prompt_logprobs = self._prompt_logprobs(output.chunks, hidden)
+        failed: dict[str, Exception] = {}
+        prompt_logprobs = self._prompt_logprobs(output.chunks, hidden, failed)
         if not batch.sample_rows:
-            return RunnerOutput({}, {}, prompt_logprobs)
+            return RunnerOutput({}, {}, prompt_logprobs, failed)
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
         requests = [c.request for c in batch.sample_chunks]
         result = self.sampler(logits, requests)
         ids = [r.request_id for r in requests]
+        failed.update((ids[row], error) for row, error in result.errors.items())
         logprobs = {i: lp for i, lp in zip(ids, result.logprobs) if lp is not None}
-        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs)
+        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs, failed)
 
     def _prepare(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[KVBlock]]) -> _Batch:
         bs = self.block_size
@@ -174,17 +178,23 @@ class ModelRunner:
         return _Batch(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
                       sample_rows, sample_chunks)
 
-    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
-        """Logprobs of prompt tokens 1.. predicted by this chunk's positions (only for requests asking)."""
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+                         failed: dict[str, Exception]) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of prompt tokens 1.. predicted by this chunk's positions (only for requests
+        asking, and only for positions not reported before: a preempted request recomputes its
+        prompt, but its prompt logprobs were already sent)."""
         result: dict[str, list[TokenLogprobs]] = {}
         row = 0
         for chunk in chunks:
             request = chunk.request
             k = request.params.prompt_logprobs
+            first = max(chunk.start, request.num_prompt_logprobs)
             last = min(chunk.end, request.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
-            if k is not None and chunk.start < last:
-                logprobs = self.model.compute_logits(hidden[row:row + last - chunk.start]).log_softmax(dim=-1)
-                targets = request.prompt_token_ids[chunk.start + 1:last + 1]
-                result[request.request_id] = [position_logprobs(lp, t, k) for lp, t in zip(logprobs, targets)]
+            if k is not None and first < last:
+                with isolated(failed, request.request_id):
+                    rows = hidden[row + first - chunk.start:row + last - chunk.start]
+                    logprobs = self.model.compute_logits(rows).log_softmax(dim=-1)
+                    targets = request.prompt_token_ids[first + 1:last + 1]
+                    result[request.request_id] = [position_logprobs(lp, t, k) for lp, t in zip(logprobs, targets)]
             row += chunk.num_new_tokens
         return result

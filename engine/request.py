@@ -15,18 +15,21 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()  # EOS or a stop token (or, later, a stop string)
     FINISHED_LENGTH = enum.auto()  # max_tokens or max_model_len reached
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # this request's own part of a step failed (the engine is fine)
 
     @property
     def finished(self) -> bool:
         return self in _FINISHED
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                       RequestStatus.FINISHED_ERROR})
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -54,6 +57,7 @@ class Request:
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prefix-cache hit length at first admission; -1 until admitted
     num_preemptions: int = 0
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs were reported (they survive preemption)
     first_scheduled_at: float | None = None  # time.monotonic() at first admission
     block_hashes: list[int] = attrs.field(factory=list)  # hashes of full blocks of token_ids, in order
 

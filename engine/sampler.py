@@ -10,7 +10,8 @@ do not depend on what else is in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import attrs
 import torch
@@ -23,6 +24,18 @@ from engine.request import Request
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # per row; None where not requested
+    # Rows whose own set-up or processing raised: their request fails, the batch goes on.
+    errors: dict[int, Exception] = attrs.field(factory=dict)
+
+
+@contextmanager
+def isolated(errors: dict, key) -> Iterator[None]:
+    """Run work that belongs to one request: an exception is recorded under ``key`` (that
+    request fails alone) instead of failing the whole batch, and so the engine."""
+    try:
+        yield
+    except Exception as exc:
+        errors[key] = exc
 
 
 class Sampler:
@@ -43,15 +56,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         # logits: [N, vocab] float32, row i for requests[i]
+        errors: dict[int, Exception] = {}
         logprobs = self._logprobs(logits, requests)
-        logits = self._process(logits, requests)
+        logits = self._process(logits, requests, errors)
         tokens = logits.argmax(dim=-1)
         if not all(r.params.greedy for r in requests):
-            tokens = self._random(logits, requests, tokens)
+            tokens = self._random(logits, requests, tokens, errors)
         token_ids = tokens.tolist()
         if logprobs is not None:
-            return SamplerOutput(token_ids, self._gather_logprobs(logprobs, token_ids, requests))
-        return SamplerOutput(token_ids, [None] * len(requests))
+            return SamplerOutput(token_ids, self._gather_logprobs(logprobs, token_ids, requests, errors), errors)
+        return SamplerOutput(token_ids, [None] * len(requests), errors)
 
     # ---- logprobs ----
 
@@ -62,16 +76,19 @@ class Sampler:
         return logits.log_softmax(dim=-1)
 
     @staticmethod
-    def _gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], requests: Sequence[Request]):
-        result: list[TokenLogprobs | None] = []
+    def _gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], requests: Sequence[Request],
+                         errors: dict[int, Exception]) -> list[TokenLogprobs | None]:
+        result: list[TokenLogprobs | None] = [None] * len(requests)
         for row, (token_id, request) in enumerate(zip(token_ids, requests)):
             k = request.params.logprobs
-            result.append(None if k is None else position_logprobs(logprobs[row], token_id, k))
+            if k is not None:
+                with isolated(errors, row):
+                    result[row] = position_logprobs(logprobs[row], token_id, k)
         return result
 
     # ---- logits processors ----
 
-    def _process(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, requests: Sequence[Request], errors: dict[int, Exception]) -> torch.Tensor:
         needs = [r.params.logit_bias or r.num_output_tokens < r.params.min_tokens or r.params.needs_penalties
                  for r in requests]
         if not any(needs):
@@ -79,12 +96,14 @@ class Sampler:
         logits = logits.clone()
         for row, request in enumerate(requests):
             if needs[row]:
-                _process_row(logits[row], request)
+                with isolated(errors, row):
+                    process_row(logits[row], request)
         return logits
 
     # ---- random sampling ----
 
-    def _random(self, logits: torch.Tensor, requests: Sequence[Request], greedy_tokens: torch.Tensor) -> torch.Tensor:
+    def _random(self, logits: torch.Tensor, requests: Sequence[Request], greedy_tokens: torch.Tensor,
+                errors: dict[int, Exception]) -> torch.Tensor:
         params = [r.params for r in requests]
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
         logits = logits / temperature[:, None]
@@ -94,18 +113,19 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=logits.device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-        noise = self._noise(probs, requests)
+        noise = self._noise(probs, requests, errors)
         sampled = (probs / noise).argmax(dim=-1)
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         return torch.where(greedy, greedy_tokens, sampled)
 
-    def _noise(self, probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    def _noise(self, probs: torch.Tensor, requests: Sequence[Request], errors: dict[int, Exception]) -> torch.Tensor:
         noise = torch.empty_like(probs)
         if any(r.params.seed is None for r in requests):
             noise.exponential_(generator=self.generator)
         for row, request in enumerate(requests):
             if request.params.seed is not None:
-                noise[row].exponential_(generator=self._generator_for(request))
+                with isolated(errors, row):
+                    noise[row].exponential_(generator=self._generator_for(request))
         return noise
 
     def _generator_for(self, request: Request) -> torch.Generator:
@@ -116,7 +136,7 @@ class Sampler:
         return gen
 
 
-def _process_row(logits: torch.Tensor, request: Request) -> None:
+def process_row(logits: torch.Tensor, request: Request) -> None:
     """Apply one request's logit bias, min_tokens mask and penalties to its logits row, in place."""
     params = request.params
     if params.logit_bias:

@@ -11,6 +11,8 @@ from engine.errors import InvalidParameterError
 
 # The most alternatives a caller may ask for per position (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
+# Seeds are signed 64-bit integers, as in OpenAI's API description.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 
 
 class RequestOutputKind(enum.Enum):
@@ -105,7 +107,8 @@ class SamplingParams:
                 _check(name, _is_int(value) and 0 <= value <= MAX_LOGPROBS,
                        f"must be an integer in [0, {MAX_LOGPROBS}]; got {value!r}")
         if self.seed is not None:
-            _check("seed", _is_int(self.seed), f"must be an integer; got {self.seed!r}")
+            _check("seed", _is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED,
+                   f"must be an integer in [{MIN_SEED}, {MAX_SEED}]; got {self.seed!r}")
 
     def _check_probabilities(self) -> None:
         _check("temperature", _is_number(self.temperature) and self.temperature >= 0,

@@ -7,7 +7,7 @@ import torch
 
 from engine.request import Request
 from engine.sampler import Sampler, apply_top_k_top_p
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 
 VOCAB = 8
 
@@ -100,3 +100,27 @@ def test_logprobs_report_raw_model_values_and_rank():
     assert lp.token_id == 5 and lp.logprob == pytest.approx(raw[5].item())
     assert lp.rank == 8  # the least likely token of the raw distribution
     assert lp.top_ids == (2, 7)
+
+
+def test_every_valid_seed_gives_a_generator():
+    rows = [req(f"r{i}", temperature=1.0, seed=seed) for i, seed in enumerate([MAX_SEED, MIN_SEED, 0])]
+    out = Sampler(0)(logits_of(*[ROW] * 3), rows)
+    assert out.errors == {} and len(out.token_ids) == 3
+
+
+def test_an_error_in_one_rows_processing_fails_that_row_only(monkeypatch):
+    import engine.sampler as sampler_module
+
+    real = sampler_module.process_row
+
+    def faulty(logits, request):
+        if request.request_id == "bad":
+            raise RuntimeError("injected logits-processor fault")
+        real(logits, request)
+
+    monkeypatch.setattr(sampler_module, "process_row", faulty)
+    rows = [req("good", temperature=0, logit_bias={1: 100}), req("bad", temperature=0, logit_bias={1: 100}),
+            req("plain", temperature=0)]
+    out = Sampler(0)(logits_of(ROW, ROW, ROW), rows)
+    assert list(out.errors) == [1] and "injected" in str(out.errors[1])
+    assert out.token_ids[0] == 1 and out.token_ids[2] == 2  # the others sampled as usual
