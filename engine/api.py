@@ -53,6 +53,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt block (as vLLM's ``LLM.reset_prefix_cache``): later
+        requests compute their prompts from scratch."""
+        self.engine.block_manager.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of ``prompts``.

@@ -11,8 +11,9 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -23,10 +24,11 @@ from engine.detokenizer import DetokenizerActor
 from engine.engine_core import EngineCore
 from engine.errors import EngineDeadError, InvalidParameterError
 from engine.messages import AbortRequest, AddRequest, EngineStats, StepOutput
-from engine.output_channel import RequestOutputChannel
+from engine.output_channel import MergedOutputs, RequestOutputChannel, Wakeup
 from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import IterationStats, StatLogger
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class Engine:
         self.error: EngineDeadError | None = None
         self.registry: dict[str, RequestOutputChannel] = {}
         self.subscribers: set[trio.MemorySendChannel] = set()
+        self.stat_loggers: list[StatLogger] = []
         self.num_dropped_steps = 0
         self._inbox: trio.MemorySendChannel | None = None
 
@@ -89,14 +92,18 @@ class Engine:
             self._fail_all(self.error)
 
     def _fail_all(self, error: EngineDeadError) -> None:
+        stats = IterationStats(time.monotonic())
         for channel in self.registry.values():
+            channel.state.fail(stats, str(error))
             channel.fail(error)
         self.registry.clear()
+        self._log_stats(stats)
         for subscriber in self.subscribers:
             subscriber.close()
         self.subscribers.clear()
 
-    def _publish(self, step: StepOutput) -> None:
+    def _publish(self, step: StepOutput, stats: IterationStats) -> None:
+        self._log_stats(stats)
         for subscriber in list(self.subscribers):
             try:
                 subscriber.send_nowait(step)
@@ -104,6 +111,15 @@ class Engine:
                 self.num_dropped_steps += 1
             except trio.BrokenResourceError:
                 self.subscribers.discard(subscriber)
+
+    def _log_stats(self, stats: IterationStats) -> None:
+        if stats.empty:
+            return
+        for logger in self.stat_loggers:
+            try:
+                logger(stats)
+            except Exception:  # a broken logger must not take the engine down
+                log.exception("stat logger %r failed", logger)
 
     @asynccontextmanager
     async def serve(self) -> AsyncIterator[EngineClient]:
@@ -145,9 +161,14 @@ class EngineClient:
     def stats(self) -> EngineStats:
         return self._engine.core.stats()
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_stat_logger(self, logger: StatLogger) -> None:
+        """Call ``logger`` with the request timings observed in each step (TTFT, inter-token
+        latency, finished requests of every kind). It runs in the event loop: keep it quick."""
+        self._engine.stat_loggers.append(logger)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raise InvalidParameterError if the engine would reject this prompt and parameters."""
-        self._engine.core.validate(prompt_token_ids, params)
+        self._engine.core.validate(prompt_token_ids, params, priority)
 
     def prepare(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         """(prompt text, prompt token ids) for a prompt given as text, token ids or vLLM's dict forms."""
@@ -183,14 +204,47 @@ class EngineClient:
             if not channel.state.finished:
                 self.abort(request_id)
 
+    async def generate_many(self, prompts: Sequence[str | list[int] | dict[str, Any]],
+                            sampling_params: SamplingParams | None = None, request_ids: Sequence[str] | None = None,
+                            priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submit one request per prompt and iterate over ``(prompt index, output)`` as they come.
+
+        Every prompt is checked before any is queued. However the iteration ends, the
+        requests still running are aborted, as with ``generate``. One consumer reads them
+        all, with no task per request (a generator that yields inside a nursery cannot be
+        cancelled safely; this one holds none).
+
+        Raises:
+            InvalidParameterError: a bad prompt or parameter (nothing is queued).
+            EngineDeadError, RequestFailedError: the engine, or one of the requests, failed.
+        """
+        params = sampling_params or SamplingParams()
+        ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
+        inputs = [self.prepare(p) for p in prompts]
+        for _, token_ids in inputs:
+            self.validate(token_ids, params, priority)
+        wakeup = Wakeup()
+        channels = []
+        try:
+            for request_id, (text, token_ids) in zip(ids, inputs):
+                channels.append(self.submit({"prompt": text, "prompt_token_ids": token_ids}, params, request_id,
+                                            priority, wakeup))
+            async for item in MergedOutputs(channels, wakeup):
+                yield item
+        finally:
+            for channel in channels:
+                if not channel.state.finished:
+                    self.abort(channel.state.request_id)
+
     def submit(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
-               request_id: str | None = None, priority: int = 0) -> RequestOutputChannel:
+               request_id: str | None = None, priority: int = 0, wakeup: Wakeup | None = None) -> RequestOutputChannel:
         """Queue a request now (no await) and return its output channel.
 
         The caller owns the request: it must read the channel to the end or ``abort`` it.
         ``generate`` is the safe wrapper; this is for callers that must queue many requests
         before the engine takes its next step (the offline ``LLM`` does, so that batches
-        do not depend on task timing).
+        do not depend on task timing). A request id stays taken until the engine has
+        finished that request, even after its stream ended.
         """
         engine = self._engine
         params = sampling_params or SamplingParams()
@@ -200,8 +254,8 @@ class EngineClient:
         if request_id in engine.registry:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt)
-        self.validate(ids, params)
-        channel = RequestOutputChannel(RequestState(request_id, text, ids, params, self.tokenizer))
+        self.validate(ids, params, priority)
+        channel = RequestOutputChannel(RequestState(request_id, text, ids, params, self.tokenizer), wakeup)
         engine.send(AddRequest(request_id, tuple(ids), params, priority))
         engine.registry[request_id] = channel
         return channel

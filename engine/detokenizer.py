@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 from tokenizers.decoders import DecodeStream
 
-from engine.messages import StepOutput, StopRequest
+from engine.errors import RequestFailedError
+from engine.messages import AbortRequest, StepOutput, StopRequest, TokenDelta
 from engine.sampling_params import SamplingParams
+from engine.stats import IterationStats
+
+if TYPE_CHECKING:
+    from engine.output_channel import RequestOutputChannel
 
 log = logging.getLogger(__name__)
 
@@ -133,17 +140,21 @@ class IncrementalDetokenizer:
 class DetokenizerActor:
     """Turns the core's ``StepOutput``s into per-request state and wakes each request's stream.
 
-    It never waits on a consumer: streams read the latest state when they get to it.
+    It never waits on a consumer: streams read the latest state when they get to it. A
+    request stays in the registry until the core has finished it (not just until its stream
+    has ended), so its id cannot be reused while a late delta of it may still arrive. An
+    error in one request's own processing fails that request and aborts it in the core.
 
     Args:
         steps: step outputs from the core actor.
-        core_inbox: where stop-string hits go (as ``StopRequest``).
+        core_inbox: where stop-string hits (``StopRequest``) and aborts go.
         registry: request id -> the request's output channel (owned by the engine).
-        on_step: called with every step output after the streams are updated (subscribers).
+        on_step: called with every step output and the timings observed in it, after the
+            streams are updated (subscribers, stat loggers).
     """
 
     def __init__(self, steps: trio.MemoryReceiveChannel, core_inbox: trio.MemorySendChannel, registry: dict,
-                 on_step: Callable[[StepOutput], None]) -> None:
+                 on_step: Callable[[StepOutput, IterationStats], None]) -> None:
         self._steps = steps
         self._core_inbox = core_inbox
         self._registry = registry
@@ -156,19 +167,30 @@ class DetokenizerActor:
                 self.process(step)
 
     def process(self, step: StepOutput) -> None:
+        stats = IterationStats(time.monotonic())
         for rejected in step.rejected:
             channel = self._registry.pop(rejected.request_id, None)
             if channel is not None:
                 channel.fail(rejected.error)
         for delta in step.deltas:
             channel = self._registry.get(delta.request_id)
-            if channel is None:  # the consumer has gone; its abort is on the way
-                continue
-            hit = channel.state.apply(delta)
-            if hit is not None:
-                self._core_inbox.send_nowait(StopRequest(delta.request_id, hit.index, hit.stop))
-            channel.notify()
-            if channel.state.finished:
-                del self._registry[delta.request_id]
-        self._on_step(step)
+            if channel is not None:  # else the consumer's abort is on the way
+                self._apply(channel, delta, stats)
+        self._on_step(step, stats)
 
+    def _apply(self, channel: RequestOutputChannel, delta: TokenDelta, stats: IterationStats) -> None:
+        state = channel.state
+        try:
+            hit = state.apply(delta, stats)
+        except Exception as exc:  # this request's own output processing failed; the rest go on
+            log.exception("processing the output of request %s failed", delta.request_id)
+            state.fail(stats, f"{type(exc).__name__}: {exc}")
+            self._core_inbox.send_nowait(AbortRequest((delta.request_id,)))
+            hit = None
+        if hit is not None:
+            self._core_inbox.send_nowait(StopRequest(delta.request_id, hit.index, hit.stop))
+        if state.error is not None:
+            channel.fail(RequestFailedError(f"request {delta.request_id} failed: {state.error}"))
+        channel.notify()
+        if state.engine_finished:
+            del self._registry[delta.request_id]

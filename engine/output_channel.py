@@ -15,13 +15,34 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind
 
 
-class RequestOutputChannel:
-    """Resource handling: owns nothing but its state; ``fail`` or the final output ends it."""
+class Wakeup:
+    """A re-arming event: producers ``set`` it without blocking; one consumer ``wait``s for the
+    next ``set`` since its previous wait returned (a set in between is not lost)."""
 
-    def __init__(self, state: RequestState) -> None:
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = trio.Event()
+
+
+class RequestOutputChannel:
+    """Resource handling: owns nothing but its state; ``fail`` or the final output ends it.
+
+    Args:
+        state: the request's state, updated by the detokenizer.
+        wakeup: what ``notify`` sets; several channels share one when a single consumer
+            reads them all (``MergedOutputs``).
+    """
+
+    def __init__(self, state: RequestState, wakeup: Wakeup | None = None) -> None:
         self.state = state
         self.kind = state.params.output_kind
-        self._event = trio.Event()
+        self._wakeup = wakeup or Wakeup()
         self._error: BaseException | None = None
         self._closed = False
         n = state.params.n
@@ -33,13 +54,13 @@ class RequestOutputChannel:
     # ---- producer side (never blocks) ----
 
     def notify(self) -> None:
-        self._event.set()
+        self._wakeup.set()
 
     def fail(self, error: BaseException) -> None:
         """End the stream: the consumer's next ``receive`` raises ``error``."""
         if self._error is None:
             self._error = error
-        self._event.set()
+        self._wakeup.set()
 
     # ---- consumer side ----
 
@@ -53,22 +74,27 @@ class RequestOutputChannel:
         Like trio's own channels, it is a checkpoint even when an output is ready.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        output = self._next()
+        output = self.poll()
         if output is not None:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return output
         while output is None:  # each wait is itself a checkpoint
-            self._event = trio.Event()
-            await self._event.wait()
-            output = self._next()
+            await self._wakeup.wait()
+            output = self.poll()
         return output
 
-    def _next(self) -> RequestOutput | None:
+    def poll(self) -> RequestOutput | None:
+        """The next output if one is ready, else None (the non-blocking ``receive``)."""
         if self._error is not None:
             raise self._error
         if self._closed:
             raise trio.EndOfChannel
         return self._take()
+
+    @property
+    def closed(self) -> bool:
+        """The final output has been taken (a failed channel is not closed: it raises)."""
+        return self._closed
 
     def __aiter__(self) -> RequestOutputChannel:
         return self
@@ -109,3 +135,53 @@ class RequestOutputChannel:
             self._sent_tokens[i] = len(c.token_ids)
             self._sent_finished[i] = c.finish_reason is not None
         self._sent_prompt_logprobs = True
+
+
+class MergedOutputs:
+    """The outputs of several requests, read by one consumer as they come: ``(index, output)``
+    where ``index`` is the channel's position. No task per request: the channels share one
+    ``Wakeup``, and each ``receive`` polls them in turn from where the last one stopped.
+
+    Raises (from ``receive``): whatever a channel raises (the first failing request ends
+    the merge); ``trio.EndOfChannel`` once every channel has given its final output.
+    """
+
+    def __init__(self, channels: list[RequestOutputChannel], wakeup: Wakeup) -> None:
+        self.channels = channels
+        self._wakeup = wakeup
+        self._next = 0
+
+    async def receive(self) -> tuple[int, RequestOutput]:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        item = self._poll()
+        if item is not None:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return item
+        while item is None:
+            await self._wakeup.wait()
+            item = self._poll()
+        return item
+
+    def _poll(self) -> tuple[int, RequestOutput] | None:
+        count = len(self.channels)
+        for offset in range(count):
+            index = (self._next + offset) % count
+            channel = self.channels[index]
+            if channel.closed:
+                continue
+            output = channel.poll()
+            if output is not None:
+                self._next = index + 1
+                return index, output
+        if all(c.closed for c in self.channels):
+            raise trio.EndOfChannel
+        return None
+
+    def __aiter__(self) -> MergedOutputs:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None

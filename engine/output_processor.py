@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import attrs
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import TokenDelta
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.stats import IterationStats, RequestTimes
 
 
 @attrs.frozen
@@ -25,17 +28,21 @@ class CompletionState:
     logprobs: list[TokenLogprobs] = attrs.field(factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The core has finished this sequence too. A stop string ends a completion here first; the
+    # core hears of it a step later, and until then the request id stays taken.
+    engine_finished: bool = False
 
 
 class RequestState:
     """Everything known so far about one request; ``apply`` each delta, read ``output()``.
 
     Tokens that arrive for a completion after it finished (the core may run a step before
-    it hears of a stop string) are ignored.
+    it hears of a stop string) are ignored. If one completion fails in the engine, the
+    whole request has failed: ``error`` says why.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer) -> None:
+                 tokenizer, arrival: float | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -44,38 +51,71 @@ class RequestState:
         self.completions = [CompletionState(IncrementalDetokenizer(tokenizer, params)) for _ in range(params.n)]
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.num_cached_tokens = 0
-        self.first_scheduled_at: float | None = None
+        self.times = RequestTimes(time.monotonic() if arrival is None else arrival)
+        self.error: str | None = None
         self._num_unfinished = params.n
 
     @property
     def finished(self) -> bool:
         return self._num_unfinished == 0
 
-    def apply(self, delta: TokenDelta) -> StopStringHit | None:
+    @property
+    def engine_finished(self) -> bool:
+        """The core holds nothing of this request any more (its id may be used again)."""
+        return all(c.engine_finished for c in self.completions)
+
+    @property
+    def first_scheduled_at(self) -> float | None:
+        return self.times.first_scheduled
+
+    def apply(self, delta: TokenDelta, stats: IterationStats) -> StopStringHit | None:
         """Add a delta; return a stop-string hit that the caller must report to the core."""
         completion = self.completions[delta.index]
+        completion.engine_finished = completion.engine_finished or delta.finished
         if completion.finish_reason is not None:
+            return None
+        if delta.error is not None:
+            self.fail(stats, delta.error)
             return None
         if delta.index == 0:
             self.prompt_logprobs += delta.new_prompt_logprobs
         self.num_cached_tokens = delta.num_cached_tokens
-        self.first_scheduled_at = self.first_scheduled_at or delta.first_scheduled_at
+        self.times.first_scheduled = self.times.first_scheduled or delta.first_scheduled_at
+        if delta.new_token_ids:
+            self.times.on_tokens(stats)
         for i, token in enumerate(delta.new_token_ids):
             completion.token_ids.append(token)
             if delta.new_logprobs:
                 completion.logprobs.append(delta.new_logprobs[i])
             stop = completion.detokenizer.add_token(token)
             if stop is not None:
-                self._finish(completion, "stop", stop)
+                self._finish(completion, "stop", stop, stats)
                 return StopStringHit(delta.index, stop)
         if delta.finished:
-            self._finish(completion, delta.finish_reason, delta.stop_reason)
+            self._finish(completion, delta.finish_reason, delta.stop_reason, stats)
         return None
 
-    def _finish(self, completion: CompletionState, reason: str, stop_reason: int | str | None) -> None:
+    def fail(self, stats: IterationStats, error: str = "the engine failed") -> None:
+        """End every unfinished completion as 'error' (this request, or the engine, failed)."""
+        self.error = self.error or error
+        if self.finished:
+            return
+        for completion in self.completions:
+            completion.finish_reason = completion.finish_reason or "error"
+        self._num_unfinished = 0
+        self._record_finish(stats)
+
+    def _finish(self, completion: CompletionState, reason: str, stop_reason: int | str | None,
+                stats: IterationStats) -> None:
         completion.finish_reason, completion.stop_reason = reason, stop_reason
         self._num_unfinished -= 1
         completion.detokenizer.finish(completion.token_ids)
+        if self.finished:
+            self._record_finish(stats)
+
+    def _record_finish(self, stats: IterationStats) -> None:
+        self.times.finished(stats, tuple(c.finish_reason for c in self.completions), len(self.prompt_token_ids),
+                            sum(len(c.token_ids) for c in self.completions))
 
     # ---- building outputs ----
 

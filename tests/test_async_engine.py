@@ -5,12 +5,14 @@ from __future__ import annotations
 import random
 from contextlib import aclosing
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 from engine.async_engine import Engine
-from engine.errors import EngineDeadError, InvalidParameterError
+from engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError
+from engine.messages import AddRequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -62,6 +64,11 @@ async def test_client_abort_finishes_the_stream_as_abort(tiny_core, tokenizer):
 
 async def test_cancelled_consumer_frees_its_blocks_within_a_step(tiny_core, tokenizer):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    with trio.fail_after(30):
+        await _cancel_one_of_two(tiny_core, tokenizer, params)
+
+
+async def _cancel_one_of_two(tiny_core, tokenizer, params) -> None:
     async with Engine(tiny_core, tokenizer).serve() as client:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(collect, client, prompt(9, 40), params)  # keeps the engine stepping
@@ -166,18 +173,31 @@ async def test_fault_in_forward_pass_fails_every_consumer(tiny_core, tokenizer, 
     assert tiny_core.stats().kv_blocks_used == 0
 
 
-async def test_bad_input_raises_before_queueing(tiny_core, tokenizer):
-    async with Engine(tiny_core, tokenizer).serve() as client:
+async def test_bad_input_raises_before_queueing(tiny_core, tokenizer, monkeypatch):
+    engine = Engine(tiny_core, tokenizer)
+    sent = []
+    real_send = engine.send
+    monkeypatch.setattr(engine, "send", lambda message: (sent.append(message), real_send(message)))
+    async with engine.serve() as client:
         with pytest.raises(InvalidParameterError) as exc:
             await collect(client, [], GREEDY)
         assert exc.value.param == "prompt"
         with pytest.raises(InvalidParameterError):
             await collect(client, prompt(1), SamplingParams(max_tokens=10_000))
-        assert client.stats().num_waiting == 0
+        with pytest.raises(InvalidParameterError):
+            await collect(client, prompt(1), GREEDY, priority=3)  # fcfs engine
+        assert sent == []  # nothing reached the core's inbox
+        await collect(client, prompt(1), GREEDY)
+        assert [type(m) for m in sent] == [AddRequest]  # (the spy itself works)
 
 
 async def test_a_slow_consumer_does_not_stall_others(tiny_core, tokenizer):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    with trio.fail_after(30):
+        await _slow_and_fast(tiny_core, tokenizer, params)
+
+
+async def _slow_and_fast(tiny_core, tokenizer, params) -> None:
     async with Engine(tiny_core, tokenizer).serve() as client:
         slow = client.generate(prompt(1), params)
         first = await slow.__anext__()  # then stop reading it for a while
@@ -189,22 +209,25 @@ async def test_a_slow_consumer_does_not_stall_others(tiny_core, tokenizer):
 
 
 async def test_steps_subscriber_sees_every_step(tiny_core, tokenizer):
-    async with Engine(tiny_core, tokenizer).serve() as client:
-        seen = []
+    seen = []
 
-        async def watch():
-            async for step in client.steps():
-                seen.append(step)
+    async def watch(client):
+        async for step in client.steps():
+            seen.append(step)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch)
-            await trio.testing.wait_all_tasks_blocked()
-            await collect(client, prompt(1), GREEDY)
-            await trio.testing.wait_all_tasks_blocked()  # let the watcher drain its queue
-            nursery.cancel_scope.cancel()
-    generated = sum(len(d.new_token_ids) for s in seen for d in s.deltas)
-    assert generated == 12 and all(s.timings is None or s.timings.execute_s >= 0 for s in seen)
-    assert seen[-1].stats.num_generation_tokens >= 12
+    with trio.fail_after(30):
+        async with Engine(tiny_core, tokenizer).serve() as client:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch, client)
+                await trio.testing.wait_all_tasks_blocked()
+                await collect(client, prompt(1), GREEDY)
+                await trio.testing.wait_all_tasks_blocked()  # let the watcher drain its queue
+                nursery.cancel_scope.cancel()
+    model_steps = [s for s in seen if s.num_scheduled_seqs]
+    assert sum(len(d.new_token_ids) for s in seen for d in s.deltas) == 12
+    assert len(model_steps) == 12  # one prefill step that samples, then 11 decode steps
+    assert all(s.timings.execute_s > 0 for s in model_steps)
+    assert [s.stats.num_steps for s in model_steps] == list(range(1, 13))
 
 
 async def test_leaving_the_engine_fails_streams_that_outlive_it(tiny_core, tokenizer):
@@ -225,3 +248,129 @@ async def test_timeouts_in_virtual_time_abort_cleanly(tiny_core, tokenizer, auto
         await wait_until_idle(client, timeout=10**6)
         assert client.stats().kv_blocks_used == 0
     assert scope.cancelled_caught  # the virtual hour passed while the step ran in its thread
+
+
+async def test_a_request_failing_alone_leaves_the_others_running(tiny_core, tokenizer, monkeypatch):
+    import engine.sampler as sampler_module
+
+    real = sampler_module.process_row
+
+    def faulty(logits, request):
+        if request.parent_id == "bad":
+            raise RuntimeError("injected logits-processor fault")
+        real(logits, request)
+
+    monkeypatch.setattr(sampler_module, "process_row", faulty)
+    outcomes = {}
+
+    async def one(client, request_id, params):
+        try:
+            outcomes[request_id] = (await collect(client, prompt(len(outcomes)), params, request_id=request_id))[-1]
+        except RequestFailedError as exc:
+            outcomes[request_id] = exc
+
+    biased = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={5: 1.0})
+    with trio.fail_after(30):
+        async with Engine(tiny_core, tokenizer).serve() as client:
+            async with trio.open_nursery() as nursery:
+                for i in range(6):
+                    nursery.start_soon(one, client, f"good-{i}", biased if i % 2 else GREEDY)
+                nursery.start_soon(one, client, "bad", biased)
+            assert not client.errored
+            after = await collect(client, prompt(9), GREEDY)  # the engine still serves
+            assert len(after[-1].outputs[0].token_ids) == 12
+            await wait_until_idle(client)
+            assert client.stats().kv_blocks_used == 0
+    assert isinstance(outcomes.pop("bad"), RequestFailedError)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outcomes.values())
+
+
+async def test_stat_loggers_see_engine_timings_of_every_request(tiny_core, tokenizer):
+    seen: list = []
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        client.add_stat_logger(seen.append)
+        await collect(client, prompt(1), params)
+        ttfts = [t for s in seen for t in s.time_to_first_tokens]
+        itls = [t for s in seen for t in s.inter_token_latencies]
+        finished = [f for s in seen for f in s.finished]
+        # One final output, but the engine's own clock: a first token, then 11 gaps.
+        assert len(ttfts) == 1 and len(itls) == 11 and len(finished) == 1
+        assert finished[0].finish_reasons == ("length",) and finished[0].num_generation_tokens == 12
+        assert ttfts[0] + sum(itls) == pytest.approx(finished[0].e2e_latency, abs=1e-6)
+        assert 0 <= finished[0].queue_time <= ttfts[0]
+        seen.clear()
+        with trio.move_on_after(0.05):  # a request abandoned by its consumer still counts, as 'abort'
+            await collect(client, prompt(2), SamplingParams(max_tokens=200, ignore_eos=True))
+        await wait_until_idle(client)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [f.finish_reasons for s in seen for f in s.finished] == [("abort",)]
+
+
+async def test_a_request_id_stays_taken_until_the_core_has_finished_it(tiny_core, tokenizer):
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        full = (await collect(client, prompt(1), params))[-1].outputs[0]
+        stop = full.text[len(full.text) // 3:len(full.text) // 3 + 2]
+        cut = (await collect(client, prompt(1), attrs.evolve(params, stop=[stop]), request_id="x"))[-1].outputs[0]
+        assert cut.finish_reason == "stop" and len(cut.token_ids) < 40
+        # The stream has ended, but the core finishes "x" only when it reads the StopRequest.
+        with pytest.raises(InvalidParameterError) as exc:
+            client.submit(prompt(2), params, request_id="x")
+        assert "in use" in str(exc.value)
+        await wait_until_idle(client)
+        await trio.testing.wait_all_tasks_blocked()
+        again = (await collect(client, prompt(2), params, request_id="x"))[-1].outputs[0]
+        alone = (await collect(client, prompt(2), params))[-1].outputs[0]
+        assert again.token_ids == alone.token_ids  # no late token of the old "x" leaked in
+
+
+async def test_generate_many_merges_without_a_task_per_request(tiny_core, tokenizer):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        singles = [[t for o in await collect(client, prompt(i), params) for t in o.outputs[0].token_ids]
+                   for i in range(3)]
+        merged: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        async for index, output in client.generate_many([prompt(i) for i in range(3)], params):
+            merged[index] += output.outputs[0].token_ids
+        assert [merged[i] for i in range(3)] == singles
+        long = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        async with aclosing(client.generate_many([prompt(i) for i in range(3)], long)) as outputs:
+            async for _ in outputs:
+                break  # leaving early aborts all three
+        await wait_until_idle(client)
+        assert client.stats().kv_blocks_used == 0
+        with pytest.raises(InvalidParameterError):  # one bad prompt: nothing is queued
+            async for _ in client.generate_many([prompt(1), []], params):
+                pass
+        assert client.stats().num_waiting == 0 and not client._engine.registry
+
+
+async def test_a_stop_string_finishes_every_completion_in_the_core(tiny_core, tokenizer):
+    params = SamplingParams(n=2, temperature=0, max_tokens=60, ignore_eos=True)
+    core_tokens: dict[int, int] = {0: 0, 1: 0}
+
+    async def watch(client):
+        async for step in client.steps():
+            for d in step.deltas:
+                if d.request_id == "s":
+                    core_tokens[d.index] += len(d.new_token_ids)
+
+    with trio.fail_after(30):
+        async with Engine(tiny_core, tokenizer).serve() as client:
+            full = (await collect(client, prompt(1), params))[-1].outputs[0]
+            stop = full.text[len(full.text) // 3:len(full.text) // 3 + 2]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch, client)
+                await trio.testing.wait_all_tasks_blocked()
+                cut = (await collect(client, prompt(1), attrs.evolve(params, stop=[stop]), request_id="s"))[-1]
+                await wait_until_idle(client)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.cancel_scope.cancel()
+            assert client.stats().kv_blocks_used == 0
+    for completion in cut.outputs:  # greedy: both completions are the same text, cut at the same place
+        assert completion.finish_reason == "stop" and completion.text == full.text[:full.text.index(stop)]
+        hit_at = len(completion.token_ids)
+        assert completion.token_ids == full.token_ids[:hit_at] and hit_at < 60
+        # The core ran at most one step more before it read the StopRequest, then freed the sequence.
+        assert hit_at <= core_tokens[completion.index] <= hit_at + 1

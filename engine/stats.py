@@ -1,0 +1,67 @@
+"""Per-request timings the engine observes, handed to stat loggers (``/metrics`` is one).
+
+The detokenizer actor stamps each step's outputs as it applies them, whatever output kind
+the consumer asked for, so time to first token and inter-token latency are the engine's
+own, not the moments a consumer happened to read its stream. Requests that end by abort or
+error are reported too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+
+@attrs.frozen
+class FinishedRequestStats:
+    """One request (all its ``n`` completions) that has ended, however it ended."""
+
+    finish_reasons: tuple[str, ...]  # per completion: 'stop' | 'length' | 'abort' | 'error'
+    e2e_latency: float  # seconds from arrival to the end
+    queue_time: float | None  # seconds from arrival to first scheduling; None if never scheduled
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+@attrs.define
+class IterationStats:
+    """What one engine step (or one engine failure) produced, in seconds of ``time.monotonic()``."""
+
+    now: float
+    time_to_first_tokens: list[float] = attrs.field(factory=list)
+    inter_token_latencies: list[float] = attrs.field(factory=list)
+    finished: list[FinishedRequestStats] = attrs.field(factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.time_to_first_tokens or self.inter_token_latencies or self.finished)
+
+
+# A stat logger takes each step's IterationStats; it runs in the event loop, so it must be quick.
+StatLogger = Callable[[IterationStats], None]
+
+
+@attrs.define
+class RequestTimes:
+    """One request's clock (monotonic seconds)."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def on_tokens(self, stats: IterationStats) -> None:
+        """Tokens of this request arrived in the step ``stats`` describes (counted once per step)."""
+        if self.first_token is None:
+            self.first_token = stats.now
+            stats.time_to_first_tokens.append(stats.now - self.arrival)
+        elif stats.now != self.last_token:
+            stats.inter_token_latencies.append(stats.now - self.last_token)
+        self.last_token = stats.now
+
+    def finished(self, stats: IterationStats, reasons: tuple[str, ...], num_prompt_tokens: int,
+                 num_generation_tokens: int) -> None:
+        queue = None if self.first_scheduled is None else max(0.0, self.first_scheduled - self.arrival)
+        stats.finished.append(FinishedRequestStats(reasons, stats.now - self.arrival, queue, num_prompt_tokens,
+                                                   num_generation_tokens))
