@@ -45,11 +45,11 @@ BASE_REQUIREMENTS = [
 TEST_REQUIREMENTS = [
     "pytest>=8",
     "pytest-trio>=0.8",
+    "pytest-timeout>=2.3",  # a hung test fails instead of stalling CI
     "hypothesis>=6.100",
     "accelerate>=0.30",  # transformers' GGUF model loader (the oracle) needs it
     "openai>=1.40",  # the official client, against our server
     "jsonschema>=4.20",  # responses validated against OpenAI's published schemas
-    "pyyaml>=6",
     "httpx>=0.27",
 ]
 

@@ -19,9 +19,10 @@ from api.errors import APIError, bad_request
 from api.metrics import CONTENT_TYPE, Metrics
 from api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse,
                           sampling_params)
-from api.serving import SSE_DONE, ChunkWriter, OutputTracker, chat_logprobs, completion_logprobs, merge, sse
+from api.serving import (SSE_DONE, ChunkWriter, UsageTracker, chat_logprobs, completion_logprobs,
+                         prompt_logprobs_json, sse)
 from engine.async_engine import EngineClient
-from engine.errors import EngineDeadError, InvalidParameterError
+from engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError
 from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.tokenizer import apply_chat_template
@@ -42,6 +43,13 @@ class ServerState:
     allowed_origins: tuple[str, ...] = ()
     chat_template: str | None = None
     created: int = attrs.field(factory=lambda: int(time.time()))
+    metrics: Metrics | None = None  # set by create_app
+
+    def attach(self, client: EngineClient) -> None:
+        """The engine is ready: serve requests with it and feed ``/metrics`` from its timings."""
+        self.client = client
+        if self.metrics is not None:
+            client.add_stat_logger(self.metrics.record)
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -51,7 +59,8 @@ def json_response(data: Any, status: int = 200) -> Response:
 def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> QuartTrio:
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
-    metrics = Metrics(lambda: state.client.stats() if state.client else _EMPTY_STATS, state.model_name)
+    metrics = state.metrics = Metrics(lambda: state.client.stats() if state.client else _EMPTY_STATS,
+                                      state.model_name)
     api = _Handlers(state, metrics)
 
     @app.before_request
@@ -104,6 +113,11 @@ def _register_error_handlers(app: QuartTrio, max_body_bytes: int) -> None:
     async def dead(error: EngineDeadError) -> Response:
         return await api_error(APIError(503, "the engine is not available", code="engine_dead"))
 
+    @app.errorhandler(RequestFailedError)
+    async def failed(error: RequestFailedError) -> Response:
+        log.error("%s %s: %s", request.method, request.path, error)
+        return await api_error(REQUEST_FAILED)
+
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
         messages = {404: f"route {request.path} not found", 405: f"method {request.method} not allowed for {request.path}",
@@ -117,6 +131,8 @@ def _register_error_handlers(app: QuartTrio, max_body_bytes: int) -> None:
 
 
 _EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+# One request failed inside the engine (the engine goes on); the log has the details.
+REQUEST_FAILED = APIError(500, "the request failed inside the engine", type="server_error", code="request_failed")
 
 
 class _Handlers:
@@ -147,8 +163,8 @@ class _Handlers:
         if model is not None and model != self.state.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
 
-    def validate(self, prompt_ids: list[int], params) -> None:
-        self.client.validate(prompt_ids, params)
+    def validate(self, prompt_ids: list[int], params, priority: int = 0) -> None:
+        self.client.validate(prompt_ids, params, priority)
 
     # ---- simple routes ----
 
@@ -200,8 +216,7 @@ class _Handlers:
             if m.role not in CHAT_ROLES:
                 raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}",
                                   "messages")
-            converted.append({"role": "system" if m.role == "developer" else m.role,
-                              "content": self._text_content(m.content, i), **({"name": m.name} if m.name else {})})
+            converted.append(_template_message(m, self._text_content(m.content, i)))
         tokenizer = self.client.tokenizer
         try:
             return apply_chat_template(tokenizer, converted, add_generation_prompt=add_generation_prompt,
@@ -229,9 +244,9 @@ class _Handlers:
         ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                req.chat_template_kwargs)
         params = sampling_params(req, chat=True)
-        self.validate(ids, params)
+        self.validate(ids, params, req.priority)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        tracker = OutputTracker(self.metrics_registry, len(ids))
+        tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
         stream = self.client.generate({"prompt_token_ids": ids}, params, request_id=request_id,
                                       priority=req.priority)
@@ -241,8 +256,11 @@ class _Handlers:
         choices = [{"index": c.index, "message": {"role": "assistant", "content": echo + c.text, "refusal": None},
                     "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0) if req.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
-        return json_response({"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                              "model": self.state.model_name, "choices": choices, "usage": tracker.usage()})
+        body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": self.state.model_name, "choices": choices, "usage": tracker.usage()}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+        return json_response(body)
 
     @staticmethod
     def _chat_echo(req: ChatCompletionRequest) -> str:
@@ -251,7 +269,7 @@ class _Handlers:
             return last.content
         return ""
 
-    async def _chat_chunks(self, req, request_id: str, stream, tracker: OutputTracker, echo: str):
+    async def _chat_chunks(self, req, request_id: str, stream, tracker: UsageTracker, echo: str):
         chunk = ChunkWriter(request_id, "chat.completion.chunk", self.state.model_name, req.stream_options, tracker)
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(req.n)])
@@ -269,7 +287,6 @@ class _Handlers:
                     choice["stop_reason"] = c.stop_reason
                 choices.append(choice)
             yield chunk(choices)
-        tracker.done()
         if chunk.include_usage:
             yield chunk([], tracker.usage())
         yield SSE_DONE
@@ -284,44 +301,45 @@ class _Handlers:
         inputs = [self.client.prepare(p) for p in prompts]
         params = sampling_params(req, chat=False)
         for _, ids in inputs:  # every prompt is checked before any is queued
-            self.validate(ids, params)
+            self.validate(ids, params, req.priority)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        tracker = OutputTracker(self.metrics_registry, sum(len(ids) for _, ids in inputs))
-        streams = [self.client.generate({"prompt": text, "prompt_token_ids": ids}, params,
-                                        request_id=f"{request_id}-{i}", priority=req.priority)
-                   for i, (text, ids) in enumerate(inputs)]
+        tracker = UsageTracker(sum(len(ids) for _, ids in inputs))
+        outputs = self.client.generate_many([{"prompt": text, "prompt_token_ids": ids} for text, ids in inputs],
+                                            params, [f"{request_id}-{i}" for i in range(len(inputs))], req.priority)
         prompt_texts = [text if text is not None else self.client.tokenizer.decode(ids) for text, ids in inputs]
         if req.stream:
-            return self.sse_response(self._completion_chunks(req, request_id, streams, tracker, prompt_texts))
-        finals: list[RequestOutput | None] = [None] * len(streams)
-        async for index, output in merge(streams):
-            tracker.observe(output)
+            return self.sse_response(self._completion_chunks(req, request_id, outputs, tracker, prompt_texts))
+        finals: list[RequestOutput | None] = [None] * len(inputs)
+        async for index, output in outputs:
+            tracker.observe(output, index)
             finals[index] = output
-        tracker.done()
         choices = []
         for p, final in enumerate(finals):
             for c in final.outputs:
                 prefix = prompt_texts[p] if req.echo else ""
-                choices.append({"index": p * req.n + c.index, "text": prefix + c.text,
-                                "logprobs": completion_logprobs(c.logprobs, c.token_ids, req.logprobs, len(prefix))
-                                if req.logprobs is not None else None,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": p * req.n + c.index, "text": prefix + c.text,
+                          "logprobs": completion_logprobs(c.logprobs, c.token_ids, req.logprobs, len(prefix))
+                          if req.logprobs is not None else None,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+                choices.append(choice)
         return json_response({"id": request_id, "object": "text_completion", "created": int(time.time()),
                               "model": self.state.model_name, "choices": choices, "usage": tracker.usage()})
 
-    async def _completion_chunks(self, req, request_id: str, streams, tracker: OutputTracker, prompt_texts):
+    async def _completion_chunks(self, req, request_id: str, outputs, tracker: UsageTracker, prompt_texts):
         chunk = ChunkWriter(request_id, "text_completion", self.state.model_name, req.stream_options, tracker)
         offsets: dict[int, int] = {}
 
         if req.echo:
             yield chunk([{"index": p * req.n + i, "text": text, "logprobs": None, "finish_reason": None}
                          for p, text in enumerate(prompt_texts) for i in range(req.n)])
-        async for item in _guard(merge(streams)):
+        async for item in _guard(outputs):
             if isinstance(item, bytes):
                 yield item
                 return
             p, output = item
-            tracker.observe(output)
+            tracker.observe(output, p)
             choices = []
             for c in output.outputs:
                 index = p * req.n + c.index
@@ -332,19 +350,18 @@ class _Handlers:
                 choices.append({"index": index, "text": c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             yield chunk(choices)
-        tracker.done()
         if chunk.include_usage:
             yield chunk([], tracker.usage())
         yield SSE_DONE
 
     # ---- shared ----
 
-    async def _final(self, stream, tracker: OutputTracker) -> RequestOutput:
+    @staticmethod
+    async def _final(stream, tracker: UsageTracker) -> RequestOutput:
         final = None
         async for output in stream:
             tracker.observe(output)
             final = output
-        tracker.done()
         return final
 
     @staticmethod
@@ -355,11 +372,25 @@ class _Handlers:
         return response
 
 
+def _template_message(message, content: str) -> dict[str, Any]:
+    """A chat message as chat templates take it: OpenAI's developer role is a system message;
+    name, tool_calls and tool_call_id pass through for templates that use them."""
+    converted = {"role": "system" if message.role == "developer" else message.role, "content": content}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if getattr(message, key) is not None:
+            converted[key] = getattr(message, key)
+    return converted
+
+
 async def _guard(stream):
-    """Pass items through; if the engine dies mid-stream, end with an error event and [DONE]."""
+    """Pass items through; if the engine or the request fails mid-stream, end with an error
+    event and [DONE] (the status line has long been sent)."""
     try:
         async for item in stream:
             yield item
     except EngineDeadError:
         log.warning("engine died during a streamed response")
         yield sse(APIError(503, "the engine failed during generation", code="engine_dead").body()) + SSE_DONE
+    except RequestFailedError as exc:
+        log.error("a streamed request failed: %s", exc)
+        yield sse(REQUEST_FAILED.body()) + SSE_DONE

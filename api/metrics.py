@@ -1,8 +1,8 @@
 """Prometheus metrics under vLLM's names, so existing dashboards work.
 
 Gauges and counters are read from the engine's ``stats()`` snapshot at scrape time (a
-custom collector); per-request histograms and the success counter are observed by the
-HTTP handlers as requests finish.
+custom collector); per-request histograms and the success counter are fed by the engine's
+stat-logger hook as requests produce tokens and end.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.messages import EngineStats
+from engine.request import FINISH_REASONS
+from engine.stats import IterationStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -49,55 +51,42 @@ class _EngineCollector(Collector):
 
 
 class Metrics:
-    """The server's registry. Resource handling: none beyond memory; one per app."""
+    """The server's registry. Resource handling: none beyond memory; one per app.
+
+    ``record`` is the engine's stat logger (``EngineClient.add_stat_logger``): it gets the
+    engine's own timings of every request, streamed or not, finished, aborted or failed.
+    Every labelled series exists from start-up (at zero), as in vLLM, so dashboards and
+    scrapers see them before the first request.
+    """
 
     def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(stats, model_name))
         labels = ["model_name"]
-        self.request_success = Counter("vllm:request_success", "Requests finished, by reason.",
-                                       labels + ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.", labels,
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.queue = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.", labels,
-                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        success = Counter("vllm:request_success", "Requests finished, by reason.", labels + ["finished_reason"],
+                          registry=self.registry)
+        self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS.values()}
+        self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = self._histogram("vllm:inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.")
+        self.queue = self._histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.")
 
-    def observe_request(self, timer: RequestTimer, finish_reasons: list[str]) -> None:
-        m = self.model_name
-        if timer.first_token is not None:
-            self.ttft.labels(m).observe(timer.first_token - timer.arrival)
-        if timer.first_scheduled is not None:
-            self.queue.labels(m).observe(max(0.0, timer.first_scheduled - timer.arrival))
-        for gap in timer.gaps:
-            self.itl.labels(m).observe(gap)
-        self.e2e.labels(m).observe(timer.last - timer.arrival)
-        for reason in finish_reasons:
-            self.request_success.labels(m, reason).inc()
+    def _histogram(self, name: str, doc: str):
+        family = Histogram(name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        return family.labels(self.model_name)
+
+    def record(self, stats: IterationStats) -> None:
+        for ttft in stats.time_to_first_tokens:
+            self.ttft.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.itl.observe(itl)
+        for request in stats.finished:
+            self.e2e.observe(request.e2e_latency)
+            if request.queue_time is not None:
+                self.queue.observe(request.queue_time)
+            for reason in request.finish_reasons:
+                self.request_success[reason].inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class RequestTimer:
-    """Timestamps of one request's outputs (monotonic seconds, as the engine's clock)."""
-
-    def __init__(self, arrival: float) -> None:
-        self.arrival = arrival
-        self.first_token: float | None = None
-        self.first_scheduled: float | None = None
-        self.last = arrival
-        self.gaps: list[float] = []
-
-    def on_tokens(self, now: float, num_tokens: int) -> None:
-        if num_tokens == 0:
-            return
-        if self.first_token is None:
-            self.first_token = now
-        else:
-            self.gaps.append((now - self.last) / num_tokens)  # coalesced tokens share the interval
-        self.last = now

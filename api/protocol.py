@@ -13,6 +13,7 @@ from typing import Any, Union
 
 import attrs
 import cattrs
+from cattrs.gen import make_dict_structure_fn
 
 from api.errors import APIError, bad_request, unsupported
 from engine.errors import InvalidParameterError
@@ -45,7 +46,10 @@ class StreamOptions:
 
 @attrs.frozen(kw_only=True)
 class SamplingFields:
-    """Fields common to chat and text completions (OpenAI's, then vLLM's extras)."""
+    """Fields common to chat and text completions (OpenAI's, then vLLM's extras).
+
+    ``user`` is OpenAI's end-user label for abuse monitoring: accepted and not used, as in vLLM.
+    """
 
     model: str | None = None
     max_tokens: int | None = None
@@ -72,6 +76,16 @@ class SamplingFields:
     priority: int = 0
     prompt_logprobs: int | None = None
 
+    def check_common(self) -> None:
+        """Rules between fields that both endpoints share (as vLLM words them)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
+        if self.stream and self.prompt_logprobs:
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        if not self.spaces_between_special_tokens:
+            raise unsupported("spaces_between_special_tokens",
+                              "spaces_between_special_tokens=false (this server's fast tokenizers never add them)")
+
 
 @attrs.frozen(kw_only=True)
 class ChatCompletionRequest(SamplingFields):
@@ -90,9 +104,9 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[str] | None = None
 
     def check_supported(self) -> None:
-        if self.tools and self.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice", "tool calling (tool_choice other than 'none')")
-        if self.tool_choice not in (None, "none", "auto") or (self.tool_choice == "auto" and self.tools):
+        self.check_common()
+        # With tools, OpenAI's default tool_choice is "auto": the model may call them.
+        if (self.tools and self.tool_choice != "none") or self.tool_choice not in (None, "none", "auto"):
             raise unsupported("tool_choice", "tool calling (tool_choice other than 'none')")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise unsupported("response_format", "response_format other than 'text'")
@@ -113,6 +127,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
     def check_supported(self) -> None:
+        self.check_common()
         if self.suffix:
             raise unsupported("suffix", "suffix (insertion)")
         if self.best_of not in (None, self.n):
@@ -171,7 +186,20 @@ def _prompt(value: Any, _type: Any) -> Any:
     raise TypeError("expected a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
+def _objects_only(cls: type) -> Any:
+    """Structure an attrs class only from a JSON object (cattrs would take any container,
+    so a string or a list would silently become all defaults)."""
+    structure = make_dict_structure_fn(cls, converter)
+
+    def hook(value: Any, _type: Any) -> Any:
+        if not isinstance(value, dict):
+            raise TypeError(f"expected an object, got {type(value).__name__}")
+        return structure(value, cls)
+    return hook
+
+
 converter = cattrs.Converter(forbid_extra_keys=False)
+converter.register_structure_hook_factory(attrs.has, _objects_only)
 converter.register_structure_hook(int, _strict(int, lambda v: isinstance(v, int) and not isinstance(v, bool)))
 converter.register_structure_hook(float, _strict(float, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)))
 converter.register_structure_hook(bool, _strict(bool, lambda v: isinstance(v, bool)))
@@ -219,7 +247,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat:
     """The engine's parameters for a request; range errors become 400s naming the API field."""
     if chat:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        max_tokens = request.max_completion_tokens or request.max_tokens
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
     else:
         logprobs = request.logprobs
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's completions default
@@ -227,8 +255,9 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat:
         n=request.n, presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=request.top_k or 0, min_p=request.min_p or 0.0,
-        repetition_penalty=request.repetition_penalty or 1.0, seed=request.seed, stop=request.stop,
+        top_k=0 if request.top_k is None else request.top_k, min_p=0.0 if request.min_p is None else request.min_p,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        seed=request.seed, stop=request.stop,
         stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos, max_tokens=max_tokens,
         min_tokens=request.min_tokens, logprobs=logprobs, prompt_logprobs=request.prompt_logprobs,
@@ -239,5 +268,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat:
     try:
         return SamplingParams(**fields)
     except InvalidParameterError as exc:
-        param = _API_NAMES.get(exc.param, exc.param) if chat else exc.param
+        names = dict(_API_NAMES, max_tokens="max_completion_tokens") if chat and request.max_completion_tokens \
+            is not None else _API_NAMES
+        param = names.get(exc.param, exc.param) if chat else exc.param
         raise APIError(400, str(exc).replace(exc.param, param, 1), param) from None

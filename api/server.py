@@ -86,7 +86,7 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
         nursery.start_soon(http)
         log.info("loading %s (backend %s)...", source.path, config.backend)
         async with open_engine(config) as client:
-            state.client = client
+            state.attach(client)
             stats = client.stats()
             log.info("serving %s as %r on http://%s:%d with backend %s; KV cache %d blocks x %d tokens = %d tokens",
                      source.path.name, state.model_name, args.host, args.port, client.backend_name,

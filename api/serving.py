@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-import trio
 
-from api.metrics import Metrics, RequestTimer
-from engine.errors import first_leaf
 from engine.outputs import PositionLogprobs, RequestOutput
 
 
@@ -62,11 +58,21 @@ def completion_logprobs(positions: list[PositionLogprobs], token_ids: list[int],
             "text_offset": text_offset}
 
 
+def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt position None (the first) or
+    ``{token id: {"logprob", "rank", "decoded_token"}}``."""
+    if positions is None:
+        return None
+    return [None if p is None else {str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in p.items()}
+            for p in positions]
+
+
 class ChunkWriter:
     """Frames the streamed chunks of one response; with include_usage every chunk carries a
     ``usage`` key (null, or the running counts under continuous_usage_stats)."""
 
-    def __init__(self, request_id: str, kind: str, model: str, options, tracker: OutputTracker) -> None:
+    def __init__(self, request_id: str, kind: str, model: str, options, tracker: UsageTracker) -> None:
         self.head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
         self.include_usage = bool(options and options.include_usage)
         self.continuous = self.include_usage and options.continuous_usage_stats
@@ -79,53 +85,18 @@ class ChunkWriter:
         return sse(data)
 
 
-class OutputTracker:
-    """Per-request bookkeeping shared by both endpoints: usage counts and metrics timings."""
+class UsageTracker:
+    """Token counts of one response, over all its prompts and completions (``usage``)."""
 
-    def __init__(self, metrics: Metrics, num_prompt_tokens: int) -> None:
-        self.metrics = metrics
-        self.timer = RequestTimer(time.monotonic())
+    def __init__(self, num_prompt_tokens: int) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_completion_tokens = 0
-        self.num_cached_tokens = 0
-        self.finish_reasons: list[str] = []
+        self._cached_tokens: dict[int, int] = {}  # per prompt
 
-    def observe(self, output: RequestOutput) -> None:
-        new_tokens = sum(len(c.token_ids) for c in output.outputs)
-        self.num_completion_tokens += new_tokens
-        self.timer.on_tokens(time.monotonic(), new_tokens)
-        self.num_cached_tokens = output.num_cached_tokens
-        if output.first_scheduled_at is not None and self.timer.first_scheduled is None:
-            self.timer.first_scheduled = output.first_scheduled_at
-        self.finish_reasons += [c.finish_reason for c in output.outputs if c.finish_reason]
-
-    def done(self) -> None:
-        self.metrics.observe_request(self.timer, self.finish_reasons)
+    def observe(self, output: RequestOutput, prompt_index: int = 0) -> None:
+        """Count a new output (a delta, or a request's one final output)."""
+        self.num_completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        self._cached_tokens[prompt_index] = output.num_cached_tokens
 
     def usage(self) -> dict:
-        return usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
-
-
-async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several requests (one per prompt) as they come: ``(prompt index, output)``."""
-    send, receive = trio.open_memory_channel(0)
-
-    async def pump(index: int, stream: AsyncIterator[RequestOutput], out: trio.MemorySendChannel) -> None:
-        async with out:
-            async for output in stream:
-                await out.send((index, output))
-
-    try:
-        async with trio.open_nursery() as nursery:
-            async with send:
-                for i, stream in enumerate(streams):
-                    nursery.start_soon(pump, i, stream, send.clone())
-            async with receive:
-                async for item in receive:
-                    yield item
-    except BaseExceptionGroup as group:  # a failing request: raise its error, not the nursery's group
-        leaf = first_leaf(group)
-        if isinstance(leaf, Exception):
-            raise leaf from None
-        raise
-
+        return usage(self.num_prompt_tokens, self.num_completion_tokens, sum(self._cached_tokens.values()))

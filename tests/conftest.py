@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import torch
 
@@ -22,9 +24,20 @@ TINY_CONFIG = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
                           max_position_embeddings=1024, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
+# The same tiny model over the default tokenizer's whole vocabulary, so that text prompts work
+# (the HTTP layer's tests).
+TINY_VOCAB_CONFIG = attrs.evolve(TINY_CONFIG, vocab_size=49152)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> LlamaModel:
     return LlamaModel.from_state_dict(TINY_CONFIG, dict(dummy_weights(TINY_CONFIG, seed=0)), torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_model() -> LlamaModel:
+    weights = dict(dummy_weights(TINY_VOCAB_CONFIG, seed=0))
+    return LlamaModel.from_state_dict(TINY_VOCAB_CONFIG, weights, torch.float32, "cpu")
 
 
 @pytest.fixture(scope="session")
@@ -96,18 +109,68 @@ def assert_matches_reference(ours: list[int], ref: Reference, label: str = "") -
 
 
 @pytest.fixture(scope="session")
-def llm():
-    """One engine on the real model, shared by tests that do not care about its configuration."""
+def shared_llm():
     from engine.api import LLM
 
     return LLM(backend="torch", num_kv_blocks=512)
 
 
 @pytest.fixture
-def tiny_core(tiny_model):
-    """A fresh engine core over the tiny random model (fast: for actor and scheduling logic)."""
+def llm(shared_llm):
+    """One engine on the real model, shared by tests that do not care about its configuration;
+    each test starts with an empty prefix cache, so no outcome depends on the tests before it."""
+    shared_llm.reset_prefix_cache()
+    return shared_llm
+
+
+def tiny_engine_core(model: LlamaModel, **fields):
     from engine.config import EngineConfig
     from engine.engine_core import EngineCore
 
-    return EngineCore(EngineConfig(backend="torch", num_kv_blocks=64, max_model_len=256, max_num_seqs=32,
-                                   max_num_batched_tokens=256), model=tiny_model)
+    config = dict(backend="torch", num_kv_blocks=64, max_model_len=256, max_num_seqs=32, max_num_batched_tokens=256)
+    return EngineCore(EngineConfig(**{**config, **fields}), model=model)
+
+
+@pytest.fixture
+def tiny_core(tiny_model):
+    """A fresh engine core over the tiny random model (fast: for actor and scheduling logic)."""
+    return tiny_engine_core(tiny_model)
+
+
+@pytest.fixture
+def tiny_vocab_core(tiny_vocab_model):
+    """A fresh engine core over the tiny random model that reads the default tokenizer's ids."""
+    return tiny_engine_core(tiny_vocab_model)
+
+
+@attrs.frozen
+class LiveServer:
+    """The HTTP app on a loopback port in this trio run, over a real engine."""
+
+    http: object  # httpx.AsyncClient with the server's base URL
+    client: object  # the EngineClient
+    state: object  # the app's ServerState
+
+
+@asynccontextmanager
+async def serve_http(core, tokenizer, **state_fields) -> AsyncIterator[LiveServer]:
+    """Serve ``create_app`` with hypercorn in this trio run (real sockets: disconnects are real)."""
+    import httpx
+    import trio
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    from api.app import ServerState, create_app
+    from engine.async_engine import Engine
+
+    state = ServerState("tiny", **state_fields)
+    app = create_app(state)
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    async with Engine(core, tokenizer).serve() as client, trio.open_nursery() as nursery:
+        state.attach(client)
+        binds = await nursery.start(serve, app, config)
+        async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
+            yield LiveServer(http, client, state)
+        nursery.cancel_scope.cancel()

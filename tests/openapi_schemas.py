@@ -1,7 +1,10 @@
-"""OpenAI's published schemas (../shared/openai/openapi.yaml) as JSON Schema validators.
+"""OpenAI's published response schemas as JSON Schema validators.
 
-The document marks optional values with OpenAPI 3.0's ``nullable``; JSON Schema does not
-know it, so it is rewritten first (see shared/openai/README.md).
+``data/openai_schemas.json`` is the part of OpenAI's ``openapi.yaml`` the tests use (source,
+commit and licence in ``data/README.md``). The document marks optional values with OpenAPI
+3.0's ``nullable``; JSON Schema does not know it, so it is rewritten first: ``type: X,
+nullable: true`` is ``type: [X, "null"]``, and a nullable ``$ref``/``allOf`` is an ``anyOf``
+with null.
 """
 
 from __future__ import annotations
@@ -9,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
+import orjson
 from jsonschema import Draft202012Validator
 
-SPEC = Path(__file__).resolve().parents[2] / "shared" / "openai" / "openapi.yaml"
+SPEC = Path(__file__).resolve().parent / "data" / "openai_schemas.json"
 
 
 def _denull(node: Any) -> Any:
@@ -35,8 +38,7 @@ def _denull(node: Any) -> Any:
 
 class OpenAISchemas:
     def __init__(self, path: Path = SPEC) -> None:
-        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-        self.doc = _denull(yaml.load(path.read_text(), Loader=loader))
+        self.doc = _denull(orjson.loads(path.read_bytes()))
 
     def validator(self, name: str) -> Draft202012Validator:
         return Draft202012Validator({**self.doc, "$ref": f"#/components/schemas/{name}"})

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import orjson
+import pytest
+import trio
 
 from api.app import ServerState, create_app
+from tests.conftest import serve_http
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -68,3 +71,158 @@ async def test_cors_headers_for_allowed_origins_only():
     assert allowed.headers["Access-Control-Allow-Origin"] == "https://ok.example"
     assert "Access-Control-Allow-Origin" not in other.headers
     assert preflight.status_code == 204 and "POST" in preflight.headers["Access-Control-Allow-Methods"]
+
+
+# ---- the app over a real engine (the tiny random model) on a loopback port ----
+
+TEXT_PROMPTS = ["Once upon a time", "The capital of France is", "1, 2, 3,"]
+
+
+def sse_data(lines: list[str]) -> list:
+    return [line[6:] if line[6:] == "[DONE]" else orjson.loads(line[6:]) for line in lines if line.startswith("data: ")]
+
+
+def metric(text: str, name: str, **labels) -> float:
+    selector = ",".join(f'{k}="{v}"' for k, v in sorted({"model_name": "tiny", **labels}.items()))
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{{selector}}} "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{{selector}}} missing from /metrics")
+
+
+async def wait_idle(client, timeout: float = 10) -> None:
+    with trio.fail_after(timeout):
+        while client.stats().num_running or client.stats().num_waiting:
+            await trio.sleep(0.01)
+
+
+async def test_multi_prompt_stream_disconnect_aborts_every_prompt(tiny_vocab_core, tokenizer):
+    body = {"prompt": TEXT_PROMPTS, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        async with server.http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = 0
+            async for line in response.aiter_lines():
+                events += line.startswith("data: ")
+                if events == 6:
+                    break
+            assert server.client.stats().num_running == 3
+        await wait_idle(server.client)  # leaving the block closed the connection mid-stream
+        assert server.client.stats().kv_blocks_used == 0
+        metrics = (await server.http.get("/metrics")).text
+        assert metric(metrics, "vllm:request_success_total", finished_reason="abort") == 3
+        assert metric(metrics, "vllm:e2e_request_latency_seconds_count") == 3
+
+
+async def test_engine_failure_mid_stream_ends_with_an_error_event(tiny_vocab_core, tokenizer, monkeypatch):
+    real, calls = tiny_vocab_core.runner.execute, 0
+
+    def failing(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 6:
+            raise RuntimeError("injected device fault")
+        return real(*args)
+
+    monkeypatch.setattr(tiny_vocab_core.runner, "execute", failing)
+    body = {"prompt": TEXT_PROMPTS, "max_tokens": 50, "ignore_eos": True, "stream": True}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        with trio.fail_after(30):
+            response = await server.http.post("/v1/completions", json=body)
+        events = sse_data(response.text.splitlines())
+        assert response.status_code == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "engine_dead" and len(events) > 3
+        assert (await server.http.get("/health")).status_code == 503
+        assert tiny_vocab_core.stats().kv_blocks_used == 0
+
+
+async def test_a_request_failing_in_the_engine_is_a_500_and_the_server_goes_on(tiny_vocab_core, tokenizer,
+                                                                               monkeypatch):
+    import engine.sampler as sampler_module
+
+    real = sampler_module.process_row
+
+    def faulty(logits, request):
+        if 13 in request.params.logit_bias:
+            raise RuntimeError("injected logits-processor fault in /secret/path.py")
+        real(logits, request)
+
+    monkeypatch.setattr(sampler_module, "process_row", faulty)
+    bad = {"prompt": "Hi", "max_tokens": 8, "logit_bias": {"13": 1.0}}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        response = await server.http.post("/v1/completions", json=bad)
+        assert response.status_code == 500 and error(response.content)["code"] == "request_failed"
+        assert b"secret" not in response.content
+        streamed = await server.http.post("/v1/completions", json={**bad, "stream": True})
+        events = sse_data(streamed.text.splitlines())
+        assert events[-2]["error"]["code"] == "request_failed" and events[-1] == "[DONE]"
+        good = await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "ignore_eos": True})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
+        assert (await server.http.get("/health")).status_code == 200
+        await wait_idle(server.client)
+        assert server.client.stats().kv_blocks_used == 0
+        metrics = (await server.http.get("/metrics")).text
+        assert metric(metrics, "vllm:request_success_total", finished_reason="error") == 2
+
+
+async def test_prompt_logprobs_are_returned_as_vllm_does(tiny_vocab_core, tokenizer):
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        ids = tokenizer.encode("one two three four")
+        body = {"prompt": ids, "max_tokens": 2, "prompt_logprobs": 2}
+        choice = (await server.http.post("/v1/completions", json=body)).json()["choices"][0]
+        positions = choice["prompt_logprobs"]
+        assert len(positions) == len(ids) and positions[0] is None
+        for token, position in zip(ids[1:], positions[1:]):
+            assert str(token) in position and 2 <= len(position) <= 3
+            assert {"logprob", "rank", "decoded_token"} == set(position[str(token)])
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0}
+        reply = (await server.http.post("/v1/chat/completions", json=chat)).json()
+        assert reply["prompt_logprobs"][0] is None and len(reply["prompt_logprobs"]) == reply["usage"]["prompt_tokens"]
+        streamed = await server.http.post("/v1/completions", json={**body, "stream": True})
+        assert streamed.status_code == 400 and error(streamed.content)["param"] == "prompt_logprobs"
+
+
+async def test_cached_tokens_of_a_multi_prompt_completion_are_summed(tiny_vocab_core, tokenizer):
+    prompts = [[100] * 40, [300 + i for i in range(40)]]  # two full blocks each can hit
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        for p in prompts:
+            await server.http.post("/v1/completions", json={"prompt": p, "max_tokens": 1})
+        both = (await server.http.post("/v1/completions", json={"prompt": prompts, "max_tokens": 1})).json()
+        assert both["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+
+async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(tiny_vocab_core, tokenizer):
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        before = (await server.http.get("/metrics")).text
+        for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
+            assert metric(before, f"{name}_count") == 0 and f"{name}_bucket{{" in before
+        for reason in ("stop", "length", "abort", "error"):
+            assert metric(before, "vllm:request_success_total", finished_reason=reason) == 0
+        await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "ignore_eos": True})
+        after = (await server.http.get("/metrics")).text
+    assert metric(after, "vllm:time_to_first_token_seconds_count") == 1
+    assert metric(after, "vllm:inter_token_latency_seconds_count") == 7  # non-streamed, yet every gap
+    assert metric(after, "vllm:request_success_total", finished_reason="length") == 1
+    assert metric(after, "vllm:time_to_first_token_seconds_sum") < metric(after, "vllm:e2e_request_latency_seconds_sum")
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "seed": 18446744073709551615}, "seed"),
+    ("/v1/completions", {"prompt": "Hi", "seed": -(2**63) - 1}, "seed"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "priority": 1}, "priority"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "Hi", "stream": True, "stream_options": "yes"}, "stream_options"),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": [True]}, "stream_options"),
+])
+async def test_accepted_means_honoured_else_400(tiny_vocab_core, tokenizer, path, body, param):
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        response = await server.http.post(path, json=body)
+        assert response.status_code == 400, response.text
+        assert error(response.content)["param"] == param
+        ok = await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200
