@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -210,9 +211,34 @@ def test_backend_matches_reference(request, backend_name, case, block_size, head
     torch.testing.assert_close(out.cpu().float(), ref_out.float(), atol=tol, rtol=tol)
 
 
-def test_cpu_library_reports_its_isa():
-    backend = get_backend("cpu", "cpu")
-    assert backend.isa in ("avx2+fma", "portable")
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo")
+def test_cpu_library_runs_the_fastest_kernels_this_cpu_has():
+    expected = "avx2+fma" if {"avx2", "fma"} <= cpu_flags() and platform.machine() == "x86_64" else "portable"
+    assert get_backend("cpu", "cpu").isa == expected
+
+
+def test_auto_backend_and_device_selection(monkeypatch, caplog):
+    from engine.config import EngineConfig, resolve_device
+
+    assert resolve_device(EngineConfig(backend="cpu")) == "cpu"
+    assert resolve_device(EngineConfig(backend="torch", device="cpu")) == "cpu"
+    if not torch.cuda.is_available():
+        assert resolve_device(EngineConfig()) == "cpu"
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        assert resolve_device(EngineConfig(backend="cuda")) == "cuda"  # and the backend then says why not
+    assert get_backend("auto", "cpu").name == "cpu"
+    missing = BackendUnavailableError("the cpu attention backend needs libpa_cpu.so, which is not built")
+    monkeypatch.setattr(native, "load_library", lambda *a: (_ for _ in ()).throw(missing))
+    with caplog.at_level("WARNING"):
+        assert get_backend("auto", "cpu").name == "torch"  # the one fallback, and it says so
+    assert "falling back" in caplog.text and "libpa_cpu.so" in caplog.text
 
 
 def test_explicit_backends_that_cannot_run_say_why():

@@ -61,13 +61,17 @@ def test_freed_cached_blocks_stay_hittable_until_reused_in_lru_order():
     kv = BlockManager(num_blocks=4, block_size=2)
     old = make_request("old", [1, 2, 3, 4, 5])
     assert kv.allocate(old, 5)
+    assert kv.block_ids("old") == [0, 1, 2]  # blocks 0 and 1 are full (cached), block 2 is not
     kv.free(old)
     assert len(kv.find_cached_prefix(make_request("again", [1, 2, 3, 4, 5]))) == 2
-    # Fill the cache with other requests: unhashed free blocks go first, then the LRU ones.
-    filler = make_request("filler", [9, 9, 8, 8, 7, 7, 6])
-    assert kv.allocate(filler, 7)
-    assert kv.find_cached_prefix(make_request("again2", [1, 2, 3, 4, 5])) == []
-    kv.check_invariants([filler])
+    # Reuse order: never-cached blocks first (2, then the untouched 3), then cached ones tail
+    # first (1 before 0), so a shared prefix outlives the suffix that hangs off it.
+    first = make_request("first", [9, 9, 8])
+    assert kv.allocate(first, 3) and kv.block_ids("first") == [2, 3]
+    second = make_request("second", [7])
+    assert kv.allocate(second, 1) and kv.block_ids("second") == [1]
+    assert [b.block_id for b in kv.find_cached_prefix(make_request("again2", [1, 2, 3, 4, 5]))] == [0]
+    kv.check_invariants([first, second])
 
 
 def test_disabled_prefix_caching_never_hits():
