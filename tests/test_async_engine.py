@@ -374,3 +374,19 @@ async def test_a_stop_string_finishes_every_completion_in_the_core(tiny_core, to
         assert completion.token_ids == full.token_ids[:hit_at] and hit_at < 60
         # The core ran at most one step more before it read the StopRequest, then freed the sequence.
         assert hit_at <= core_tokens[completion.index] <= hit_at + 1
+
+
+async def test_generate_many_can_be_closed_from_another_task(tiny_core, tokenizer):
+    """A server abandons a response body at a yield (the client left while it was sending) and
+    finalizes it later in another task. A generator holding a nursery cannot survive that (the
+    old per-prompt-task merge broke trio's run); generate_many holds none and aborts all."""
+    long = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    with trio.fail_after(30):
+        async with Engine(tiny_core, tokenizer).serve() as client:
+            outputs = client.generate_many([prompt(i) for i in range(3)], long)
+            await outputs.__anext__()
+            assert client.stats().num_running + client.stats().num_waiting == 3
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(outputs.aclose)
+            await wait_until_idle(client)
+            assert client.stats().kv_blocks_used == 0

@@ -101,12 +101,15 @@ def test_priority_policy_admits_by_priority():
 @pytest.mark.parametrize("policy, victim", [("fcfs", "r2"), ("priority", "r1")])
 def test_preemption_picks_the_newest_or_the_least_important(policy, victim):
     s = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, max_num_seqs=4, scheduling_policy=policy)
-    older_but_low = make_request("r1", 8, max_tokens=8, arrival=0, priority=5)
-    newer_but_high = make_request("r2", 8, max_tokens=8, arrival=1, priority=-1)
+    older_but_low = make_request("r1", 4, max_tokens=12, arrival=0, priority=5)
+    newer_but_high = make_request("r2", 4, max_tokens=12, arrival=1, priority=-1)
     s.add_request(older_but_low)
+    run_step(s)  # r1 runs alone first, so it is the older running request under either policy
     s.add_request(newer_but_high)
-    run_step(s)  # both admitted (priority admits r2 first): two full blocks each
-    out, _ = run_step(s)  # both need a third block: none free
+    for _ in range(20):  # both grow until the 4 blocks run out
+        out, _ = run_step(s)
+        if out.preempted_ids:
+            break
     assert out.preempted_ids == [victim]
     assert [c.request.request_id for c in out.chunks] == [r for r in ("r1", "r2") if r != victim]
     s.kv.check_invariants([older_but_low, newer_but_high])
