@@ -75,6 +75,7 @@ class SamplingFields:
     spaces_between_special_tokens: bool = True
     priority: int = 0
     prompt_logprobs: int | None = None
+    cache_salt: str | None = None
 
     def check_common(self) -> None:
         """Rules between fields that both endpoints share (as vLLM words them)."""
@@ -262,7 +263,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat:
         ignore_eos=request.ignore_eos, max_tokens=max_tokens,
         min_tokens=request.min_tokens, logprobs=logprobs, prompt_logprobs=request.prompt_logprobs,
         logit_bias=request.logit_bias, skip_special_tokens=request.skip_special_tokens,
-        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens, cache_salt=request.cache_salt,
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
     )
     try:

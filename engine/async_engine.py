@@ -175,6 +175,10 @@ class EngineClient:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:  # e.g. vLLM's prompt-level cache_salt: here it is a SamplingParams field
+                raise InvalidParameterError("prompt", f"a dict prompt takes 'prompt' and 'prompt_token_ids'; "
+                                                      f"got {', '.join(sorted(map(repr, unknown)))}")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:

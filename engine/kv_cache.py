@@ -4,15 +4,22 @@ Pure Python, no torch: the tensors live in the model runner; this module only de
 block ids each request owns.
 
 Prefix caching (as in vLLM v1): a block that is full of known tokens gets a hash of
-(parent block's hash, its token ids). Hashes map to blocks; a new request whose leading full
-blocks hash the same reuses them (ref count + 1) and skips their prefill. A block whose ref
-count drops to zero goes to the free queue but keeps its hash, so it can still be hit until
-the allocator reuses it: the free queue is in LRU order, with never-cached blocks in front
-so that they are reused first.
+(parent block's hash, its token ids, and the request's cache salt for the first block).
+Hashes map to blocks; a new request whose leading full blocks hash the same reuses them (ref
+count + 1) and skips their prefill. A block whose ref count drops to zero goes to the free
+queue but keeps its hash, so it can still be hit until the allocator reuses it: the free
+queue is in LRU order, with never-cached blocks in front so that they are reused first.
+
+The hash is SHA-256 of a canonical encoding, not Python's ``hash()``: integers hash to
+themselves there, so a crafted prompt could collide with another tenant's blocks and read
+their KV (the class of vLLM's CVE-2025-25183). Requests with different ``cache_salt`` never
+share a block, since the salt enters the first block's hash and every later hash chains it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -20,12 +27,26 @@ import attrs
 
 from engine.request import Request
 
+# The parent of a request's first block: a fixed value, so equal prompts (and salts) hit.
+_ROOT_HASH = hashlib.sha256(b"trio-llm-engine prefix cache v1").digest()
+
+
+def block_hash(parent: bytes | None, token_ids: Sequence[int], cache_salt: str | None = None) -> bytes:
+    """SHA-256 of (parent hash, salt, token ids), each in a fixed-width or length-prefixed form,
+    so that no two different inputs share an encoding."""
+    if parent is None:  # a first block: the fixed root, then the salt (length-prefixed)
+        salt = b"" if cache_salt is None else cache_salt.encode("utf-8", "surrogatepass")
+        head = _ROOT_HASH + struct.pack("<I", len(salt)) + salt
+    else:
+        head = parent
+    return hashlib.sha256(head + struct.pack(f"<{len(token_ids)}i", *token_ids)).digest()
+
 
 @attrs.define(eq=False)
 class KVBlock:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set while the block is registered in the prefix cache
+    block_hash: bytes | None = None  # set while the block is registered in the prefix cache
 
 
 def cdiv(a: int, b: int) -> int:
@@ -47,7 +68,7 @@ class BlockManager:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Free blocks, reused from the front: never-cached ones first, then least recently freed.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, KVBlock] = {}
+        self._cached: dict[bytes, KVBlock] = {}
         self._owned: dict[str, list[KVBlock]] = {}
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found
@@ -105,9 +126,10 @@ class BlockManager:
     def _update_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
         bs = self.block_size
+        salt = request.params.cache_salt
         for i in range(len(hashes), request.num_tokens // bs):
             parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(request.token_ids[i * bs:(i + 1) * bs]))))
+            hashes.append(block_hash(parent, request.token_ids[i * bs:(i + 1) * bs], salt))
 
     # ---- allocation ----
 

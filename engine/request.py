@@ -59,7 +59,7 @@ class Request:
     num_preemptions: int = 0
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were reported (they survive preemption)
     first_scheduled_at: float | None = None  # time.monotonic() at first admission
-    block_hashes: list[int] = attrs.field(factory=list)  # hashes of full blocks of token_ids, in order
+    block_hashes: list[bytes] = attrs.field(factory=list)  # hashes of full blocks of token_ids, in order
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

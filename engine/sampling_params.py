@@ -85,11 +85,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Requests share prefix-cache blocks only with requests of the same salt (vLLM's
+    # cache_salt: one per tenant keeps tenants' prompts from probing each other's cache).
+    cache_salt: str | None = None
 
     def __attrs_post_init__(self) -> None:
         self._check_counts()
         self._check_probabilities()
         self._check_stops()
+        self._check_salt()
 
     def _check_counts(self) -> None:
         _check("n", _is_int(self.n) and self.n >= 1, f"must be an integer >= 1; got {self.n!r}")
@@ -125,6 +129,11 @@ class SamplingParams:
         for token_id, bias in self.logit_bias.items():
             _check("logit_bias", _is_number(bias) and -100 <= bias <= 100,
                    f"values must be in [-100, 100]; got {bias!r} for token {token_id}")
+
+    def _check_salt(self) -> None:
+        if self.cache_salt is not None:
+            _check("cache_salt", isinstance(self.cache_salt, str) and self.cache_salt != "",
+                   f"must be a non-empty string; got {self.cache_salt!r}")
 
     def _check_stops(self) -> None:
         for s in self.stop:

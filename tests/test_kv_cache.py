@@ -7,7 +7,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv_cache import BlockManager
+from engine.kv_cache import BlockManager, block_hash
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -130,3 +130,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_block_hashes_are_sha256_of_a_canonical_encoding():
+    root = block_hash(None, [1, 2, 3, 4])
+    assert len(root) == 32 and root == block_hash(None, [1, 2, 3, 4])
+    assert block_hash(root, [5, 6, 7, 8]) != block_hash(None, [5, 6, 7, 8])  # the parent counts
+    assert block_hash(None, [1, 2, 3, 4], "a") != root  # the salt counts
+    # Python's hash() of small ints is the int itself; nothing here lets crafted ids collide.
+    assert block_hash(None, [0, 1]) != block_hash(None, [1, 0]) and block_hash(None, [-1]) != block_hash(None, [-2])
+
+
+def test_requests_with_different_salts_never_share_blocks():
+    kv = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(12))
+
+    def salted(request_id: str, salt: str | None) -> Request:
+        return Request(request_id, tokens, SamplingParams(max_tokens=8, cache_salt=salt), 8, None, 0)
+
+    alice = salted("alice", "tenant-a")
+    assert kv.allocate(alice, 12)
+    assert kv.find_cached_prefix(salted("mallory", "tenant-b")) == []
+    assert kv.find_cached_prefix(salted("anonymous", None)) == []
+    assert len(kv.find_cached_prefix(salted("alice-again", "tenant-a"))) == 2
