@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import math
 import time
 import uuid
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import attrs
 import jinja2
 import orjson
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -22,7 +24,8 @@ from api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRe
 from api.serving import (SSE_DONE, ChunkWriter, UsageTracker, chat_logprobs, completion_logprobs,
                          prompt_logprobs_json, sse)
 from engine.async_engine import EngineClient
-from engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError
+from engine.errors import (EngineDeadError, EngineOverloadedError, EngineShutdownError, InvalidParameterError,
+                           RequestFailedError)
 from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.tokenizer import apply_chat_template
@@ -33,17 +36,38 @@ VERSION = "0.1.0"
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+@attrs.frozen
+class Limits:
+    """What one request may cost the server before it is refused or cut off.
+
+    Attributes:
+        max_body_bytes: larger bodies are a 413.
+        body_timeout: seconds a client may take to send its body (then 408).
+        max_json_depth: deeper JSON nesting is a 400 (nothing here needs more than a few levels).
+        request_timeout: default deadline (seconds) of a generation request, from its arrival;
+            a request's own ``X-Request-Timeout`` header may set another. None: no deadline.
+    """
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    body_timeout: float = 60.0
+    max_json_depth: int = 32
+    request_timeout: float | None = None
+
+
 @attrs.define
 class ServerState:
-    """What the handlers share. ``client`` is None while the model loads."""
+    """What the handlers share. ``client`` is None while the model loads; ``draining`` once
+    shutdown has begun (new work and /health get 503, requests in flight finish)."""
 
     model_name: str
     client: EngineClient | None = None
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     chat_template: str | None = None
+    limits: Limits = Limits()
     created: int = attrs.field(factory=lambda: int(time.time()))
     metrics: Metrics | None = None  # set by create_app
+    draining: bool = False
 
     def attach(self, client: EngineClient) -> None:
         """The engine is ready: serve requests with it and feed ``/metrics`` from its timings."""
@@ -56,9 +80,10 @@ def json_response(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status=status, content_type="application/json")
 
 
-def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> QuartTrio:
+def create_app(state: ServerState) -> QuartTrio:
     app = QuartTrio(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
+    app.config["MAX_CONTENT_LENGTH"] = state.limits.max_body_bytes
+    app.config["BODY_TIMEOUT"] = state.limits.body_timeout
     metrics = state.metrics = Metrics(lambda: state.client.stats() if state.client else _EMPTY_STATS,
                                       state.model_name)
     api = _Handlers(state, metrics)
@@ -85,7 +110,7 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Qua
             response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
         return response
 
-    _register_error_handlers(app, max_body_bytes)
+    _register_error_handlers(app, state.limits)
 
     app.add_url_rule("/health", "health", api.health, methods=["GET"])
     app.add_url_rule("/version", "version", api.version, methods=["GET"])
@@ -98,36 +123,51 @@ def create_app(state: ServerState, max_body_bytes: int = 8 * 1024 * 1024) -> Qua
     return app
 
 
-def _register_error_handlers(app: QuartTrio, max_body_bytes: int) -> None:
+def _register_error_handlers(app: QuartTrio, limits: Limits) -> None:
     """Every error leaves as OpenAI's error JSON; a 500 says nothing more than that (the log has the rest)."""
 
     @app.errorhandler(APIError)
     async def api_error(error: APIError) -> Response:
-        return json_response(error.body(), error.status)
+        response = json_response(error.body(), error.status)
+        if error.retry_after is not None:
+            response.headers["Retry-After"] = str(math.ceil(error.retry_after))
+        return response
 
     @app.errorhandler(InvalidParameterError)
     async def invalid(error: InvalidParameterError) -> Response:
         return await api_error(APIError(400, str(error), error.param))
 
     @app.errorhandler(EngineDeadError)
-    async def dead(error: EngineDeadError) -> Response:
-        return await api_error(APIError(503, "the engine is not available", code="engine_dead"))
-
+    @app.errorhandler(EngineOverloadedError)
     @app.errorhandler(RequestFailedError)
-    async def failed(error: RequestFailedError) -> Response:
-        log.error("%s %s: %s", request.method, request.path, error)
-        return await api_error(REQUEST_FAILED)
+    async def engine_error(error: Exception) -> Response:
+        return await api_error(engine_api_error(error))
 
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Response:
         messages = {404: f"route {request.path} not found", 405: f"method {request.method} not allowed for {request.path}",
-                    413: f"request body larger than {max_body_bytes} bytes"}
+                    408: f"the request body did not arrive within {limits.body_timeout:g} s",
+                    413: f"request body larger than {limits.max_body_bytes} bytes"}
         return await api_error(APIError(error.code or 500, messages.get(error.code, error.description or "error")))
 
     @app.errorhandler(Exception)
     async def internal(error: Exception) -> Response:
         log.error("unhandled error in %s %s", request.method, request.path, exc_info=error)
         return await api_error(APIError(500, "internal server error", type="server_error"))
+
+
+def engine_api_error(error: Exception) -> APIError:
+    """The client's view of an engine-side failure (for a response, or a stream's error event)."""
+    if isinstance(error, EngineOverloadedError):
+        return APIError(503, str(error), type="service_unavailable_error", code="overloaded",
+                        retry_after=error.retry_after)
+    if isinstance(error, EngineShutdownError):
+        return APIError(503, "the server is shutting down", code="shutting_down")
+    if isinstance(error, EngineDeadError):
+        log.error("a request ended with the engine: %s", error)
+        return APIError(500, "the engine failed while serving this request", type="server_error", code="engine_dead")
+    log.error("a request failed in the engine: %s", error)
+    return REQUEST_FAILED
 
 
 _EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -149,6 +189,8 @@ class _Handlers:
             raise APIError(503, "the model is still loading", code="model_loading")
         if client.errored:
             raise APIError(503, "the engine has failed; restart the server", code="engine_dead")
+        if self.state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         return client
 
     async def body(self, cls: type) -> Any:
@@ -157,7 +199,23 @@ class _Handlers:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
             raise bad_request(f"the body is not valid JSON: {exc}") from None
+        if _nested_deeper_than(data, self.state.limits.max_json_depth):
+            raise bad_request(f"the body's JSON is nested deeper than {self.state.limits.max_json_depth} levels")
         return parse(data, cls)
+
+    def deadline(self) -> float | None:
+        """When this request must be done (trio time), from X-Request-Timeout or the server's default."""
+        header = request.headers.get("X-Request-Timeout")
+        timeout = self.state.limits.request_timeout
+        if header is not None:
+            try:
+                timeout = float(header)
+            except ValueError:
+                timeout = math.nan
+            if not 0 < timeout < math.inf:
+                raise bad_request(f"X-Request-Timeout must be a positive number of seconds; got {header!r}",
+                                  "X-Request-Timeout")
+        return None if timeout is None else trio.current_time() + timeout
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.state.model_name:
@@ -169,7 +227,7 @@ class _Handlers:
     # ---- simple routes ----
 
     async def health(self) -> Response:
-        if self.state.client is None or self.state.client.errored:
+        if self.state.client is None or self.state.client.errored or self.state.draining:
             return Response("", status=503)
         return Response("", status=200)
 
@@ -248,8 +306,8 @@ class _Handlers:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
-        stream = self.client.generate({"prompt_token_ids": ids}, params, request_id=request_id,
-                                      priority=req.priority)
+        stream = _before(self.deadline(), self.client.generate({"prompt_token_ids": ids}, params,
+                                                               request_id=request_id, priority=req.priority))
         if req.stream:
             return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo))
         final = await self._final(stream, tracker)
@@ -304,8 +362,9 @@ class _Handlers:
             self.validate(ids, params, req.priority)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(sum(len(ids) for _, ids in inputs))
-        outputs = self.client.generate_many([{"prompt": text, "prompt_token_ids": ids} for text, ids in inputs],
-                                            params, [f"{request_id}-{i}" for i in range(len(inputs))], req.priority)
+        outputs = _before(self.deadline(), self.client.generate_many(
+            [{"prompt": text, "prompt_token_ids": ids} for text, ids in inputs], params,
+            [f"{request_id}-{i}" for i in range(len(inputs))], req.priority))
         prompt_texts = [text if text is not None else self.client.tokenizer.decode(ids) for text, ids in inputs]
         if req.stream:
             return self.sse_response(self._completion_chunks(req, request_id, outputs, tracker, prompt_texts))
@@ -383,14 +442,47 @@ def _template_message(message, content: str) -> dict[str, Any]:
 
 
 async def _guard(stream):
-    """Pass items through; if the engine or the request fails mid-stream, end with an error
-    event and [DONE] (the status line has long been sent)."""
+    """Pass items through; if the engine or the request fails mid-stream, or its deadline
+    passes, end with an error event and [DONE] (the status line has long been sent)."""
     try:
         async for item in stream:
             yield item
-    except EngineDeadError:
-        log.warning("engine died during a streamed response")
-        yield sse(APIError(503, "the engine failed during generation", code="engine_dead").body()) + SSE_DONE
-    except RequestFailedError as exc:
-        log.error("a streamed request failed: %s", exc)
-        yield sse(REQUEST_FAILED.body()) + SSE_DONE
+    except APIError as error:
+        yield sse(error.body()) + SSE_DONE
+    except (EngineDeadError, EngineOverloadedError, RequestFailedError) as error:
+        yield sse(engine_api_error(error).body()) + SSE_DONE
+
+
+_TIMED_OUT = object()
+
+
+async def _before(deadline: float | None, stream):
+    """The items of ``stream`` until ``deadline`` (trio time). Past it the stream is closed,
+    which aborts its requests, and a 504 is raised. No cancel scope spans a yield."""
+    if deadline is None:
+        async for item in stream:
+            yield item
+        return
+    while True:
+        item = _TIMED_OUT
+        with trio.move_on_at(deadline):
+            try:
+                item = await stream.__anext__()
+            except StopAsyncIteration:
+                return
+        if item is _TIMED_OUT:
+            await stream.aclose()
+            raise APIError(504, "the request did not finish before its deadline (X-Request-Timeout)",
+                           code="request_timeout")
+        yield item
+
+
+def _nested_deeper_than(data: Any, limit: int) -> bool:
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return False

@@ -16,6 +16,7 @@ class APIError(Exception):
     param: str | None = None
     type: str | None = None
     code: str | None = None
+    retry_after: float | None = None  # seconds, sent as the Retry-After header
 
     def body(self) -> dict:
         kind = self.type or _TYPES.get(self.status, "server_error")
@@ -24,7 +25,8 @@ class APIError(Exception):
 
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error", 431: "invalid_request_error",
+          503: "service_unavailable_error", 504: "timeout_error"}
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from api.app import ServerState, create_app
+from api.app import Limits, ServerState, create_app
 from engine.async_engine import open_engine
 from engine.config import BACKENDS, DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
 from engine.errors import BackendUnavailableError, InvalidParameterError, first_leaf
@@ -20,8 +21,9 @@ from engine.models.loader import resolve_model
 
 log = logging.getLogger("engine.server")
 
-# Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted.
-SHUTDOWN_GRACE_S = 5.0
+# Seconds hypercorn gives open connections to finish once told to stop (the requests on
+# them have been drained or ended by then; this is for writing their last bytes).
+_RESPONSE_FLUSH_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +55,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any)")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests that may wait for a place in the batch; past it new ones get 503 + Retry-After")
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds one engine step may take before the watchdog declares the engine dead")
+    p.add_argument("--on-engine-failure", choices=("exit", "refuse"), default="exit",
+                   help="when the engine fails: exit with status 1 (for a supervisor to restart it), or keep "
+                        "running and answer 503 (/health too) until stopped")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds requests in flight get to finish after SIGTERM/SIGINT before they are ended "
+                        "with a 503 (a second SIGINT exits at once)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="default deadline of a generation request in seconds (504 past it); a request's "
+                        "X-Request-Timeout header overrides it")
+    p.add_argument("--request-body-timeout", type=float, default=60.0,
+                   help="seconds a client may take to send its request body (408 past it)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     return p
 
@@ -62,57 +79,102 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
 
 
-async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until SIGINT/SIGTERM; then stop accepting, give in-flight requests a grace period, abort the rest."""
+async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORED) -> bool:
+    """Serve until SIGINT/SIGTERM, or until the engine fails under ``--on-engine-failure exit``.
+
+    Shutdown drains first: new work and /health get 503 at once while the requests in flight
+    finish, for up to ``--shutdown-timeout`` seconds; the rest are then ended with a 503 (an
+    error event on streams), and only then does the HTTP server close its connections.
+    Returns True if it stopped because the engine failed.
+    """
     config = engine_config(args)
     source = resolve_model(config.model)
     template = Path(args.chat_template).read_text() if args.chat_template else None
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    limits = Limits(body_timeout=args.request_body_timeout, request_timeout=args.request_timeout)
     state = ServerState(args.served_model_name or source.name, api_key=args.api_key, allowed_origins=origins,
-                        chat_template=template)
+                        chat_template=template, limits=limits)
     app = create_app(state)
     hc = HypercornConfig()
     hc.bind = [f"{args.host}:{args.port}"]
-    hc.graceful_timeout = SHUTDOWN_GRACE_S
+    hc.graceful_timeout = _RESPONSE_FLUSH_S  # requests are drained before hypercorn is told to stop
     hc.accesslog = None
-    stop = trio.Event()
+    shutdown, stop_http = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signals, stop)
+        nursery.start_soon(_stop_on_signals, shutdown, args.shutdown_timeout)
 
         async def http() -> None:
-            await serve(app, hc, shutdown_trigger=stop.wait)
+            await serve(app, hc, shutdown_trigger=stop_http.wait)
             nursery.cancel_scope.cancel()  # the engine goes down with the HTTP server
 
         nursery.start_soon(http)
         log.info("loading %s (backend %s)...", source.path, config.backend)
         async with open_engine(config) as client:
             state.attach(client)
-            stats = client.stats()
-            log.info("serving %s as %r on http://%s:%d with backend %s; KV cache %d blocks x %d tokens = %d tokens",
-                     source.path.name, state.model_name, args.host, args.port, client.backend_name,
-                     stats.kv_blocks_total, config.block_size, stats.kv_blocks_total * config.block_size)
-            log.info("routes: %s", ", ".join(sorted(str(r.rule) for r in app.url_map.iter_rules()
-                                                    if r.endpoint != "static")))
+            _log_ready(app, state, client, args, config)
             task_status.started()
-            await trio.sleep_forever()
+            failed = await _wait_for_shutdown(shutdown, client, args.on_engine_failure)
+            state.draining = True
+            with trio.move_on_after(args.shutdown_timeout):
+                await client.wait_idle()
+            if client.num_unfinished:
+                log.warning("shutdown: ending %d unfinished requests", client.num_unfinished)
+        # Leaving open_engine ended every open request with EngineShutdownError: their handlers
+        # answer 503 or an error event while hypercorn still runs; then it closes.
+        stop_http.set()
+        return failed
+    return False  # cancelled before the engine started
 
 
-async def _stop_on_signals(stop: trio.Event) -> None:
+async def _wait_for_shutdown(shutdown: trio.Event, client, on_engine_failure: str) -> bool:
+    """Wait for a signal (False), or for the engine to fail when the policy is to exit (True)."""
+    async with trio.open_nursery() as nursery:
+        failed = False
+
+        async def engine_failure() -> None:
+            nonlocal failed
+            error = await client.wait_failed()
+            log.error("the engine failed (%s); shutting down (--on-engine-failure exit)", error)
+            failed = True
+            nursery.cancel_scope.cancel()
+
+        if on_engine_failure == "exit":
+            nursery.start_soon(engine_failure)
+        await shutdown.wait()
+        nursery.cancel_scope.cancel()
+    return failed
+
+
+def _log_ready(app, state: ServerState, client, args: argparse.Namespace, config: EngineConfig) -> None:
+    stats = client.stats()
+    log.info("serving %s as %r on http://%s:%d with backend %s; KV cache %d blocks x %d tokens = %d tokens",
+             resolve_model(config.model).path.name, state.model_name, args.host, args.port, client.backend_name,
+             stats.kv_blocks_total, config.block_size, stats.kv_blocks_total * config.block_size)
+    log.info("routes: %s", ", ".join(sorted(str(r.rule) for r in app.url_map.iter_rules() if r.endpoint != "static")))
+
+
+async def _stop_on_signals(shutdown: trio.Event, grace: float) -> None:
+    """The first SIGINT or SIGTERM starts a graceful shutdown; a second SIGINT exits at once."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for sig in signals:
-            log.info("received %s: shutting down (in-flight requests get %.0f s)", signal.Signals(sig).name,
-                     SHUTDOWN_GRACE_S)
-            stop.set()
-            return
+            if not shutdown.is_set():
+                log.info("received %s: shutting down (requests in flight get %g s; SIGINT again to exit now)",
+                         signal.Signals(sig).name, grace)
+                shutdown.set()
+            elif sig == signal.SIGINT:
+                log.warning("received SIGINT again: exiting now")
+                os._exit(130)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        trio.run(run_server, args)
+        engine_failed = trio.run(run_server, args)
     except BaseException as exc:  # configuration mistakes end the process with one clear line
         leaf = first_leaf(exc)
         if isinstance(leaf, (InvalidParameterError, BackendUnavailableError, OSError)):
             raise SystemExit(f"error: {leaf}") from None
         raise
+    if engine_failed:
+        raise SystemExit(1)

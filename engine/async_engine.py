@@ -22,7 +22,7 @@ import trio
 from engine.core_actor import CoreActor
 from engine.detokenizer import DetokenizerActor
 from engine.engine_core import EngineCore
-from engine.errors import EngineDeadError, InvalidParameterError
+from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutdownError, InvalidParameterError
 from engine.messages import AbortRequest, AddRequest, EngineStats, StepOutput
 from engine.output_channel import MergedOutputs, RequestOutputChannel, Wakeup
 from engine.output_processor import RequestState
@@ -50,6 +50,7 @@ class Engine:
         self.subscribers: set[trio.MemorySendChannel] = set()
         self.stat_loggers: list[StatLogger] = []
         self.num_dropped_steps = 0
+        self.failed = trio.Event()  # set when the core fails (not on a normal shutdown)
         self._inbox: trio.MemorySendChannel | None = None
 
     @property
@@ -66,6 +67,7 @@ class Engine:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the actors until cancelled or the core fails; ``task_status.started(client)`` once ready."""
+        self._check_runnable()
         inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
         steps_send, steps_recv = trio.open_memory_channel(STEP_QUEUE_SIZE)
         core = CoreActor(self.core, inbox_recv, steps_send)
@@ -79,17 +81,23 @@ class Engine:
                 task_status.started(self.client)
         finally:
             self._inbox = None
-            self._fail_all(self.error or EngineDeadError("the engine has shut down"))
+            self._fail_all(self.error or EngineShutdownError("the engine has shut down"))
             self.core.abort_all()  # requests die with the engine; their blocks are free for the next run
+
+    def _check_runnable(self) -> None:
+        if self.core.fault is not None:
+            raise EngineDeadError(f"the engine failed earlier and cannot run again: {self.core.fault!r}")
 
     async def _run_core(self, core: CoreActor, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             await core.run(task_status=task_status)
         except Exception as exc:
             log.exception("engine step failed; the engine is dead")
+            self.core.fault = exc  # its state is unknown now: it must not run again
             self.error = EngineDeadError(f"the engine failed: {exc!r}")
             self.error.__cause__ = exc
             self._fail_all(self.error)
+            self.failed.set()
 
     def _fail_all(self, error: EngineDeadError) -> None:
         stats = IterationStats(time.monotonic())
@@ -124,6 +132,7 @@ class Engine:
     @asynccontextmanager
     async def serve(self) -> AsyncIterator[EngineClient]:
         """Run the engine in a nursery of its own for the duration of the block."""
+        self._check_runnable()
         async with trio.open_nursery() as nursery:
             client = await nursery.start(self.run)
             try:
@@ -161,6 +170,21 @@ class EngineClient:
     def stats(self) -> EngineStats:
         return self._engine.core.stats()
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet finished by the engine."""
+        return len(self._engine.registry)
+
+    async def wait_failed(self) -> EngineDeadError:
+        """Return (the error) once the engine has failed; never returns if it does not."""
+        await self._engine.failed.wait()
+        return self._engine.error
+
+    async def wait_idle(self, poll_s: float = 0.05) -> None:
+        """Return once no request is left unfinished (for draining at shutdown)."""
+        while self._engine.registry:
+            await trio.sleep(poll_s)
+
     def add_stat_logger(self, logger: StatLogger) -> None:
         """Call ``logger`` with the request timings observed in each step (TTFT, inter-token
         latency, finished requests of every kind). It runs in the event loop: keep it quick."""
@@ -197,8 +221,11 @@ class EngineClient:
 
         Raises:
             InvalidParameterError: bad prompt or parameters (before anything is queued).
+            EngineOverloadedError: ``max_waiting_requests`` are waiting already.
             EngineDeadError: the engine failed or shut down.
+            RequestFailedError: this request failed inside the engine (the engine goes on).
         """
+        self._check_room()
         channel = self.submit(prompt, sampling_params, request_id, priority)
         request_id = channel.state.request_id
         try:
@@ -220,6 +247,7 @@ class EngineClient:
 
         Raises:
             InvalidParameterError: a bad prompt or parameter (nothing is queued).
+            EngineOverloadedError: ``max_waiting_requests`` are waiting already.
             EngineDeadError, RequestFailedError: the engine, or one of the requests, failed.
         """
         params = sampling_params or SamplingParams()
@@ -227,6 +255,7 @@ class EngineClient:
         inputs = [self.prepare(p) for p in prompts]
         for _, token_ids in inputs:
             self.validate(token_ids, params, priority)
+        self._check_room()
         wakeup = Wakeup()
         channels = []
         try:
@@ -247,8 +276,9 @@ class EngineClient:
         The caller owns the request: it must read the channel to the end or ``abort`` it.
         ``generate`` is the safe wrapper; this is for callers that must queue many requests
         before the engine takes its next step (the offline ``LLM`` does, so that batches
-        do not depend on task timing). A request id stays taken until the engine has
-        finished that request, even after its stream ended.
+        do not depend on task timing); it applies no ``max_waiting_requests`` limit, the
+        caller bounds its own queue. A request id stays taken until the engine has finished
+        that request, even after its stream ended.
         """
         engine = self._engine
         params = sampling_params or SamplingParams()
@@ -263,6 +293,14 @@ class EngineClient:
         engine.send(AddRequest(request_id, tuple(ids), params, priority))
         engine.registry[request_id] = channel
         return channel
+
+    def _check_room(self) -> None:
+        """Refuse a request at once when ``max_waiting_requests`` are already waiting."""
+        core = self._engine.core
+        waiting = len(self._engine.registry) - core.num_running_requests
+        if waiting >= core.config.max_waiting_requests:
+            raise EngineOverloadedError(f"the server is overloaded: {waiting} requests are waiting "
+                                        f"(max_waiting_requests); try again later")
 
     def abort(self, request_id: str) -> None:
         """Abort a request; a no-op for unknown or finished ones (or a stopped engine)."""

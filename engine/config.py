@@ -39,6 +39,13 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: int | None) -> N
         raise ConfigError(attribute.name, f"{attribute.name} must be a positive integer; got {value!r}")
 
 
+def _positive_seconds(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(attribute.name, f"{attribute.name} must be a positive number of seconds; got {value!r}")
+
+
 def _power_of_two(instance: Any, attribute: attrs.Attribute, value: int) -> None:
     _positive(instance, attribute, value)
     if value & (value - 1) or value > 256:
@@ -67,6 +74,11 @@ class EngineConfig:
         seed: seeds dummy weights and requests that carry no seed of their own.
         backend: attention backend; ``auto`` picks the best one this machine can run.
         device: ``auto`` is cuda when a GPU is visible, else cpu.
+        max_waiting_requests: requests that may wait for a place in the batch; past it a new
+            request is refused at once (``EngineOverloadedError``, HTTP 503 with Retry-After)
+            instead of queueing without bound.
+        step_timeout: seconds one engine step may take before the watchdog declares the
+            engine dead (a hung kernel); None disables it.
     """
 
     model: str | None = None
@@ -85,6 +97,8 @@ class EngineConfig:
     seed: int = 0
     backend: str = attrs.field(default="auto", validator=_one_of(BACKENDS))
     device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
+    max_waiting_requests: int = attrs.field(default=1024, validator=_positive)
+    step_timeout: float | None = attrs.field(default=300.0, validator=_positive_seconds)
 
     def __attrs_post_init__(self) -> None:
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:

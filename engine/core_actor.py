@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import trio
 
 from engine.engine_core import EngineCore
-from engine.errors import InvalidParameterError, RequestFailedError
+from engine.model_runner import RunnerOutput
+from engine.scheduler import SchedulerOutput
+from engine.errors import InvalidParameterError, RequestFailedError, StepTimeoutError
 from engine.messages import (AbortRequest, AddRequest, RequestRejected, StepOutput, StepTimings, StopRequest,
                              TokenDelta)
 
@@ -61,12 +64,24 @@ class CoreActor:
         t0 = time.perf_counter()
         plan = self.core.schedule()
         t1 = time.perf_counter()
-        result = await trio.to_thread.run_sync(self.core.execute, plan)
+        result = await self._execute(plan)
         t2 = time.perf_counter()
         deltas = self.core.update(plan, result)
         t3 = time.perf_counter()
         await self._send(self._step_output(deltas, plan.num_batched_tokens, len(plan.chunks),
                                            StepTimings(t1 - t0, t2 - t1, t3 - t2)))
+
+    async def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        """The step's device work in a worker thread, under the watchdog.
+
+        Shielded: shutting down waits for the step in flight (its K/V writes must not race
+        the blocks being freed), but never longer than ``step_timeout``: a step that does not
+        return by then is abandoned in its thread and the engine is declared dead.
+        """
+        timeout = self.core.config.step_timeout
+        with trio.CancelScope(shield=True), trio.move_on_after(math.inf if timeout is None else timeout):
+            return await trio.to_thread.run_sync(self.core.execute, plan, abandon_on_cancel=True)
+        raise StepTimeoutError(f"an engine step ran for more than {timeout} s (step_timeout): a hung kernel?")
 
     def _step_output(self, deltas: list[TokenDelta], num_tokens: int, num_seqs: int,
                      timings: StepTimings | None) -> StepOutput:

@@ -55,6 +55,7 @@ class EngineCore:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
+        self.fault: Exception | None = None  # set when a step failed: the core's state is then unknown
         log.info("engine ready: backend %s on %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
                  self.backend.name, self.device, num_blocks, config.block_size, num_blocks * config.block_size,
                  self.max_model_len)
@@ -159,6 +160,11 @@ class EngineCore:
     @property
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running_requests(self) -> int:
+        """Callers' requests with a sequence in the running batch (n > 1 counts once)."""
+        return len({r.parent_id for r in self.scheduler.running})
 
     # ---- the step ----
 

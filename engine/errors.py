@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from backends.base import BackendUnavailableError
 
-__all__ = ["BackendUnavailableError", "ConfigError", "EngineDeadError", "InvalidParameterError", "RequestFailedError",
-           "first_leaf"]
+__all__ = ["BackendUnavailableError", "ConfigError", "EngineDeadError", "EngineOverloadedError", "EngineShutdownError",
+           "InvalidParameterError", "RequestFailedError", "StepTimeoutError", "first_leaf"]
 
 
 class InvalidParameterError(ValueError):
@@ -33,6 +33,27 @@ class EngineDeadError(RuntimeError):
 
     The original exception, if any, is ``__cause__``.
     """
+
+
+class EngineShutdownError(EngineDeadError):
+    """The engine was stopped on purpose (shutdown) while requests were still open."""
+
+
+class StepTimeoutError(RuntimeError):
+    """An engine step ran longer than ``step_timeout`` (a hung kernel): the watchdog declares
+    the engine dead rather than let every request wait forever."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (``max_waiting_requests``): the request is refused at once.
+
+    Attributes:
+        retry_after: seconds after which trying again is reasonable.
+    """
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class RequestFailedError(RuntimeError):

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import time
+
 import orjson
 import pytest
 import trio
 
-from api.app import ServerState, create_app
-from tests.conftest import serve_http
+from api.app import Limits, ServerState, create_app
+from engine.sampling_params import SamplingParams
+from tests.conftest import serve_http, tiny_engine_core
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -226,3 +229,152 @@ async def test_accepted_means_honoured_else_400(tiny_vocab_core, tokenizer, path
         assert error(response.content)["param"] == param
         ok = await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert ok.status_code == 200
+
+
+# ---- overload, deadlines, slow clients, faults ----
+
+def slow_steps(core, monkeypatch, seconds: float = 0.02) -> None:
+    """Make every engine step take at least ``seconds`` (a model slow enough to queue behind)."""
+    real = core.runner.execute
+
+    def slow(*args):
+        time.sleep(seconds)
+        return real(*args)
+
+    monkeypatch.setattr(core.runner, "execute", slow)
+
+
+async def test_overload_is_a_503_with_retry_after_at_once(tiny_vocab_model, tokenizer, monkeypatch):
+    core = tiny_engine_core(tiny_vocab_model, max_num_seqs=1, max_waiting_requests=3)
+    slow_steps(core, monkeypatch)
+    body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    async with serve_http(core, tokenizer) as server, trio.open_nursery() as nursery:
+        async def occupy():
+            async with server.http.stream("POST", "/v1/completions", json=body) as response:
+                async for _ in response.aiter_lines():
+                    pass
+
+        for _ in range(4):  # one running, three waiting
+            nursery.start_soon(occupy)
+        with trio.fail_after(10):
+            while server.client.num_unfinished < 4:
+                await trio.sleep(0.01)
+        start = trio.current_time()
+        refused = await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert trio.current_time() - start < 1.0
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+        assert error(refused.content)["code"] == "overloaded"
+        nursery.cancel_scope.cancel()
+
+
+async def test_health_answers_fast_while_256_requests_wait(tiny_vocab_core, tokenizer, monkeypatch):
+    slow_steps(tiny_vocab_core, monkeypatch, 0.005)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    async with serve_http(tiny_vocab_core, tokenizer) as server, trio.open_nursery() as nursery:
+        async def one(i):
+            async for _ in server.client.generate([100 + i % 50] * 20, params):
+                pass
+
+        for i in range(300):
+            nursery.start_soon(one, i)
+        with trio.fail_after(10):
+            while server.client.stats().num_waiting < 256:
+                await trio.sleep(0.01)
+        latencies = []
+        for _ in range(20):
+            start = time.perf_counter()
+            assert (await server.http.get("/health")).status_code == 200
+            latencies.append(time.perf_counter() - start)
+        assert server.client.stats().num_waiting >= 200 and max(latencies) < 0.1, max(latencies)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_past_its_deadline_is_aborted_with_504(tiny_vocab_core, tokenizer, monkeypatch):
+    slow_steps(tiny_vocab_core, monkeypatch)
+    body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        late = await server.http.post("/v1/completions", json=body, headers={"X-Request-Timeout": "0.3"})
+        assert late.status_code == 504 and error(late.content)["code"] == "request_timeout"
+        streamed = await server.http.post("/v1/chat/completions", json={**CHAT, **body, "stream": True},
+                                          headers={"X-Request-Timeout": "0.3"})
+        events = sse_data(streamed.text.splitlines())
+        assert events[-2]["error"]["code"] == "request_timeout" and events[-1] == "[DONE]" and len(events) > 3
+        await wait_idle(server.client)
+        assert server.client.stats().kv_blocks_used == 0
+        for bad in ("soon", "-1", "nan", "inf"):
+            response = await server.http.post("/v1/completions", json=body, headers={"X-Request-Timeout": bad})
+            assert response.status_code == 400 and error(response.content)["param"] == "X-Request-Timeout"
+    async with serve_http(tiny_vocab_core, tokenizer, limits=Limits(request_timeout=0.3)) as server:
+        assert (await server.http.post("/v1/completions", json=body)).status_code == 504  # the server's default
+
+
+async def test_a_client_that_never_sends_its_body_is_timed_out(tiny_vocab_core, tokenizer):
+    async with serve_http(tiny_vocab_core, tokenizer, limits=Limits(body_timeout=0.5)) as server:
+        host, port = str(server.http.base_url.host), server.http.base_url.port
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        with trio.fail_after(10):
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                reply += await stream.receive_some()
+        await stream.aclose()
+        assert reply.startswith(b"HTTP/1.1 408") and b'"timeout_error"' in reply
+        ok = await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("depth", [40, 5000])
+async def test_deeply_nested_json_is_a_400(tiny_vocab_core, tokenizer, depth):
+    nested = "[" * depth + "]" * depth
+    body = b'{"prompt": "Hi", "chat_template_kwargs": {"x": ' + nested.encode() + b"}}"
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        response = await server.http.post("/v1/completions", content=body,
+                                          headers={"Content-Type": "application/json"})
+        message = error(response.content)["message"]
+        assert response.status_code == 400 and ("nested deeper" in message or "depth limit" in message)
+
+
+async def test_a_consumer_that_never_reads_does_not_stall_others(tiny_vocab_core, tokenizer):
+    body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True, "stream": True, "logprobs": 5}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        async with server.http.stream("POST", "/v1/completions", json=body) as stalled:
+            assert stalled.status_code == 200  # and then never read
+            with trio.fail_after(20):
+                for i in range(5):
+                    ok = await server.http.post("/v1/completions", json={"prompt": f"{i}", "max_tokens": 20,
+                                                                          "ignore_eos": True})
+                    assert ok.json()["usage"]["completion_tokens"] == 20
+
+
+async def test_a_fault_in_the_scheduler_fails_every_request_in_flight(tiny_vocab_core, tokenizer, monkeypatch):
+    real, calls = tiny_vocab_core.schedule, 0
+
+    def failing():
+        nonlocal calls
+        calls += 1
+        if calls == 8:
+            raise RuntimeError("injected scheduler fault")
+        return real()
+
+    monkeypatch.setattr(tiny_vocab_core, "schedule", failing)
+    body = {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        results = {}
+
+        async def one(i, stream):
+            results[i] = await server.http.post("/v1/completions", json={**body, "stream": stream})
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for i in range(6):
+                    nursery.start_soon(one, i, i % 2 == 1)
+        for i, response in results.items():
+            if i % 2:
+                events = sse_data(response.text.splitlines())
+                assert events[-2]["error"]["code"] == "engine_dead" and events[-1] == "[DONE]"
+            else:
+                assert response.status_code == 500 and error(response.content)["code"] == "engine_dead"
+        assert (await server.http.get("/health")).status_code == 503
+        after = await server.http.post("/v1/completions", json=body)
+        assert after.status_code == 503 and error(after.content)["code"] == "engine_dead"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from contextlib import aclosing
 
 import attrs
@@ -11,9 +12,10 @@ import trio
 import trio.testing
 
 from engine.async_engine import Engine
-from engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError
+from engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError, StepTimeoutError
 from engine.messages import AddRequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from tests.conftest import tiny_engine_core
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -241,13 +243,42 @@ async def test_leaving_the_engine_fails_streams_that_outlive_it(tiny_core, token
     assert tiny_core.stats().kv_blocks_used == 0
 
 
-async def test_timeouts_in_virtual_time_abort_cleanly(tiny_core, tokenizer, autojump_clock):
-    async with Engine(tiny_core, tokenizer).serve() as client:
+async def test_timeouts_in_virtual_time_abort_cleanly(tiny_model, tokenizer, autojump_clock):
+    core = tiny_engine_core(tiny_model, step_timeout=None)  # the watchdog would see the virtual hour too
+    async with Engine(core, tokenizer).serve() as client:
         with trio.move_on_after(3600) as scope:
             await collect(client, prompt(1), SamplingParams(max_tokens=200, ignore_eos=True))
         await wait_until_idle(client, timeout=10**6)
         assert client.stats().kv_blocks_used == 0
     assert scope.cancelled_caught  # the virtual hour passed while the step ran in its thread
+
+
+async def test_the_watchdog_declares_a_hung_step_dead(tiny_model, tokenizer, monkeypatch, autojump_clock):
+    core = tiny_engine_core(tiny_model, step_timeout=60)
+    release = threading.Event()
+    real, calls = core.runner.execute, 0
+
+    def hangs_on_the_third_step(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            release.wait(30)  # a kernel that never returns (until the test lets it go)
+        return real(*args)
+
+    monkeypatch.setattr(core.runner, "execute", hangs_on_the_third_step)
+    try:
+        engine = Engine(core, tokenizer)
+        async with engine.serve() as client:
+            with pytest.raises(EngineDeadError) as exc:
+                await collect(client, prompt(1), SamplingParams(max_tokens=10, ignore_eos=True))
+            assert isinstance(exc.value.__cause__, StepTimeoutError) and "60" in str(exc.value)
+            assert client.errored and trio.current_time() >= 60
+            assert await client.wait_failed() is exc.value
+    finally:
+        release.set()
+    with pytest.raises(EngineDeadError):  # its state is unknown: the core never runs again
+        async with Engine(core, tokenizer).serve():
+            pass
 
 
 async def test_a_request_failing_alone_leaves_the_others_running(tiny_core, tokenizer, monkeypatch):

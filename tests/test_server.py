@@ -321,3 +321,109 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0():
         assert proc.wait(timeout=30) == 0
     finally:
         proc.kill()
+
+
+# ---- the server's life cycle, in this process (faults are injected) ----
+
+def server_args(*flags: str):
+    from api.server import build_parser
+
+    return build_parser().parse_args(["--port", str(free_port()), "--backend", "torch", "--load-format", "dummy",
+                                      "--max-model-len", "256", "--num-kv-blocks", "64", "--log-level", "warning",
+                                      *flags])
+
+
+def fail_the_engine_at_step(monkeypatch, step: int) -> None:
+    from engine.engine_core import EngineCore
+
+    real, calls = EngineCore.execute, 0
+
+    def failing(self, plan):
+        nonlocal calls
+        calls += 1
+        if calls == step:
+            raise RuntimeError("injected device fault")
+        return real(self, plan)
+
+    monkeypatch.setattr(EngineCore, "execute", failing)
+
+
+async def test_an_engine_failure_ends_requests_and_exits_nonzero(monkeypatch):
+    import trio
+
+    from api.server import run_server
+
+    fail_the_engine_at_step(monkeypatch, 3)
+    args = server_args()
+    base = f"http://127.0.0.1:{args.port}"
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            outcome = []
+
+            async def serve(task_status=trio.TASK_STATUS_IGNORED):
+                outcome.append(await run_server(args, task_status=task_status))
+
+            await nursery.start(serve)
+            async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+                response = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 20,
+                                                                      "ignore_eos": True})
+            assert response.status_code == 500 and response.json()["error"]["code"] == "engine_dead"
+    assert outcome == [True]  # run_server returns True and main() exits with status 1
+
+
+async def test_on_engine_failure_refuse_keeps_answering_503(monkeypatch):
+    import trio
+
+    from api.server import run_server
+
+    fail_the_engine_at_step(monkeypatch, 3)
+    args = server_args("--on-engine-failure", "refuse")
+    base = f"http://127.0.0.1:{args.port}"
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            outcome = []
+
+            async def serve(task_status=trio.TASK_STATUS_IGNORED):
+                outcome.append(await run_server(args, task_status=task_status))
+
+            await nursery.start(serve)
+            async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+                first = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 20, "ignore_eos": True})
+                assert first.status_code == 500
+                await trio.sleep(0.5)
+                assert (await http.get("/health")).status_code == 503
+                later = await http.post("/v1/completions", json={"prompt": "Hi"})
+                assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
+            os.kill(os.getpid(), signal.SIGTERM)  # the server's own signal handler stops it
+    assert outcome == [False]
+
+
+def test_sigterm_past_the_grace_period_ends_requests_cleanly_and_exits_0():
+    base, proc, _ = start_server("--shutdown-timeout", "1")
+    try:
+        body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == "shutting_down"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+
+
+def test_a_second_sigint_exits_at_once():
+    base, proc, _ = start_server("--shutdown-timeout", "60")
+    try:
+        body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()  # held: a dropped iterator closes the stream, and the drain ends
+            next(lines)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            assert proc.poll() is None  # draining: the request has 60 s
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=10) == 130
+    finally:
+        proc.kill()
