@@ -51,6 +51,8 @@ TEST_REQUIREMENTS = [
     "openai>=1.40",  # the official client, against our server
     "jsonschema>=4.20",  # responses validated against OpenAI's published schemas
     "httpx>=0.27",
+    "schemathesis>=4.0",  # fuzzes the server from its own /openapi.json
+    "requests>=2.31",  # the synchronous client schemathesis calls the server with
 ]
 
 setup(

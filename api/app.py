@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from api.errors import APIError, bad_request
 from api.metrics import CONTENT_TYPE, Metrics
+from api.openapi import DOCS_HTML, openapi_document
 from api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse,
                           sampling_params)
 from api.serving import (SSE_DONE, ChunkWriter, UsageTracker, chat_logprobs, completion_logprobs,
@@ -112,6 +113,8 @@ def create_app(state: ServerState) -> QuartTrio:
 
     _register_error_handlers(app, state.limits)
 
+    app.add_url_rule("/openapi.json", "openapi", api.openapi, methods=["GET"])
+    app.add_url_rule("/docs", "docs", api.docs, methods=["GET"])
     app.add_url_rule("/health", "health", api.health, methods=["GET"])
     app.add_url_rule("/version", "version", api.version, methods=["GET"])
     app.add_url_rule("/metrics", "metrics", api.metrics, methods=["GET"])
@@ -148,7 +151,10 @@ def _register_error_handlers(app: QuartTrio, limits: Limits) -> None:
         messages = {404: f"route {request.path} not found", 405: f"method {request.method} not allowed for {request.path}",
                     408: f"the request body did not arrive within {limits.body_timeout:g} s",
                     413: f"request body larger than {limits.max_body_bytes} bytes"}
-        return await api_error(APIError(error.code or 500, messages.get(error.code, error.description or "error")))
+        response = await api_error(APIError(error.code or 500, messages.get(error.code, error.description or "error")))
+        if error.code in (408, 413):  # the body was not read to its end: the connection cannot carry another request
+            response.headers["Connection"] = "close"
+        return response
 
     @app.errorhandler(Exception)
     async def internal(error: Exception) -> Response:
@@ -179,6 +185,7 @@ class _Handlers:
     def __init__(self, state: ServerState, metrics: Metrics) -> None:
         self.state = state
         self.metrics_registry = metrics
+        self._openapi = openapi_document(VERSION)
 
     # ---- helpers ----
 
@@ -231,6 +238,12 @@ class _Handlers:
             return Response("", status=503)
         return Response("", status=200)
 
+    async def openapi(self) -> Response:
+        return json_response(self._openapi)
+
+    async def docs(self) -> Response:
+        return Response(DOCS_HTML, content_type="text/html; charset=utf-8")
+
     async def version(self) -> Response:
         return json_response({"version": VERSION})
 
@@ -247,13 +260,12 @@ class _Handlers:
     async def tokenize(self) -> Response:
         req = await self.body(TokenizeRequest)
         self.check_model(req.model)
-        tokenizer = self.client.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            ids = self.render_chat(req.messages, req.add_generation_prompt, False, None)
+            ids = await self.render_chat(req.messages, req.add_generation_prompt, False, None)
         else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await _off_loop(len(req.prompt), self.client.encode, req.prompt, req.add_special_tokens)
         return json_response({"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids})
 
     async def detokenize(self) -> Response:
@@ -267,17 +279,23 @@ class _Handlers:
 
     # ---- chat ----
 
-    def render_chat(self, messages, add_generation_prompt: bool, continue_final_message: bool,
-                    template_kwargs: dict | None) -> list[int]:
+    async def render_chat(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                          template_kwargs: dict | None) -> list[int]:
         converted = []
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
                 raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}",
                                   "messages")
             converted.append(_template_message(m, self._text_content(m.content, i)))
-        tokenizer = self.client.tokenizer
+        size = sum(len(m["content"]) for m in converted)
+        self.client.check_text_length(size, "messages")
+        return await _off_loop(size, self._apply_template, converted, add_generation_prompt, continue_final_message,
+                               template_kwargs)
+
+    def _apply_template(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
+                        template_kwargs: dict | None) -> list[int]:
         try:
-            return apply_chat_template(tokenizer, converted, add_generation_prompt=add_generation_prompt,
+            return apply_chat_template(self.client.tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message,
                                        chat_template=self.state.chat_template, **(template_kwargs or {}))
         except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the caller's messages or kwargs
@@ -299,8 +317,8 @@ class _Handlers:
         req: ChatCompletionRequest = await self.body(ChatCompletionRequest)
         req.check_supported()
         self.check_model(req.model)
-        ids = self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                               req.chat_template_kwargs)
+        ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                     req.chat_template_kwargs)
         params = sampling_params(req, chat=True)
         self.validate(ids, params, req.priority)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -356,7 +374,7 @@ class _Handlers:
         req.check_supported()
         self.check_model(req.model)
         prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
-        inputs = [self.client.prepare(p) for p in prompts]
+        inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p) for p in prompts]
         params = sampling_params(req, chat=False)
         for _, ids in inputs:  # every prompt is checked before any is queued
             self.validate(ids, params, req.priority)
@@ -454,6 +472,16 @@ async def _guard(stream):
 
 
 _TIMED_OUT = object()
+# Text longer than this (characters) is tokenized or templated in a worker thread: 16k
+# characters take ~7 ms to tokenize, and a whole 8 MB body several seconds.
+_OFF_LOOP_CHARS = 16_384
+
+
+async def _off_loop(num_chars: int, fn, *args):
+    """``fn(*args)``, in a worker thread when the text it works on could stall the event loop."""
+    if num_chars < _OFF_LOOP_CHARS:
+        return fn(*args)
+    return await trio.to_thread.run_sync(fn, *args)
 
 
 async def _before(deadline: float | None, stream):

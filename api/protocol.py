@@ -23,6 +23,14 @@ StrOrList = Union[str, list[str], None]
 TokenPrompt = Union[str, list[str], list[int], list[list[int]]]
 
 
+# What the hooks below accept, for the OpenAPI document (api.openapi).
+_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer"}, "minItems": 1}
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                            _TOKEN_IDS_SCHEMA, {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1}]}
+_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+    "type": "object", "required": ["type"], "properties": {"type": {"type": "string"}, "text": {"type": "string"}}}}]}
+
+
 @attrs.frozen
 class TextPart:
     type: str
@@ -32,7 +40,7 @@ class TextPart:
 @attrs.frozen
 class ChatMessage:
     role: str
-    content: Any = None  # str | list[TextPart] | None, structured by a hook
+    content: Any = attrs.field(default=None, metadata={"schema": _CONTENT_SCHEMA})  # structured by a hook
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
@@ -121,7 +129,7 @@ class ChatCompletionRequest(SamplingFields):
 
 @attrs.frozen(kw_only=True)
 class CompletionRequest(SamplingFields):
-    prompt: Any  # TokenPrompt, structured by a hook
+    prompt: Any = attrs.field(metadata={"schema": _PROMPT_SCHEMA})  # TokenPrompt, structured by a hook
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

@@ -8,7 +8,6 @@ finishes first (one step is the shutdown deadline).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -149,7 +148,7 @@ class EngineClient:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._ids = itertools.count()
+        self._max_token_chars: int | None = None  # the longest vocabulary entry, once needed
 
     @property
     def tokenizer(self):
@@ -194,10 +193,24 @@ class EngineClient:
         """Raise InvalidParameterError if the engine would reject this prompt and parameters."""
         self._engine.core.validate(prompt_token_ids, params, priority)
 
+    def check_text_length(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse text that cannot fit in ``max_model_len`` tokens before spending time tokenizing
+        it: no token of this vocabulary stands for more characters than its longest entry."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()))
+        if num_chars > self.max_model_len * self._max_token_chars:
+            raise InvalidParameterError(param, f"{param} has {num_chars} characters: more than this model's maximum "
+                                               f"context length of {self.max_model_len} tokens can hold")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (after ``check_text_length``)."""
+        self.check_text_length(len(text))
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def prepare(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
         """(prompt text, prompt token ids) for a prompt given as text, token ids or vLLM's dict forms."""
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.encode(prompt)
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown:  # e.g. vLLM's prompt-level cache_salt: here it is a SamplingParams field

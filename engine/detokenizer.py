@@ -124,17 +124,26 @@ class IncrementalDetokenizer:
         return True
 
     def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
         if not self._stops:
             return 0
-        tail = self._text.slice(max(0, self._text.length - self._longest_stop + 1))
-        longest = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(tail)), longest, -1):
-                if tail.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        return longest_stop_prefix(self._text.slice(max(0, self._text.length - self._longest_stop + 1)), self._stops)
+
+
+def longest_stop_prefix(tail: str, stops: list[str]) -> int:
+    """Length of the longest end of ``tail`` that is a proper prefix of one of ``stops``.
+
+    Such an end starts where ``tail`` has the stop string's first character, so only those
+    places are tried, longest first: a few per stop string for real text.
+    """
+    longest = 0
+    for stop in stops:
+        start = max(0, len(tail) - len(stop) + 1)  # a proper prefix is shorter than the stop string
+        while (start := tail.find(stop[0], start, len(tail) - longest)) >= 0:
+            if stop.startswith(tail[start:]):
+                longest = len(tail) - start
+                break
+            start += 1
+    return longest
 
 
 class DetokenizerActor:

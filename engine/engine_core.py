@@ -119,12 +119,12 @@ class EngineCore:
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise InvalidParameterError("priority", f"priority {priority!r} needs the 'priority' scheduling policy; "
                                                     f"this engine schedules {self.config.scheduling_policy}")
-        self._check_token_ids("prompt", prompt)
-        self._check_token_ids("stop_token_ids", params.stop_token_ids)
-        self._check_token_ids("logit_bias", params.logit_bias)
         if len(prompt) >= self.max_model_len:
             raise InvalidParameterError("prompt", f"the prompt has {len(prompt)} tokens, but this model's maximum "
                                                   f"context length is {self.max_model_len} tokens")
+        self._check_token_ids("prompt", prompt)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias", params.logit_bias)
         room = self.max_model_len - len(prompt)
         if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidParameterError(

@@ -13,6 +13,12 @@ from engine.errors import InvalidParameterError
 MAX_LOGPROBS = 20
 # Seeds are signed 64-bit integers, as in OpenAI's API description.
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# Bounds on what one request may ask for, so that no single request can flood the engine:
+# completions per request (OpenAI's own limit for n), and stop strings (each is searched for,
+# in the event loop, after every token of every completion).
+MAX_N = 128
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 256
 
 
 class RequestOutputKind(enum.Enum):
@@ -96,7 +102,7 @@ class SamplingParams:
         self._check_salt()
 
     def _check_counts(self) -> None:
-        _check("n", _is_int(self.n) and self.n >= 1, f"must be an integer >= 1; got {self.n!r}")
+        _check("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"must be an integer in [1, {MAX_N}]; got {self.n!r}")
         if self.max_tokens is not None:
             _check("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1,
                    f"must be an integer >= 1; got {self.max_tokens!r}")
@@ -136,8 +142,11 @@ class SamplingParams:
                    f"must be a non-empty string; got {self.cache_salt!r}")
 
     def _check_stops(self) -> None:
+        _check("stop", len(self.stop) <= MAX_STOP_STRINGS,
+               f"may hold at most {MAX_STOP_STRINGS} strings; got {len(self.stop)}")
         for s in self.stop:
-            _check("stop", isinstance(s, str) and s != "", "must be non-empty strings")
+            _check("stop", isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH,
+                   f"must be non-empty strings of at most {MAX_STOP_LENGTH} characters")
         for t in self.stop_token_ids:
             _check("stop_token_ids", _is_int(t) and t >= 0, f"must be non-negative integers; got {t!r}")
 

@@ -174,3 +174,47 @@ async def serve_http(core, tokenizer, **state_fields) -> AsyncIterator[LiveServe
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
             yield LiveServer(http, client, state)
         nursery.cancel_scope.cancel()
+
+
+class ThreadedServer:
+    """``serve_http`` in a trio run on a thread of its own, for synchronous tests (hypothesis,
+    schemathesis): ``base_url`` to send requests to, ``stats()`` of its engine, ``close()``.
+
+    Resource handling: owns the thread; ``close`` stops the server and joins it.
+    """
+
+    def __init__(self, core, tokenizer, **state_fields) -> None:
+        import threading
+
+        import trio
+
+        self._ready = threading.Event()
+        self._done: trio.Event | None = None
+        self._token = None
+        self.base_url = ""
+        self.client = None
+        self._thread = threading.Thread(target=trio.run, args=(self._main, core, tokenizer, state_fields),
+                                        name="test-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(60):
+            raise RuntimeError("the test server did not start")
+
+    async def _main(self, core, tokenizer, state_fields) -> None:
+        import trio
+
+        async with serve_http(core, tokenizer, **state_fields) as server:
+            self.base_url, self.client = str(server.http.base_url).rstrip("/"), server.client
+            self._token, self._done = trio.lowlevel.current_trio_token(), trio.Event()
+            self._ready.set()
+            await self._done.wait()
+
+    def stats(self):
+        import trio
+
+        return trio.from_thread.run_sync(self.client.stats, trio_token=self._token)
+
+    def close(self) -> None:
+        import trio
+
+        trio.from_thread.run_sync(self._done.set, trio_token=self._token)
+        self._thread.join(30)

@@ -99,7 +99,8 @@ async def wait_idle(client, timeout: float = 10) -> None:
             await trio.sleep(0.01)
 
 
-async def test_multi_prompt_stream_disconnect_aborts_every_prompt(tiny_vocab_core, tokenizer):
+async def test_multi_prompt_stream_disconnect_aborts_every_prompt(tiny_vocab_core, tokenizer, monkeypatch):
+    slow_steps(tiny_vocab_core, monkeypatch)  # 200 tokens take 4 s: they cannot finish before the disconnect
     body = {"prompt": TEXT_PROMPTS, "max_tokens": 200, "ignore_eos": True, "stream": True}
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         async with server.http.stream("POST", "/v1/completions", json=body) as response:
@@ -118,25 +119,35 @@ async def test_multi_prompt_stream_disconnect_aborts_every_prompt(tiny_vocab_cor
 
 
 async def test_engine_failure_mid_stream_ends_with_an_error_event(tiny_vocab_core, tokenizer, monkeypatch):
-    real, calls = tiny_vocab_core.runner.execute, 0
+    slow_steps(tiny_vocab_core, monkeypatch)
+    fault = fail_when(tiny_vocab_core.runner, "execute")
+    body = {"prompt": TEXT_PROMPTS, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        lines = []
+        with trio.fail_after(30):
+            async with server.http.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    lines.append(line)
+                    if len(sse_data(lines)) == 4:
+                        fault.set()  # the engine fails in the middle of the stream
+        events = sse_data(lines)
+        assert response.status_code == 200 and events[-1] == "[DONE]"
+        assert events[-2]["error"]["code"] == "engine_dead" and all("choices" in e for e in events[:-2])
+        assert (await server.http.get("/health")).status_code == 503
+        assert tiny_vocab_core.stats().kv_blocks_used == 0
+
+
+def fail_when(obj, method: str) -> trio.Event:
+    """Make ``obj.method`` raise once the returned event is set (a fault injected at a known moment)."""
+    event, real = trio.Event(), getattr(obj, method)
 
     def failing(*args):
-        nonlocal calls
-        calls += 1
-        if calls == 6:
+        if event.is_set():
             raise RuntimeError("injected device fault")
         return real(*args)
 
-    monkeypatch.setattr(tiny_vocab_core.runner, "execute", failing)
-    body = {"prompt": TEXT_PROMPTS, "max_tokens": 50, "ignore_eos": True, "stream": True}
-    async with serve_http(tiny_vocab_core, tokenizer) as server:
-        with trio.fail_after(30):
-            response = await server.http.post("/v1/completions", json=body)
-        events = sse_data(response.text.splitlines())
-        assert response.status_code == 200 and events[-1] == "[DONE]"
-        assert events[-2]["error"]["code"] == "engine_dead" and len(events) > 3
-        assert (await server.http.get("/health")).status_code == 503
-        assert tiny_vocab_core.stats().kv_blocks_used == 0
+    setattr(obj, method, failing)
+    return event
 
 
 async def test_a_request_failing_in_the_engine_is_a_500_and_the_server_goes_on(tiny_vocab_core, tokenizer,
@@ -348,17 +359,9 @@ async def test_a_consumer_that_never_reads_does_not_stall_others(tiny_vocab_core
 
 
 async def test_a_fault_in_the_scheduler_fails_every_request_in_flight(tiny_vocab_core, tokenizer, monkeypatch):
-    real, calls = tiny_vocab_core.schedule, 0
-
-    def failing():
-        nonlocal calls
-        calls += 1
-        if calls == 8:
-            raise RuntimeError("injected scheduler fault")
-        return real()
-
-    monkeypatch.setattr(tiny_vocab_core, "schedule", failing)
-    body = {"prompt": "Hi", "max_tokens": 50, "ignore_eos": True}
+    slow_steps(tiny_vocab_core, monkeypatch)
+    fault = fail_when(tiny_vocab_core, "schedule")
+    body = {"prompt": "Hi", "max_tokens": 200, "ignore_eos": True}
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         results = {}
 
@@ -369,6 +372,9 @@ async def test_a_fault_in_the_scheduler_fails_every_request_in_flight(tiny_vocab
             async with trio.open_nursery() as nursery:
                 for i in range(6):
                     nursery.start_soon(one, i, i % 2 == 1)
+                while tiny_vocab_core.num_running_requests < 6:  # all six in flight, then the fault
+                    await trio.sleep(0.01)
+                fault.set()
         for i, response in results.items():
             if i % 2:
                 events = sse_data(response.text.splitlines())

@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from engine.async_engine import Engine
+from engine.async_engine import STEP_QUEUE_SIZE, Engine
 from engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError, StepTimeoutError
 from engine.messages import AddRequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -331,24 +331,22 @@ async def test_stat_loggers_see_engine_timings_of_every_request(tiny_core, token
         assert ttfts[0] + sum(itls) == pytest.approx(finished[0].e2e_latency, abs=1e-6)
         assert 0 <= finished[0].queue_time <= ttfts[0]
         seen.clear()
-        with trio.move_on_after(0.05):  # a request abandoned by its consumer still counts, as 'abort'
-            await collect(client, prompt(2), SamplingParams(max_tokens=200, ignore_eos=True))
+        long = SamplingParams(max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        async with aclosing(client.generate(prompt(2), long)) as outputs:
+            async for _ in outputs:
+                break  # a request abandoned by its consumer still counts, as 'abort'
         await wait_until_idle(client)
         await trio.testing.wait_all_tasks_blocked()
         assert [f.finish_reasons for s in seen for f in s.finished] == [("abort",)]
 
 
-async def test_a_request_id_stays_taken_until_the_core_has_finished_it(tiny_core, tokenizer):
+async def test_an_id_is_reusable_once_a_stopped_request_is_finished(tiny_core, tokenizer):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     async with Engine(tiny_core, tokenizer).serve() as client:
         full = (await collect(client, prompt(1), params))[-1].outputs[0]
         stop = full.text[len(full.text) // 3:len(full.text) // 3 + 2]
         cut = (await collect(client, prompt(1), attrs.evolve(params, stop=[stop]), request_id="x"))[-1].outputs[0]
         assert cut.finish_reason == "stop" and len(cut.token_ids) < 40
-        # The stream has ended, but the core finishes "x" only when it reads the StopRequest.
-        with pytest.raises(InvalidParameterError) as exc:
-            client.submit(prompt(2), params, request_id="x")
-        assert "in use" in str(exc.value)
         await wait_until_idle(client)
         await trio.testing.wait_all_tasks_blocked()
         again = (await collect(client, prompt(2), params, request_id="x"))[-1].outputs[0]
@@ -369,12 +367,13 @@ async def test_generate_many_merges_without_a_task_per_request(tiny_core, tokeni
         async with aclosing(client.generate_many([prompt(i) for i in range(3)], long)) as outputs:
             async for _ in outputs:
                 break  # leaving early aborts all three
-        await wait_until_idle(client)
+        with trio.fail_after(10):
+            await client.wait_idle()  # every request finished, as far as the front knows
         assert client.stats().kv_blocks_used == 0
         with pytest.raises(InvalidParameterError):  # one bad prompt: nothing is queued
             async for _ in client.generate_many([prompt(1), []], params):
                 pass
-        assert client.stats().num_waiting == 0 and not client._engine.registry
+        assert client.num_unfinished == 0
 
 
 async def test_a_stop_string_finishes_every_completion_in_the_core(tiny_core, tokenizer):
@@ -403,8 +402,9 @@ async def test_a_stop_string_finishes_every_completion_in_the_core(tiny_core, to
         assert completion.finish_reason == "stop" and completion.text == full.text[:full.text.index(stop)]
         hit_at = len(completion.token_ids)
         assert completion.token_ids == full.token_ids[:hit_at] and hit_at < 60
-        # The core ran at most one step more before it read the StopRequest, then freed the sequence.
-        assert hit_at <= core_tokens[completion.index] <= hit_at + 1
+        # The core may run ahead of the detokenizer by the step queue; it freed the sequence once
+        # it read the StopRequest, within that many steps.
+        assert hit_at <= core_tokens[completion.index] <= hit_at + STEP_QUEUE_SIZE + 1
 
 
 async def test_generate_many_can_be_closed_from_another_task(tiny_core, tokenizer):

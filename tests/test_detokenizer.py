@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
+import trio
 from hypothesis import given
 
-from engine.detokenizer import IncrementalDetokenizer, _TextBuffer
+from engine.detokenizer import DetokenizerActor, IncrementalDetokenizer, _TextBuffer, longest_stop_prefix
+from engine.messages import EngineStats, StepOutput, StopRequest, TokenDelta
+from engine.output_channel import RequestOutputChannel
+from engine.output_processor import RequestState
 from engine.sampling_params import SamplingParams
+
+STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 TEXTS = [
     "Hello, world! Plain ASCII text.",
@@ -108,3 +114,34 @@ def test_text_buffer_slices_like_a_string(chunks, data):
     cut = data.draw(st.integers(0, len(text)))
     buffer.reset(buffer.slice(0, cut))
     assert buffer.slice(0) == text[:cut]
+
+
+@given(tail=st.text(alphabet="ab c", max_size=12), stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=6),
+                                                                  min_size=1, max_size=4))
+def test_longest_stop_prefix_is_the_naive_answer(tail, stops):
+    naive = max((k for s in stops for k in range(min(len(s) - 1, len(tail)) + 1) if tail.endswith(s[:k])), default=0)
+    assert longest_stop_prefix(tail, stops) == naive
+
+
+def test_a_stopped_request_keeps_its_id_until_the_core_has_finished_it(tokenizer):
+    """The stream ends at the stop string, but the id stays taken until the core's own finish
+    arrives: a delta the core sent before it heard of the stop must not reach a new request."""
+    inbox_send, inbox_receive = trio.open_memory_channel(10)
+    registry = {}
+    actor = DetokenizerActor(None, inbox_send, registry, lambda step, stats: None)
+    ids = tokenizer.encode("one two three four")
+    state = RequestState("x", None, [1, 2], SamplingParams(stop=["three"]), tokenizer)
+    registry["x"] = channel = RequestOutputChannel(state)
+
+    def step(*deltas: TokenDelta) -> None:
+        actor.process(StepOutput(deltas, (), STATS, 0, 0, None))
+
+    step(TokenDelta("x", 0, tuple(ids)))
+    assert state.finished and channel.poll().outputs[0].text == "one two "
+    assert inbox_receive.receive_nowait() == StopRequest("x", 0, "three")
+    assert "x" in registry  # the core has not finished it yet
+    kept = list(state.completions[0].token_ids)
+    step(TokenDelta("x", 0, tuple(tokenizer.encode(" five"))))  # the core ran one more step: ignored
+    assert "x" in registry and state.completions[0].token_ids == kept
+    step(TokenDelta("x", 0, (), finish_reason="stop", stop_reason="three"))  # the core's own finish
+    assert "x" not in registry

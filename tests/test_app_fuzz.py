@@ -1,0 +1,177 @@
+"""Bad input, in bulk: schemathesis against the server's own /openapi.json (valid and invalid
+requests from every operation's schema), hypothesis over raw and structured bodies, and a
+list of hostile requests picked by hand. Every answer is a 200 or a 4xx in OpenAI's error
+shape, never a 5xx, a traceback or a file path; afterwards the server still answers a normal
+request correctly and holds no KV blocks.
+
+The engine is the tiny random model over the default tokenizer's vocabulary, with a short
+context, so hundreds of generations stay cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import hypothesis.strategies as st
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+
+from api.app import VERSION
+from api.openapi import openapi_document
+from tests.conftest import ThreadedServer, tiny_engine_core
+
+MAX_MODEL_LEN = 64
+
+schema = schemathesis.openapi.from_dict(openapi_document(VERSION))
+
+# Where a leak of the server's insides would show: tracebacks, source paths, exception reprs.
+LEAKS = re.compile(r"Traceback|File \"|\.py\b|/work/|site-packages|Error\(")
+counts = {"requests": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_vocab_model, tokenizer):
+    core = tiny_engine_core(tiny_vocab_model, num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
+                            max_num_batched_tokens=512)
+    server = ThreadedServer(core, tokenizer)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def http():
+    with requests.Session() as session:
+        yield session
+
+
+def check_answer(response: requests.Response) -> None:
+    """200, or a 4xx naming the problem in OpenAI's error shape; never a 5xx or a leak."""
+    counts["requests"] += 1
+    assert response.status_code < 500, (response.status_code, response.text[:500])
+    assert not LEAKS.search(response.text[:100_000]), response.text[:500]
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+        assert isinstance(error["type"], str) and error["code"] is None or isinstance(error["code"], str)
+
+
+@schema.parametrize()
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_schema_driven_requests_never_break_the_server(case, server, http):
+    check_answer(case.call(base_url=server.base_url, session=http, timeout=60))
+
+
+FIELDS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+          "stream", "stream_options", "logprobs", "top_logprobs", "logit_bias", "seed", "top_k", "min_p",
+          "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "echo",
+          "prompt_logprobs", "priority", "cache_salt", "tools", "tool_choice", "response_format", "user", "tokens"]
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8),
+                                                                 inner, max_size=5),
+    max_leaves=20)
+BODIES = st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=8)
+ROUTES = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+
+
+@given(route=ROUTES, body=BODIES)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_random_json_bodies_never_break_the_server(server, http, route, body):
+    data = json.dumps(body, allow_nan=False).encode()
+    check_answer(http.post(server.base_url + route, data=data, headers={"Content-Type": "application/json"},
+                           timeout=60))
+
+
+@given(route=ROUTES, raw=st.binary(max_size=200) | st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")))
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_random_bytes_never_break_the_server(server, http, route, raw):
+    check_answer(http.post(server.base_url + route, data=raw, headers={"Content-Type": "application/json"},
+                           timeout=60))
+
+
+PROMPT = "Hi"
+HOSTILE = [
+    b'{"prompt": "Hi", "max_tokens": 5',  # cut short
+    b'\xff\xfe{"prompt": "Hi"}',  # not UTF-8
+    b'{"prompt": "\xc3\x28"}',  # invalid UTF-8 inside a string
+    b'{"prompt": "\\ud800"}',  # a lone surrogate
+    b'{"prompt": "Hi", "temperature": NaN}',
+    b'{"prompt": "Hi", "temperature": Infinity}',
+    b'{"prompt": "Hi", "top_p": 1e400}',
+    b'{"prompt": "Hi", "max_tokens": 100000000000000000000000000000}',
+    b'{"prompt": "Hi", "n": -1}',
+    b'{"prompt": "Hi", "max_tokens": -5}',
+    b'{"prompt": "Hi", "logprobs": -1}',
+    b'{"prompt": ""}',
+    b'{"prompt": []}',
+    b'{"prompt": [[]]}',
+    b'{"prompt": [49152]}',  # one past the vocabulary
+    b'{"prompt": [-1]}',
+    b'{"prompt": [true]}',
+    b'{"prompt": "Hi", "stop_token_ids": [99999999]}',
+    b'{"prompt": "Hi", "logit_bias": {"99999999": 1}}',
+    b'{"prompt": "Hi", "logit_bias": {"abc": 1}}',
+    b'{"prompt": "Hi", "unknown_field": {"deeply": [1, {"x": null}]}}',  # ignored, as OpenAI does
+    b'{"messages": [{"role": "user", "content": {"not": "a list"}}]}',
+    b'{"messages": [{"role": "user"}], "stream": "yes"}',
+    b'{"messages": null}',
+    b'[]',
+    b'"a string"',
+    b'null',
+    b"",
+]
+
+
+@pytest.mark.parametrize("body", HOSTILE)
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_hand_picked_hostile_bodies(server, http, route, body):
+    check_answer(http.post(server.base_url + route, data=body, headers={"Content-Type": "application/json"},
+                           timeout=60))
+
+
+def post(server, http, body: dict, route: str = "/v1/completions") -> requests.Response:
+    response = http.post(server.base_url + route, json=body, timeout=120)
+    check_answer(response)
+    return response
+
+
+def test_sizes_at_and_past_their_limits(server, http, tokenizer):
+    prompt_len = len(tokenizer.encode(PROMPT))
+    room = MAX_MODEL_LEN - prompt_len
+    assert post(server, http, {"prompt": PROMPT, "max_tokens": room, "ignore_eos": True}).status_code == 200
+    assert post(server, http, {"prompt": PROMPT, "max_tokens": room + 1}).json()["error"]["param"] == "max_tokens"
+    assert len(post(server, http, {"prompt": PROMPT, "max_tokens": 2, "n": 128}).json()["choices"]) == 128
+    assert post(server, http, {"prompt": PROMPT, "n": 129}).json()["error"]["param"] == "n"
+    assert post(server, http, {"prompt": PROMPT, "stop": ["x" * 256] * 64, "max_tokens": 2}).status_code == 200
+    assert post(server, http, {"prompt": PROMPT, "stop": ["x" * 257]}).json()["error"]["param"] == "stop"
+    assert post(server, http, {"prompt": PROMPT, "stop": [f"s{i}" for i in range(5000)]}).json()["error"]["param"] \
+        == "stop"
+    assert post(server, http, {"prompt": [5] * MAX_MODEL_LEN}).json()["error"]["param"] == "prompt"
+    assert post(server, http, {"prompt": "word " * 200_000}).json()["error"]["param"] == "prompt"  # never tokenized
+    huge = http.post(server.base_url + "/v1/completions", data=b'{"prompt": "' + b"a" * (9 << 20) + b'"}',
+                     headers={"Content-Type": "application/json"}, timeout=60)
+    check_answer(huge)
+    assert huge.status_code == 413 and huge.headers["Connection"] == "close"  # the unread body ends the connection
+    assert http.get(server.base_url + "/health", timeout=5).status_code == 200  # (it used to hang a reused one)
+
+
+def test_oversized_headers_are_refused_by_the_http_server(server, http):
+    # h11 refuses a header block over 16 KiB before the app sees it: a bare 4xx, not OpenAI's
+    # shape (nothing of the app runs), and the connection is closed.
+    response = http.get(server.base_url + "/health", headers={"X-Big": "a" * 70_000}, timeout=60)
+    assert 400 <= response.status_code < 500
+    assert http.get(server.base_url + "/health", timeout=60).status_code == 200
+
+
+def test_afterwards_the_server_is_whole(server, http):
+    """Runs last in this module: a normal request is answered correctly and nothing is held."""
+    ok = post(server, http, {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+    again = post(server, http, {"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+    assert ok.json()["usage"]["completion_tokens"] == 8 and ok.json()["choices"][0]["text"] == \
+        again.json()["choices"][0]["text"]
+    stats = server.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
+    assert counts["requests"] >= 500, counts
