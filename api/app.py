@@ -93,7 +93,7 @@ def create_app(state: ServerState) -> QuartTrio:
     async def authenticate() -> Response | None:
         if request.method == "OPTIONS" and state.allowed_origins:
             return _cors(Response("", status=204))
-        if state.api_key and request.path.startswith("/v1/"):
+        if state.api_key and request.path.startswith(_AUTHENTICATED):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
                 raise APIError(401, "invalid or missing API key", code="invalid_api_key")
@@ -176,6 +176,9 @@ def engine_api_error(error: Exception) -> APIError:
     return REQUEST_FAILED
 
 
+# Paths that need the API key (when one is set). /health, /metrics, /version and the API
+# description stay open, as in vLLM: probes and scrapers carry no key.
+_AUTHENTICATED = ("/v1/", "/tokenize", "/detokenize")
 _EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 # One request failed inside the engine (the engine goes on); the log has the details.
 REQUEST_FAILED = APIError(500, "the request failed inside the engine", type="server_error", code="request_failed")

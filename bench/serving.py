@@ -13,14 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
+
+from local_server import start_server
 import trio
 
 
@@ -73,28 +71,6 @@ async def run(args, url: str) -> None:
     print(f"  end-to-end latency   {percentiles(e2e)}  (mean {statistics.mean(e2e):.2f} s)")
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "engine.api", "--port", str(port), "--log-level", "warning",
-           "--backend", args.backend, "--load-format", args.load_format]
-    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit("the server exited during start-up")
-        time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("the server did not become healthy")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=None, help="a running server (default: start one)")
@@ -108,7 +84,7 @@ def main() -> None:
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_server(args)
+        proc, url = start_server(["--backend", args.backend, "--load-format", args.load_format])
     try:
         trio.run(run, args, url)
     finally:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 
 import orjson
@@ -384,3 +385,93 @@ async def test_a_fault_in_the_scheduler_fails_every_request_in_flight(tiny_vocab
         assert (await server.http.get("/health")).status_code == 503
         after = await server.http.post("/v1/completions", json=body)
         assert after.status_code == 503 and error(after.content)["code"] == "engine_dead"
+
+
+async def test_the_api_key_guards_generation_and_tokenizer_routes_only(tiny_vocab_core, tokenizer):
+    async with serve_http(tiny_vocab_core, tokenizer, api_key="sesame") as server:
+        for method, path, body in [("POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+                                   ("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1]}),
+                                   ("GET", "/v1/models", None)]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+                refused = await server.http.request(method, path, json=body, headers=headers)
+                assert refused.status_code == 401 and error(refused.content)["code"] == "invalid_api_key"
+                assert b"sesame" not in refused.content
+            allowed = await server.http.request(method, path, json=body, headers={"Authorization": "Bearer sesame"})
+            assert allowed.status_code == 200
+        for path in ("/health", "/metrics", "/version", "/openapi.json", "/docs"):  # probes carry no key
+            assert (await server.http.get(path)).status_code == 200
+        document = (await server.http.get("/openapi.json")).json()
+        assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= set(document["paths"])
+
+
+async def test_a_disconnect_storm_leaves_nothing_behind(tiny_vocab_model, tokenizer):
+    """300 streams at concurrency 64, a random half of the clients leaving at random points:
+    afterwards nothing runs, waits or holds a block, and every client that stayed got its whole
+    answer, greedy-equal to the same prompt run alone (up to a near-tie, judged by the lone
+    run's own top-2 logprobs: fp32 results differ in the last bits across batch shapes)."""
+    core = tiny_engine_core(tiny_vocab_model, num_kv_blocks=512, max_num_seqs=64, max_num_batched_tokens=512)
+    rng = random.Random(7)
+    prompts = [f"Story number {i}: once upon a time" for i in range(10)]
+    body = {"max_tokens": 24, "ignore_eos": True, "temperature": 0, "logprobs": 2}
+    async with serve_http(core, tokenizer) as server:
+        alone = [(await server.http.post("/v1/completions", json={**body, "prompt": p})).json()["choices"][0]["logprobs"]
+                 for p in prompts]
+        stayed: list[tuple[int, list[str]]] = []
+        left = []
+        limiter = trio.CapacityLimiter(64)
+
+        async def client(i: int) -> None:
+            leave_after = rng.randint(1, 20) if rng.random() < 0.5 else None
+            # A client that leaves asked for more than it will read: only an abort can end it early.
+            request = {**body, "prompt": prompts[i % 10], "stream": True, "max_tokens": 24 if leave_after is None else 200}
+            async with limiter, server.http.stream("POST", "/v1/completions", json=request) as r:
+                tokens, events = [], 0
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    events += 1
+                    tokens += orjson.loads(line[6:])["choices"][0]["logprobs"]["tokens"]
+                    if events == leave_after:
+                        left.append(i)
+                        return  # the client goes away mid-stream
+                stayed.append((i % 10, tokens))
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for i in range(300):
+                    nursery.start_soon(client, i)
+            await wait_idle(server.client)
+        metrics = (await server.http.get("/metrics")).text
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+            assert metric(metrics, name) == 0, name
+        assert metric(metrics, "vllm:request_success_total", finished_reason="abort") == len(left)
+    assert 100 < len(stayed) < 200 and len(stayed) + len(left) == 300
+    for prompt_index, tokens in stayed:
+        assert_greedy_equal(tokens, alone[prompt_index])
+
+
+def assert_greedy_equal(tokens: list[str], lone: dict) -> None:
+    """Equal to the lone run's tokens, or equal up to a position where its top two were a near-tie."""
+    for position, (mine, theirs) in enumerate(zip(tokens, lone["tokens"])):
+        if mine != theirs:
+            top = sorted(lone["top_logprobs"][position].values(), reverse=True)
+            assert len(top) == 2 and top[0] - top[1] < 1e-4, f"diverged at {position}: {mine!r} vs {theirs!r}, {top}"
+            return
+    assert len(tokens) == len(lone["tokens"]) == 24
+
+
+async def test_cache_salt_keeps_tenants_out_of_each_others_prefix_cache(tiny_vocab_core, tokenizer):
+    prompt = [100 + i for i in range(40)]  # two full blocks that could hit
+
+    async def cached(server, **fields) -> int:
+        body = {"prompt": prompt, "max_tokens": 1, **fields}
+        return (await server.http.post("/v1/completions", json=body)).json()["usage"]["prompt_tokens_details"][
+            "cached_tokens"]
+
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        assert await cached(server, cache_salt="tenant-a") == 0
+        assert await cached(server, cache_salt="tenant-b") == 0  # same prompt, other tenant: no hit
+        assert await cached(server) == 0  # no salt is a tenant of its own
+        assert await cached(server, cache_salt="tenant-a") == 32
+        bad = await server.http.post("/v1/completions", json={"prompt": prompt, "cache_salt": ""})
+        assert bad.status_code == 400 and error(bad.content)["param"] == "cache_salt"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 
 import httpx
 import openai
@@ -348,53 +349,46 @@ def fail_the_engine_at_step(monkeypatch, step: int) -> None:
     monkeypatch.setattr(EngineCore, "execute", failing)
 
 
-async def test_an_engine_failure_ends_requests_and_exits_nonzero(monkeypatch):
+@asynccontextmanager
+async def server_in_this_process(*flags: str):
+    """run_server in this trio run: yields (an httpx client for it, the list its result lands in)."""
     import trio
 
     from api.server import run_server
 
-    fail_the_engine_at_step(monkeypatch, 3)
-    args = server_args()
-    base = f"http://127.0.0.1:{args.port}"
+    args = server_args(*flags)
+    outcome = []
+
+    async def serve(task_status=trio.TASK_STATUS_IGNORED):
+        outcome.append(await run_server(args, task_status=task_status))
+
     with trio.fail_after(120):
         async with trio.open_nursery() as nursery:
-            outcome = []
-
-            async def serve(task_status=trio.TASK_STATUS_IGNORED):
-                outcome.append(await run_server(args, task_status=task_status))
-
             await nursery.start(serve)
-            async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-                response = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 20,
-                                                                      "ignore_eos": True})
-            assert response.status_code == 500 and response.json()["error"]["code"] == "engine_dead"
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=30) as http:
+                yield http, outcome
+
+
+async def test_an_engine_failure_ends_requests_and_exits_nonzero(monkeypatch):
+    fail_the_engine_at_step(monkeypatch, 3)
+    async with server_in_this_process() as (http, outcome):
+        response = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 20, "ignore_eos": True})
+        assert response.status_code == 500 and response.json()["error"]["code"] == "engine_dead"
     assert outcome == [True]  # run_server returns True and main() exits with status 1
 
 
 async def test_on_engine_failure_refuse_keeps_answering_503(monkeypatch):
     import trio
 
-    from api.server import run_server
-
     fail_the_engine_at_step(monkeypatch, 3)
-    args = server_args("--on-engine-failure", "refuse")
-    base = f"http://127.0.0.1:{args.port}"
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            outcome = []
-
-            async def serve(task_status=trio.TASK_STATUS_IGNORED):
-                outcome.append(await run_server(args, task_status=task_status))
-
-            await nursery.start(serve)
-            async with httpx.AsyncClient(base_url=base, timeout=30) as http:
-                first = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 20, "ignore_eos": True})
-                assert first.status_code == 500
-                await trio.sleep(0.5)
-                assert (await http.get("/health")).status_code == 503
-                later = await http.post("/v1/completions", json={"prompt": "Hi"})
-                assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
-            os.kill(os.getpid(), signal.SIGTERM)  # the server's own signal handler stops it
+    async with server_in_this_process("--on-engine-failure", "refuse") as (http, outcome):
+        first = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 20, "ignore_eos": True})
+        assert first.status_code == 500
+        await trio.sleep(0.5)
+        assert (await http.get("/health")).status_code == 503
+        later = await http.post("/v1/completions", json={"prompt": "Hi"})
+        assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
+        os.kill(os.getpid(), signal.SIGTERM)  # the server's own signal handler stops it
     assert outcome == [False]
 
 
