@@ -421,3 +421,58 @@ def test_a_second_sigint_exits_at_once():
             assert proc.wait(timeout=10) == 130
     finally:
         proc.kill()
+
+
+# ---- bench/serve.py against the real server ----
+
+def load_bench_serve():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serve", os.path.join(os.path.dirname(__file__), "..",
+                                                                              "bench", "serve.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TABLE_LABELS = ["Successful requests:", "Failed requests:", "Maximum request concurrency:", "Benchmark duration (s):",
+                "Total input tokens:", "Total generated tokens:", "Request throughput (req/s):",
+                "Output token throughput (tok/s):", "Total Token throughput (tok/s):"]
+
+
+def test_bench_serve_reports_every_metric_with_the_servers_token_counts(server, tmp_path, capsys):
+    bench = load_bench_serve()
+    generated_before = metric(server, "vllm:generation_tokens_total")
+    result_file = tmp_path / "result.json"
+    bench.main(["--base-url", server[0], "--api-key", API_KEY, "--random-input-len", "24", "--random-output-len", "6",
+                "--num-prompts", "6", "--max-concurrency", "3", "--ignore-eos", "--disable-tqdm",
+                "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+                "--save-result", "--result-filename", str(result_file)])
+    table = capsys.readouterr().out
+    for label in TABLE_LABELS:
+        assert label in table, label
+    for name in ("TTFT", "TPOT", "ITL", "E2EL"):
+        for stat in ("Mean", "Median", "P50", "P99"):
+            assert f"{stat} {name} (ms):" in table, (stat, name)
+    result = json.loads(result_file.read_text())
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p50", "p99"):
+            assert result[f"{stat}_{name}_ms"] > 0 or stat == "std", (stat, name)
+    assert (result["completed"], result["failed"]) == (6, 0)
+    assert result["total_output_tokens"] == 36 == metric(server, "vllm:generation_tokens_total") - generated_before
+    assert result["total_input_tokens"] == sum(result["input_lens"]) and all(n >= 20 for n in result["input_lens"])
+    for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput"):
+        assert result[key] > 0, key
+
+
+def test_bench_serve_counts_failed_requests_and_sweeps(server, capsys):
+    bench = load_bench_serve()
+    common = ["--base-url", server[0], "--api-key", API_KEY, "--random-output-len", "4", "--ignore-eos",
+              "--disable-tqdm"]
+    failed = bench.main([*common, "--random-input-len", "9000", "--num-prompts", "2"])  # past max_model_len
+    assert (failed["completed"], failed["failed"]) == (0, 2) and "HTTP 400" in failed["errors"][0]
+    sweep = bench.main([*common, "--random-input-len", "16", "--num-prompts", "4", "--sweep", "1,2",
+                        "--tpot-bound-ms", "100000"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [lv["max_concurrency"] for lv in sweep["levels"]] == [1, 2] and sweep["capacity"] == 2
+    assert any(line.split()[:2] == ["1", "100.0%"] for line in lines) and "capacity: concurrency 2" in lines[-1]
