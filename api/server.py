@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="most tokens in one forward pass")
+    p.add_argument("--max-num-mixed-prefill-tokens", type=int, default=None,
+                   help="most prompt tokens in a step that also decodes running requests, so a long prompt "
+                        "does not stall the streams (default: 128 on CPU, no cap on GPU)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")

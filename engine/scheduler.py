@@ -8,6 +8,7 @@ scheduled request some of the rest, up to a per-step token budget.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Iterable
 
@@ -52,6 +53,30 @@ class SchedulerOutput:
         return not self.chunks
 
 
+@attrs.define
+class StepBudget:
+    """Tokens one step may still take: in all, and in prefill chunks (more than one token)."""
+
+    tokens: int
+    prefill: float  # math.inf when uncapped
+
+    def grant(self, wanted: int) -> int:
+        """How many of ``wanted`` tokens fit (one token is a decode, more are a prefill chunk)."""
+        if wanted == 1:
+            return min(1, self.tokens)
+        return int(min(wanted, self.tokens, self.prefill))
+
+    def spend(self, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        if num_tokens > 1:
+            self.prefill -= num_tokens
+
+    def give_back(self, num_tokens: int) -> None:
+        self.tokens += num_tokens
+        if num_tokens > 1:
+            self.prefill += num_tokens
+
+
 class Scheduler:
     """Decides, each step, which tokens of which requests the model computes.
 
@@ -65,6 +90,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_mixed_prefill_tokens = config.max_num_mixed_prefill_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.priority_policy = config.scheduling_policy == "priority"
         self.max_model_len = max_model_len
@@ -122,36 +148,52 @@ class Scheduler:
         2. If nothing was preempted, waiting requests are admitted in order while the budget,
            ``max_num_seqs`` and free blocks allow; their cached prefix is skipped, and a
            prompt longer than the budget is chunked (or waits, without chunked prefill).
+
+        Prefill chunks (of running or newly admitted requests) share a second budget,
+        ``max_num_mixed_prefill_tokens``, in steps that also decode: a step is as slow as the
+        tokens in it, and every decoding stream waits for the whole step, so a long prefill
+        joining it would stall them all. Steps with nothing to decode take the full budget.
         """
         scheduled: dict[str, ScheduledChunk] = {}
         preempted: list[str] = []
-        budget = self._schedule_running(self.max_num_batched_tokens, scheduled, preempted)
+        budget = StepBudget(self.max_num_batched_tokens, self._prefill_cap())
+        self._schedule_running(budget, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, []
         chunks = list(scheduled.values())
         return SchedulerOutput(chunks, sum(c.num_new_tokens for c in chunks), preempted, finished)
 
-    def _schedule_running(self, budget: int, scheduled: dict[str, ScheduledChunk], preempted: list[str]) -> int:
+    def _prefill_cap(self) -> float:
+        """The prefill tokens this step may carry: capped when it also decodes."""
+        cap = self.max_num_mixed_prefill_tokens
+        if cap is None or not self.enable_chunked_prefill:
+            return math.inf
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        return cap if decoding else math.inf
+
+    def _schedule_running(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk],
+                          preempted: list[str]) -> None:
         for request in list(self.running):
-            if budget == 0:
+            if budget.tokens == 0:
                 break
             if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = budget.grant(request.num_tokens - request.num_computed_tokens)
+            if num_new == 0:  # a prefill chunk, and this step's prefill budget is spent
+                continue
             while not self.kv.allocate(request, num_new):
                 victim = self._pick_victim()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 unscheduled = scheduled.pop(victim.request_id, None)
                 if unscheduled is not None:
-                    budget += unscheduled.num_new_tokens
+                    budget.give_back(unscheduled.num_new_tokens)
                 if victim is request:
                     break
             else:
                 scheduled[request.request_id] = ScheduledChunk.of(request, request.num_computed_tokens, num_new)
-                budget -= num_new
-        return budget
+                budget.spend(num_new)
 
     def _pick_victim(self) -> Request:
         if self.priority_policy:
@@ -167,23 +209,23 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=self._order_key)
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, ScheduledChunk]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _schedule_waiting(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk]) -> None:
+        while self.waiting and budget.tokens > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             # Prompt logprobs need the logits of every prompt position, so no cache hits.
             wants_all_logits = request.params.prompt_logprobs is not None
             cached = [] if wants_all_logits else self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
-            num_new = request.num_tokens - num_cached
-            if num_new > budget and not self.enable_chunked_prefill:
+            wanted = request.num_tokens - num_cached
+            num_new = budget.grant(wanted)
+            if num_new == 0 or (num_new < wanted and not self.enable_chunked_prefill):
                 break
-            num_new = min(num_new, budget)
             if not self.kv.allocate(request, num_new, cached):
                 break
             self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self._admit(request, num_cached)
             scheduled[request.request_id] = ScheduledChunk.of(request, num_cached, num_new)
-            budget -= num_new
+            budget.spend(num_new)
 
     def _admit(self, request: Request, num_cached: int) -> None:
         del self.waiting[0]

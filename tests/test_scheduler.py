@@ -152,10 +152,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.rng = random.Random(0)
         self.all: list[Request] = []
 
-    @initialize(policy=st.sampled_from(["fcfs", "priority"]))
-    def make(self, policy):
+    @initialize(policy=st.sampled_from(["fcfs", "priority"]), mixed_prefill=st.sampled_from([None, 3, 8]))
+    def make(self, policy, mixed_prefill):
         self.s = make_scheduler(num_blocks=12, block_size=4, max_model_len=48, max_num_seqs=4,
-                                max_num_batched_tokens=16, scheduling_policy=policy)
+                                max_num_batched_tokens=16, scheduling_policy=policy,
+                                max_num_mixed_prefill_tokens=mixed_prefill)
 
     @rule(prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 20), priority=st.integers(-2, 2),
           shared=st.booleans())
@@ -224,3 +225,29 @@ def test_config_rejects_bad_combinations():
     with pytest.raises(ConfigError) as exc:
         EngineConfig(scheduling_policy="lifo")
     assert "fcfs" in str(exc.value)
+
+
+def test_a_decoding_step_carries_at_most_the_mixed_prefill_budget():
+    s = make_scheduler(num_blocks=64, max_model_len=256, max_num_batched_tokens=64, max_num_mixed_prefill_tokens=8)
+    s.add_request(make_request("r1", 20, max_tokens=50))
+    out, _ = run_step(s)
+    assert [c.num_new_tokens for c in out.chunks] == [20]  # nothing decodes yet: the full budget
+    s.add_request(make_request("r2", 30, max_tokens=50, arrival=1))
+    s.add_request(make_request("r3", 30, max_tokens=50, arrival=2))
+    sizes = []
+    for _ in range(8):
+        out, _ = run_step(s)
+        assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) <= 8  # r1 decodes in every step
+        sizes.append({c.request.request_id: c.num_new_tokens for c in out.chunks})
+    assert sizes[0] == {"r1": 1, "r2": 8} and sizes[3] == {"r1": 1, "r2": 6, "r3": 2}
+    assert all(size["r1"] == 1 for size in sizes)
+
+
+def test_without_chunked_prefill_the_mixed_budget_does_not_apply():
+    s = make_scheduler(num_blocks=64, max_model_len=256, max_num_batched_tokens=64, max_num_mixed_prefill_tokens=8,
+                       max_num_seqs=4, enable_chunked_prefill=False)
+    s.add_request(make_request("r1", 4, max_tokens=50))
+    run_step(s)
+    s.add_request(make_request("r2", 30, max_tokens=50, arrival=1))
+    out, _ = run_step(s)
+    assert {c.request.request_id: c.num_new_tokens for c in out.chunks} == {"r1": 1, "r2": 30}
