@@ -309,6 +309,7 @@ def plot(path: str, sweeps: dict[str, list[dict]]) -> None:
     right.set(xlabel="concurrency", ylabel="ms", title="time per output token", xscale="log", xticks=xs)
     for axis in (left, right):
         axis.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.get_xaxis().set_minor_formatter(matplotlib.ticker.NullFormatter())
         axis.grid(alpha=0.3)
         axis.legend()
     fig.tight_layout()
