@@ -15,7 +15,8 @@ from hypercorn.trio import serve
 
 from api.app import Limits, ServerState, create_app
 from engine.async_engine import open_engine
-from engine.config import BACKENDS, DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, EngineConfig
+from engine.config import (BACKENDS, DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, SERVING_CPU_MIXED_PREFILL_TOKENS,
+                           EngineConfig, resolve_device)
 from engine.errors import BackendUnavailableError, InvalidParameterError, first_leaf
 from engine.models.loader import resolve_model
 
@@ -79,7 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in attrs.fields(EngineConfig)}
-    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    config = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if config.max_num_mixed_prefill_tokens is None and resolve_device(config) == "cpu":
+        # Serving wants smooth streams: a long prompt joins a decoding step a little at a time.
+        config = attrs.evolve(config, max_num_mixed_prefill_tokens=SERVING_CPU_MIXED_PREFILL_TOKENS)
+    return config
 
 
 async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_IGNORED) -> bool:

@@ -33,17 +33,45 @@ def make_workload(num_requests: int, seed: int, vocab_size: int) -> list[tuple[l
 
 def run_engine(args, workload) -> float:
     llm = LLM(args.model, backend=args.backend, load_format=args.load_format, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_mixed_prefill_tokens=args.max_num_mixed_prefill_tokens)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
     prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
     llm.generate(prompts[:2], [SamplingParams(max_tokens=4)] * 2)  # warm-up
+    before = llm.engine.stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     assert [len(o.outputs[0].token_ids) for o in outputs] == [n for _, n in workload]
     stats = llm.engine.stats()
-    print(f"engine: {elapsed:.1f} s, {stats.num_steps} steps, {stats.num_preemptions} preemptions")
+    print(f"engine: {elapsed:.1f} s, {stats.num_steps - before.num_steps} steps, {stats.num_preemptions} preemptions")
+    roofline(llm.engine.model, stats.num_prompt_tokens - before.num_prompt_tokens,
+             stats.num_generation_tokens - before.num_generation_tokens, elapsed)
     return elapsed
+
+
+def roofline(model, prompt_tokens: int, generated_tokens: int, elapsed: float) -> None:
+    """The engine's matrix-product rate (2 x weights x tokens through them / time) against the
+    rate of one large fp32 product of the model's own shape, measured now."""
+    layer_weights = sum(t.numel() for layer in model.layers
+                        for t in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
+    # Every computed token goes through the layers; only sampled positions through the LM head.
+    flops = 2 * (layer_weights * (prompt_tokens + generated_tokens) + model.lm_head.numel() * generated_tokens)
+    achieved = flops / elapsed / 1e9
+    peak = matmul_gflops(model.config.hidden_size, model.layers[0].gate_up_proj.shape[0], model.dtype)
+    print(f"engine: {achieved:.1f} GFLOP/s in its matrix products ({prompt_tokens} prompt + {generated_tokens} "
+          f"generated tokens), {achieved / peak:.0%} of this CPU's {peak:.1f} GFLOP/s for a 1024-row "
+          f"{model.dtype} product of the model's shape (measured now)")
+
+
+def matmul_gflops(hidden: int, out: int, dtype: torch.dtype, rows: int = 1024) -> float:
+    x, w = torch.randn(rows, hidden, dtype=dtype), torch.randn(out, hidden, dtype=dtype)
+    best = float("inf")
+    for _ in range(20):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * rows * hidden * out / best / 1e9
 
 
 @torch.inference_mode()
@@ -75,6 +103,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--max-num-mixed-prefill-tokens", type=int, default=None, help="default: the device's")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

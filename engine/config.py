@@ -22,9 +22,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # 2 GiB of KV cache on CPU holds ~46k tokens of the default model (46 KiB per token in fp32).
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
-# Prefill tokens a decoding step may carry on CPU (see EngineConfig.max_num_mixed_prefill_tokens);
-# chosen with bench/serve.py, see bench/README.md.
-DEFAULT_CPU_MIXED_PREFILL_TOKENS = 128
+# Prefill tokens a decoding step may carry when serving on CPU (EngineConfig.max_num_mixed_prefill_tokens):
+# chosen with bench/serve.py (bench/README.md); offline generation is faster uncapped.
+SERVING_CPU_MIXED_PREFILL_TOKENS = 128
 
 
 def _one_of(choices: tuple[str, ...]):
@@ -73,8 +73,9 @@ class EngineConfig:
         max_num_batched_tokens: most tokens (prefill + decode) in one forward pass.
         max_num_mixed_prefill_tokens: most prefill tokens in a step that also decodes running
             requests, so that a long prompt joining the batch does not stall every stream for
-            a whole long step. None: the device's default (``DEFAULT_CPU_MIXED_PREFILL_TOKENS``
-            on CPU, where a step costs about its number of tokens; no cap on GPU).
+            a whole long step. None: no cap (what offline throughput wants); the server caps
+            at ``SERVING_CPU_MIXED_PREFILL_TOKENS`` on CPU, where a step costs about its
+            number of tokens.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         enable_chunked_prefill: split long prompts over several steps.
         scheduling_policy: ``fcfs``, or ``priority`` (lower value first, as in vLLM).

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 import attrs
 
 from backends import get_backend
-from engine.config import (DEFAULT_CPU_KV_CACHE_MEMORY, DEFAULT_CPU_MIXED_PREFILL_TOKENS, EngineConfig,
-                           default_gpu_kv_cache_memory, resolve_device, resolve_dtype)
+from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, default_gpu_kv_cache_memory, resolve_device, resolve_dtype
 from engine.errors import ConfigError, InvalidParameterError
 from engine.kv_cache import BlockManager
 from engine.messages import EngineStats, TokenDelta
@@ -38,8 +37,8 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, model: LlamaModel | None = None) -> None:
+        self.config = config
         self.device = resolve_device(config)
-        self.config = config = _resolve_device_defaults(config, self.device)
         self.backend = get_backend(config.backend, self.device)  # before loading: a wrong choice fails fast
         source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
         self.model = model or load_model(source, config.load_format,
@@ -245,12 +244,6 @@ class EngineCore:
             num_generation_tokens=self._num_generation_tokens,
             num_steps=self._num_steps,
         )
-
-
-def _resolve_device_defaults(config: EngineConfig, device: str) -> EngineConfig:
-    if config.max_num_mixed_prefill_tokens is None and device == "cpu":
-        return attrs.evolve(config, max_num_mixed_prefill_tokens=DEFAULT_CPU_MIXED_PREFILL_TOKENS)
-    return config
 
 
 def child_id(request_id: str, index: int) -> str:

@@ -476,3 +476,14 @@ def test_bench_serve_counts_failed_requests_and_sweeps(server, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [lv["max_concurrency"] for lv in sweep["levels"]] == [1, 2] and sweep["capacity"] == 2
     assert any(line.split()[:2] == ["1", "100.0%"] for line in lines) and "capacity: concurrency 2" in lines[-1]
+
+
+def test_serving_on_cpu_caps_the_prefill_that_joins_a_decoding_step():
+    from api.server import build_parser, engine_config
+    from engine.config import SERVING_CPU_MIXED_PREFILL_TOKENS, EngineConfig
+
+    assert engine_config(build_parser().parse_args(["--device", "cpu"])).max_num_mixed_prefill_tokens == \
+        SERVING_CPU_MIXED_PREFILL_TOKENS
+    assert engine_config(build_parser().parse_args(["--max-num-mixed-prefill-tokens", "64"])) \
+        .max_num_mixed_prefill_tokens == 64
+    assert EngineConfig().max_num_mixed_prefill_tokens is None  # offline and embedded engines are uncapped
