@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="attention backend (auto: best available)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device to run on")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU and on CPUs with AMX (bf16 matrix units), float32 on other CPUs")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights, for benchmarks")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")

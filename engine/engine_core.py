@@ -56,9 +56,9 @@ class EngineCore:
         self._num_generation_tokens = 0
         self._num_steps = 0
         self.fault: Exception | None = None  # set when a step failed: the core's state is then unknown
-        log.info("engine ready: backend %s on %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
-                 self.backend.name, self.device, num_blocks, config.block_size, num_blocks * config.block_size,
-                 self.max_model_len)
+        log.info("engine ready: backend %s on %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+                 self.backend.name, self.device, self.model.dtype, num_blocks, config.block_size,
+                 num_blocks * config.block_size, self.max_model_len)
 
     # ---- set-up ----
 

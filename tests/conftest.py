@@ -112,7 +112,7 @@ def assert_matches_reference(ours: list[int], ref: Reference, label: str = "") -
 def shared_llm():
     from engine.api import LLM
 
-    return LLM(backend="torch", num_kv_blocks=512)
+    return LLM(backend="torch", dtype="float32", num_kv_blocks=512)  # exact against fp32 transformers
 
 
 @pytest.fixture

@@ -241,6 +241,21 @@ def test_auto_backend_and_device_selection(monkeypatch, caplog):
     assert "falling back" in caplog.text and "libpa_cpu.so" in caplog.text
 
 
+def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch):
+    import engine.config as config_module
+    from engine.config import EngineConfig, resolve_dtype
+
+    for amx, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(config_module, "cpu_has_bf16_matrix_units", lambda amx=amx: amx)
+        assert resolve_dtype(EngineConfig(), "cpu") is expected
+        assert resolve_dtype(EngineConfig(dtype="float32"), "cpu") is torch.float32  # asked for: honoured
+    assert resolve_dtype(EngineConfig(), "cuda") is torch.bfloat16
+    monkeypatch.undo()
+    has_amx = {"amx_tile", "amx_bf16"} <= cpu_flags() if Path("/proc/cpuinfo").exists() else False
+    if not has_amx:  # without AMX the answer is certain (with it, the OS may still refuse the tiles)
+        assert config_module.cpu_has_bf16_matrix_units() is False
+
+
 def test_explicit_backends_that_cannot_run_say_why():
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailableError, match="cuda backend cannot run"):

@@ -56,13 +56,13 @@ BACKENDS = pytest.mark.parametrize("backend", ["torch", "cpu"])
 
 @BACKENDS
 def test_batched_greedy_matches_transformers(hf_oracle, backend):
-    llm = LLM(backend=backend, num_kv_blocks=256)
+    llm = LLM(backend=backend, dtype="float32", num_kv_blocks=256)
     check_against_oracle(llm, PROMPTS, hf_oracle)
 
 
 @BACKENDS
 def test_chunked_prefill_matches_transformers(hf_oracle, backend, monkeypatch):
-    llm = LLM(backend=backend, num_kv_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
+    llm = LLM(backend=backend, dtype="float32", num_kv_blocks=256, max_num_batched_tokens=32, max_num_seqs=8)
     plans = []
     schedule = llm.engine.schedule
     monkeypatch.setattr(llm.engine, "schedule", lambda: plans.append(schedule()) or plans[-1])
@@ -78,7 +78,7 @@ def test_chunked_prefill_matches_transformers(hf_oracle, backend, monkeypatch):
 
 @BACKENDS
 def test_prefix_cache_hits_match_transformers(hf_oracle, backend):
-    llm = LLM(backend=backend, num_kv_blocks=256)
+    llm = LLM(backend=backend, dtype="float32", num_kv_blocks=256)
     check_against_oracle(llm, PREFIX_PROMPTS, hf_oracle)
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits > 0
@@ -89,7 +89,7 @@ def test_prefix_cache_hits_match_transformers(hf_oracle, backend):
 
 @BACKENDS
 def test_preemption_matches_transformers(hf_oracle, backend):
-    llm = LLM(backend=backend, num_kv_blocks=20, max_model_len=320, enable_prefix_caching=False)
+    llm = LLM(backend=backend, dtype="float32", num_kv_blocks=20, max_model_len=320, enable_prefix_caching=False)
     check_against_oracle(llm, PROMPTS, hf_oracle)
     stats = llm.engine.stats()
     assert stats.num_preemptions > 0
