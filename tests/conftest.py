@@ -131,6 +131,21 @@ def tiny_engine_core(model: LlamaModel, **fields):
     return EngineCore(EngineConfig(**{**config, **fields}), model=model)
 
 
+def fail_logits_processing(monkeypatch, when, message: str = "injected logits-processor fault") -> None:
+    """Make the sampler's per-row logits processing raise for the requests ``when(request)`` picks
+    (a fault that belongs to one request)."""
+    import engine.sampler as sampler_module
+
+    real = sampler_module.process_row
+
+    def faulty(logits, request):
+        if when(request):
+            raise RuntimeError(message)
+        real(logits, request)
+
+    monkeypatch.setattr(sampler_module, "process_row", faulty)
+
+
 @pytest.fixture
 def tiny_core(tiny_model):
     """A fresh engine core over the tiny random model (fast: for actor and scheduling logic)."""

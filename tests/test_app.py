@@ -12,7 +12,7 @@ import trio
 
 from api.app import Limits, ServerState, create_app
 from engine.sampling_params import SamplingParams
-from tests.conftest import serve_http, tiny_engine_core
+from tests.conftest import fail_logits_processing, serve_http, tiny_engine_core
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -153,16 +153,8 @@ def fail_when(obj, method: str) -> trio.Event:
 
 async def test_a_request_failing_in_the_engine_is_a_500_and_the_server_goes_on(tiny_vocab_core, tokenizer,
                                                                                monkeypatch):
-    import engine.sampler as sampler_module
-
-    real = sampler_module.process_row
-
-    def faulty(logits, request):
-        if 13 in request.params.logit_bias:
-            raise RuntimeError("injected logits-processor fault in /secret/path.py")
-        real(logits, request)
-
-    monkeypatch.setattr(sampler_module, "process_row", faulty)
+    fail_logits_processing(monkeypatch, lambda r: 13 in r.params.logit_bias,
+                           "injected logits-processor fault in /secret/path.py")
     bad = {"prompt": "Hi", "max_tokens": 8, "logit_bias": {"13": 1.0}}
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         response = await server.http.post("/v1/completions", json=bad)

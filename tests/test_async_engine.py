@@ -15,7 +15,7 @@ from engine.async_engine import STEP_QUEUE_SIZE, Engine
 from engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError, StepTimeoutError
 from engine.messages import AddRequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from tests.conftest import tiny_engine_core
+from tests.conftest import fail_logits_processing, tiny_engine_core
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -282,16 +282,7 @@ async def test_the_watchdog_declares_a_hung_step_dead(tiny_model, tokenizer, mon
 
 
 async def test_a_request_failing_alone_leaves_the_others_running(tiny_core, tokenizer, monkeypatch):
-    import engine.sampler as sampler_module
-
-    real = sampler_module.process_row
-
-    def faulty(logits, request):
-        if request.parent_id == "bad":
-            raise RuntimeError("injected logits-processor fault")
-        real(logits, request)
-
-    monkeypatch.setattr(sampler_module, "process_row", faulty)
+    fail_logits_processing(monkeypatch, lambda r: r.parent_id == "bad")
     outcomes = {}
 
     async def one(client, request_id, params):

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-import engine.sampler as sampler_module
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, child_id
 from engine.errors import InvalidParameterError
 from engine.sampling_params import MAX_SEED, SamplingParams
+from tests.conftest import fail_logits_processing
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -54,14 +54,7 @@ def test_a_seed_at_the_top_of_the_range_serves_n_completions(tiny_core):
 
 
 def test_a_request_that_fails_in_its_own_sampling_ends_alone(tiny_core, monkeypatch):
-    real = sampler_module.process_row
-
-    def faulty(logits, request):
-        if request.parent_id == "bad" and request.num_output_tokens == 2:
-            raise RuntimeError("injected logits-processor fault")
-        real(logits, request)
-
-    monkeypatch.setattr(sampler_module, "process_row", faulty)
+    fail_logits_processing(monkeypatch, lambda r: r.parent_id == "bad" and r.num_output_tokens == 2)
     biased = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True, logit_bias={5: 1.0})
     tiny_core.add_request("good", prompt(1), GREEDY)
     tiny_core.add_request("bad", prompt(2), biased)

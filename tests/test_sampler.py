@@ -8,6 +8,7 @@ import torch
 from engine.request import Request
 from engine.sampler import Sampler, apply_top_k_top_p
 from engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
+from tests.conftest import fail_logits_processing
 
 VOCAB = 8
 
@@ -109,16 +110,7 @@ def test_every_valid_seed_gives_a_generator():
 
 
 def test_an_error_in_one_rows_processing_fails_that_row_only(monkeypatch):
-    import engine.sampler as sampler_module
-
-    real = sampler_module.process_row
-
-    def faulty(logits, request):
-        if request.request_id == "bad":
-            raise RuntimeError("injected logits-processor fault")
-        real(logits, request)
-
-    monkeypatch.setattr(sampler_module, "process_row", faulty)
+    fail_logits_processing(monkeypatch, lambda r: r.request_id == "bad")
     rows = [req("good", temperature=0, logit_bias={1: 100}), req("bad", temperature=0, logit_bias={1: 100}),
             req("plain", temperature=0)]
     out = Sampler(0)(logits_of(ROW, ROW, ROW), rows)
