@@ -19,7 +19,7 @@ from tokenizers.decoders import DecodeStream
 
 from engine.errors import RequestFailedError
 from engine.messages import AbortRequest, StepOutput, StopRequest, TokenDelta
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.stats import IterationStats
 
 if TYPE_CHECKING:
@@ -63,12 +63,16 @@ class IncrementalDetokenizer:
 
     ``text`` is everything decoded so far (minus anything after a stop string);
     ``visible_text`` is the part safe to show: it excludes a tail that may still turn out
-    to be the start of a stop string. Streams read ``visible_since(offset)``.
+    to be the start of a stop string. Streams read ``visible_since(offset)``. A final-only
+    request without stop strings is decoded only at ``finish`` (its text is empty until then).
     """
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
         self._tokenizer = tokenizer.backend_tokenizer if hasattr(tokenizer, "backend_tokenizer") else tokenizer
         self._skip_special = params.skip_special_tokens
+        # Nobody reads the text of a final-only request before it ends, and with no stop
+        # strings nothing needs it either: it is decoded once, at the end.
+        self._lazy = params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
@@ -90,7 +94,7 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str | None:
         """Decode one more token; return the stop string if this token completed one."""
-        if self.stop_hit is not None:
+        if self._lazy or self.stop_hit is not None:
             return None
         chunk = self._stream.step(self._tokenizer, token_id)
         if chunk:
@@ -201,5 +205,5 @@ class DetokenizerActor:
         if state.error is not None:
             channel.fail(RequestFailedError(f"request {delta.request_id} failed: {state.error}"))
         channel.notify()
-        if state.engine_finished:
+        if delta.finished and state.engine_finished:
             del self._registry[delta.request_id]

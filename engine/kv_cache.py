@@ -145,6 +145,9 @@ class BlockManager:
         owned = self._owned.setdefault(request.request_id, [])
         num_done = request.num_computed_tokens + len(cached_prefix) * self.block_size
         num_tokens = num_done + num_new_tokens
+        bs = self.block_size
+        if num_tokens <= len(owned) * bs and num_tokens // bs == num_done // bs:
+            return True  # the common decode step: room in the last block, and it did not fill up
         num_needed = cdiv(num_tokens, self.block_size) - len(owned) - len(cached_prefix)
         num_revived = sum(1 for b in cached_prefix if b.ref_count == 0) if cached_prefix else 0
         if num_needed > self.num_free_blocks - num_revived:

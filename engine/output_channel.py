@@ -17,17 +17,39 @@ from engine.sampling_params import RequestOutputKind
 
 class Wakeup:
     """A re-arming event: producers ``set`` it without blocking; one consumer ``wait``s for the
-    next ``set`` since its previous wait returned (a set in between is not lost)."""
+    next ``set`` since its previous wait returned (a set in between is not lost).
+
+    Built on trio's task parking rather than a new ``trio.Event`` per wait: every stream
+    waits once per engine step, and this halves the cost of a wake-up (one reschedule, no
+    parking lot, no allocation).
+    """
 
     def __init__(self) -> None:
-        self._event = trio.Event()
+        self._pending = False
+        self._waiter: trio.lowlevel.Task | None = None
 
     def set(self) -> None:
-        self._event.set()
+        waiter = self._waiter
+        if waiter is None:
+            self._pending = True
+        else:
+            self._waiter = None
+            trio.lowlevel.reschedule(waiter)
 
     async def wait(self) -> None:
-        await self._event.wait()
-        self._event = trio.Event()
+        """Return at the next ``set`` (at once if one came since the last wait). A checkpoint."""
+        if self._pending:
+            self._pending = False
+            await trio.lowlevel.checkpoint()
+            return
+        if self._waiter is not None:
+            raise RuntimeError("a Wakeup has one consumer; another task is waiting on it")
+        self._waiter = trio.lowlevel.current_task()
+        await trio.lowlevel.wait_task_rescheduled(self._abort)
+
+    def _abort(self, _raise_cancel) -> trio.lowlevel.Abort:
+        self._waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 class RequestOutputChannel:
@@ -45,6 +67,7 @@ class RequestOutputChannel:
         self._wakeup = wakeup or Wakeup()
         self._error: BaseException | None = None
         self._closed = False
+        self._dirty = False  # the state changed since the consumer last looked
         n = state.params.n
         self._sent_chars = [0] * n
         self._sent_tokens = [0] * n
@@ -54,6 +77,8 @@ class RequestOutputChannel:
     # ---- producer side (never blocks) ----
 
     def notify(self) -> None:
+        """The state changed (every change is followed by a notify)."""
+        self._dirty = True
         self._wakeup.set()
 
     def fail(self, error: BaseException) -> None:
@@ -106,6 +131,9 @@ class RequestOutputChannel:
             raise StopAsyncIteration from None
 
     def _take(self) -> RequestOutput | None:
+        if not self._dirty:  # the common case of the check before each wait
+            return None
+        self._dirty = False
         state = self.state
         if self.kind is RequestOutputKind.FINAL_ONLY and not state.finished:
             return None

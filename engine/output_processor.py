@@ -77,20 +77,23 @@ class RequestState:
         if delta.error is not None:
             self.fail(stats, delta.error)
             return None
-        if delta.index == 0:
+        if delta.new_prompt_logprobs and delta.index == 0:
             self.prompt_logprobs += delta.new_prompt_logprobs
         self.num_cached_tokens = delta.num_cached_tokens
-        self.times.first_scheduled = self.times.first_scheduled or delta.first_scheduled_at
+        times = self.times
+        if times.first_scheduled is None:
+            times.first_scheduled = delta.first_scheduled_at
         if delta.new_token_ids:
-            self.times.on_tokens(stats)
-        for i, token in enumerate(delta.new_token_ids):
-            completion.token_ids.append(token)
-            if delta.new_logprobs:
-                completion.logprobs.append(delta.new_logprobs[i])
-            stop = completion.detokenizer.add_token(token)
-            if stop is not None:
-                self._finish(completion, "stop", stop, stats)
-                return StopStringHit(delta.index, stop)
+            times.on_tokens(stats)
+            detokenizer = completion.detokenizer
+            for i, token in enumerate(delta.new_token_ids):
+                completion.token_ids.append(token)
+                if delta.new_logprobs:
+                    completion.logprobs.append(delta.new_logprobs[i])
+                stop = detokenizer.add_token(token)
+                if stop is not None:
+                    self._finish(completion, "stop", stop, stats)
+                    return StopStringHit(delta.index, stop)
         if delta.finished:
             self._finish(completion, delta.finish_reason, delta.stop_reason, stats)
         return None

@@ -14,6 +14,7 @@ import trio.testing
 from engine.async_engine import STEP_QUEUE_SIZE, Engine
 from engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError, StepTimeoutError
 from engine.messages import AddRequest
+from engine.output_channel import Wakeup
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import fail_logits_processing, tiny_engine_core
 
@@ -39,7 +40,7 @@ async def test_output_kinds_agree(tiny_core, tokenizer):
     assert final[-1].finished and len(full.token_ids) == 12
     assert [t for o in delta for t in o.outputs[0].token_ids] == full.token_ids
     assert "".join(o.outputs[0].text for o in delta) == full.text
-    assert len(only) == 1 and only[0].outputs[0].token_ids == full.token_ids
+    assert len(only) == 1 and only[0].outputs[0].token_ids == full.token_ids and only[0].outputs[0].text == full.text
     assert all(a.outputs[0].token_ids == b.outputs[0].token_ids[:len(a.outputs[0].token_ids)]
                for a, b in zip(final, final[1:]))
 
@@ -412,3 +413,38 @@ async def test_generate_many_can_be_closed_from_another_task(tiny_core, tokenize
                 nursery.start_soon(outputs.aclose)
             await wait_until_idle(client)
             assert client.stats().kv_blocks_used == 0
+
+
+async def test_a_wakeup_keeps_a_set_that_came_while_nobody_waited():
+    wakeup = Wakeup()
+    wakeup.set()
+    wakeup.set()  # sets do not count up: one wait takes them all
+    with trio.fail_after(5):
+        await wakeup.wait()
+    woken = []
+
+    async def waiter():
+        await wakeup.wait()
+        woken.append(True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not woken  # the earlier sets were used up
+        wakeup.set()
+    assert woken
+
+
+async def test_a_cancelled_wait_leaves_the_wakeup_usable_and_it_has_one_waiter():
+    wakeup = Wakeup()
+    with trio.move_on_after(0.01):
+        await wakeup.wait()
+    wakeup.set()
+    with trio.fail_after(5):
+        await wakeup.wait()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wakeup.wait)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(RuntimeError, match="one consumer"):
+            await wakeup.wait()
+        wakeup.set()  # the first waiter is still parked, and still woken

@@ -3,6 +3,7 @@ hold-back of possible stop-string prefixes; what has been shown is always a pref
 
 from __future__ import annotations
 
+import attrs
 import hypothesis.strategies as st
 import pytest
 import trio
@@ -12,7 +13,7 @@ from engine.detokenizer import DetokenizerActor, IncrementalDetokenizer, _TextBu
 from engine.messages import EngineStats, StepOutput, StopRequest, TokenDelta
 from engine.output_channel import RequestOutputChannel
 from engine.output_processor import RequestState
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
@@ -49,6 +50,18 @@ def test_streamed_text_equals_the_full_decode(tokenizer, text):
         assert later.startswith(earlier)
     # No partial character is ever shown: every prefix is valid text of the original.
     assert all(text.startswith(s) for s in shown)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_final_only_text_is_decoded_once_at_the_end(tokenizer, text):
+    ids = tokenizer.encode(text)
+    final_only = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+    detok, shown, _ = stream(tokenizer, ids, final_only)
+    assert shown[:-1] == [""] * len(ids)  # no per-token decoding: nobody reads it before the end
+    assert detok.text == shown[-1] == text
+    # Stop strings still need the text as it grows.
+    stopped, _, hit = stream(tokenizer, ids, attrs.evolve(final_only, stop=[text[-3:]]))
+    assert hit == text[-3:] and stopped.text == text[:text.rindex(hit)]
 
 
 def test_utf8_split_across_tokens_is_held_back(tokenizer):
