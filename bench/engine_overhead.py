@@ -66,10 +66,14 @@ class TimedDetokenizer(DetokenizerActor):
         self.times.append(time.perf_counter() - start)
 
 
-async def measure_overhead(tokenizer, num_requests: int, num_steps: int) -> tuple[float, float, float]:
-    """(median wall time per step, steps/s, median engine-side time per step: schedule + update + detokenize)."""
+async def measure_overhead(tokenizer, num_requests: int, num_steps: int,
+                           kind: RequestOutputKind = RequestOutputKind.DELTA) -> tuple[float, float, float]:
+    """(median wall time per step, steps/s, median engine-side time per step: schedule + update + detokenize).
+
+    ``kind`` DELTA is a streaming client (woken every step); FINAL_ONLY a non-streaming one.
+    """
     core = null_core(num_requests)
-    params = SamplingParams(max_tokens=num_steps + 20, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(max_tokens=num_steps + 20, ignore_eos=True, output_kind=kind)
     step_times: list[float] = []
     engine_times: list[float] = []
     TimedDetokenizer.times = []
@@ -169,6 +173,11 @@ async def main(args) -> None:
         median, rate, engine_side = min(runs)
         print(f"  {n:4d} running: {median * 1e3:7.3f} ms/step with {n} consumer tasks (median), {rate:8.1f} steps/s; "
               f"engine side (schedule + update + detokenize) {engine_side * 1e3:.3f} ms/step")
+    runs = [await measure_overhead(tokenizer, 256, args.steps, RequestOutputKind.FINAL_ONLY)
+            for _ in range(args.repeat)]
+    median, rate, engine_side = min(runs)
+    print(f"   256 non-streaming (final-only) requests: {median * 1e3:7.3f} ms/step, {rate:8.1f} steps/s; "
+          f"engine side {engine_side * 1e3:.3f} ms/step")
     max_lag, median_lag, steps = await measure_lag(args, tokenizer)
     print(f"event-loop lag while the model decodes 64 requests ({steps} steps): "
           f"max {max_lag * 1e3:.2f} ms, median {median_lag * 1e3:.3f} ms")

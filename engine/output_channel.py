@@ -77,9 +77,11 @@ class RequestOutputChannel:
     # ---- producer side (never blocks) ----
 
     def notify(self) -> None:
-        """The state changed (every change is followed by a notify)."""
+        """The state changed (every change is followed by a notify). A final-only consumer is
+        woken only by the end: there is nothing for it to read before."""
         self._dirty = True
-        self._wakeup.set()
+        if self.kind is not RequestOutputKind.FINAL_ONLY or self.state.finished:
+            self._wakeup.set()
 
     def fail(self, error: BaseException) -> None:
         """End the stream: the consumer's next ``receive`` raises ``error``."""

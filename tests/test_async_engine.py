@@ -448,3 +448,19 @@ async def test_a_cancelled_wait_leaves_the_wakeup_usable_and_it_has_one_waiter()
         with pytest.raises(RuntimeError, match="one consumer"):
             await wakeup.wait()
         wakeup.set()  # the first waiter is still parked, and still woken
+
+
+async def test_a_final_only_stream_is_woken_once_at_the_end(tiny_core, tokenizer):
+    sets = []
+
+    class CountingWakeup(Wakeup):
+        def set(self) -> None:
+            sets.append(True)
+            super().set()
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        channel = client.submit(prompt(1), params, wakeup=CountingWakeup())
+        outputs = [o async for o in channel]
+    assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 12
+    assert len(sets) == 1  # not once per step: there is nothing to read before the end
