@@ -100,7 +100,12 @@ def create_app(state: ServerState) -> QuartTrio:
         return None
 
     @app.after_request
-    async def cors(response: Response) -> Response:
+    async def finish(response: Response) -> Response:
+        if response.status_code >= 400 and (request.content_length or "Transfer-Encoding" in request.headers):
+            # An error may come before the body was read (a wrong method or route, a missing
+            # API key): what is left of it would be parsed as the next request on this
+            # connection and hang the client. Closing is cheap next to an error.
+            response.headers["Connection"] = "close"
         return _cors(response) if state.allowed_origins else response
 
     def _cors(response: Response) -> Response:
