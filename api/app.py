@@ -21,7 +21,7 @@ from api.errors import APIError, bad_request
 from api.metrics import CONTENT_TYPE, Metrics
 from api.openapi import DOCS_HTML, openapi_document
 from api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse,
-                          sampling_params)
+                          sampling_params, structured_outputs)
 from api.serving import (SSE_DONE, ChunkWriter, UsageTracker, chat_logprobs, completion_logprobs,
                          prompt_logprobs_json, sse)
 from engine.async_engine import EngineClient
@@ -29,6 +29,7 @@ from engine.errors import (EngineDeadError, EngineOverloadedError, EngineShutdow
                            RequestFailedError)
 from engine.messages import EngineStats
 from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
 
 log = logging.getLogger(__name__)
@@ -309,6 +310,17 @@ class _Handlers:
         except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the caller's messages or kwargs
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
 
+    async def compile_constraint(self, req, params: SamplingParams) -> None:
+        """Compile the request's output constraint now (off the event loop, cached), so that a
+        bad one is a 400 naming the field it came from, also for a stream not yet begun."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.client.compile(params)
+        except InvalidParameterError as exc:
+            source = structured_outputs(req)[1]
+            raise APIError(400, f"{source}: {exc}", source) from None
+
     @staticmethod
     def _text_content(content, index: int) -> str:
         if content is None or isinstance(content, str):
@@ -329,6 +341,7 @@ class _Handlers:
                                      req.chat_template_kwargs)
         params = sampling_params(req, chat=True)
         self.validate(ids, params, req.priority)
+        await self.compile_constraint(req, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
@@ -386,6 +399,7 @@ class _Handlers:
         params = sampling_params(req, chat=False)
         for _, ids in inputs:  # every prompt is checked before any is queued
             self.validate(ids, params, req.priority)
+        await self.compile_constraint(req, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(sum(len(ids) for _, ids in inputs))
         outputs = _before(self.deadline(), self.client.generate_many(

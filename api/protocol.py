@@ -17,7 +17,7 @@ from cattrs.gen import make_dict_structure_fn
 
 from api.errors import APIError, bad_request, unsupported
 from engine.errors import InvalidParameterError
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 StrOrList = Union[str, list[str], None]
 TokenPrompt = Union[str, list[str], list[int], list[list[int]]]
@@ -84,6 +84,17 @@ class SamplingFields:
     priority: int = 0
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and the older
+    # guided_* fields many clients still send (aliases; at most one constraint in all).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = attrs.field(default=None, metadata={"schema": {"anyOf": [{"type": "object"},
+                                                                                {"type": "string"}]}})
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     def check_common(self) -> None:
         """Rules between fields that both endpoints share (as vLLM words them)."""
@@ -108,7 +119,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[str] | None = None
 
@@ -117,8 +127,6 @@ class ChatCompletionRequest(SamplingFields):
         # With tools, OpenAI's default tool_choice is "auto": the model may call them.
         if (self.tools and self.tool_choice != "none") or self.tool_choice not in (None, "none", "auto"):
             raise unsupported("tool_choice", "tool calling (tool_choice other than 'none')")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise unsupported("response_format", "response_format other than 'text'")
         if self.audio is not None or (self.modalities and self.modalities != ["text"]):
             raise unsupported("audio", "audio output")
         if self.top_logprobs is not None and not self.logprobs:
@@ -247,6 +255,72 @@ def _first_param(message: str) -> str | None:
     return match.group(1) if match else None
 
 
+# ---- structured outputs ----
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = frozenset(attrs.fields_dict(StructuredOutputsParams))
+
+
+def structured_outputs(request: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field it came from (for error messages).
+
+    Raises:
+        APIError: 400 for a malformed constraint, or more than one.
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    if request.response_format is not None:
+        fields = _response_format(request.response_format)
+        if fields is not None:
+            found.append(("response_format", fields))
+    if request.structured_outputs is not None:
+        unknown = set(request.structured_outputs) - _STRUCTURED_KEYS
+        if unknown:
+            raise bad_request(f"structured_outputs has unknown fields: {', '.join(sorted(unknown))} (known: "
+                              f"{', '.join(sorted(_STRUCTURED_KEYS))})", "structured_outputs")
+        found.append(("structured_outputs", dict(request.structured_outputs)))
+    for name, key in _GUIDED.items():
+        value = getattr(request, name)
+        if value is not None:
+            found.append((name, {key: value}))
+    if request.guided_decoding_backend not in (None, "xgrammar", "auto"):
+        raise unsupported("guided_decoding_backend", f"guided_decoding_backend {request.guided_decoding_backend!r} "
+                                                     f"(this server uses xgrammar)")
+    if not found:
+        if request.guided_whitespace_pattern is not None:
+            raise bad_request("guided_whitespace_pattern needs a guided_json constraint", "guided_whitespace_pattern")
+        return None, None
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint; got {', '.join(name for name, _ in found)}", found[1][0])
+    source, fields = found[0]
+    if request.guided_whitespace_pattern is not None:
+        fields["whitespace_pattern"] = request.guided_whitespace_pattern
+    try:
+        return StructuredOutputsParams(**fields), source
+    except InvalidParameterError as exc:
+        raise bad_request(f"{source}: {exc}", source) from None
+    except TypeError as exc:
+        raise bad_request(f"{source}: {exc}", source) from None
+
+
+def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad_request("response_format of type 'json_schema' needs json_schema.schema, a JSON schema object",
+                              "response_format")
+        if not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise bad_request("response_format.json_schema: name must be a string and strict a boolean",
+                              "response_format")
+        return {"json": spec["schema"]}  # strict or not, the schema is enforced
+    raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema'; got {kind!r}",
+                      "response_format")
+
+
 # ---- to SamplingParams ----
 
 _API_NAMES = {"logprobs": "top_logprobs"}  # our parameter name -> the chat API's, where they differ
@@ -273,6 +347,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat:
         logit_bias=request.logit_bias, skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens, cache_salt=request.cache_salt,
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+        structured_outputs=structured_outputs(request)[0],
     )
     try:
         return SamplingParams(**fields)

@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "X-Request-Timeout header overrides it")
     p.add_argument("--request-body-timeout", type=float, default=60.0,
                    help="seconds a client may take to send its request body (408 past it)")
+    p.add_argument("--structured-outputs-config", default=None,
+                   help='JSON, as in vLLM: {"backend": "xgrammar", "compile_timeout_s": 10, '
+                        '"max_concurrent_compiles": 2, "cache_size": 512}. Requests constrain their output with '
+                        'response_format, structured_outputs or the guided_* fields')
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     return p
 

@@ -21,10 +21,11 @@ from engine.errors import EngineDeadError, InvalidParameterError, first_leaf
 from engine.messages import EngineStats, StepOutput
 from engine.models.loader import resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.structured_outputs import StructuredOutputManager, StructuredOutputsConfig
 from engine.tokenizer import apply_chat_template, load_tokenizer
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
            "EngineConfig", "Engine", "EngineClient", "EngineDeadError", "EngineStats", "StepOutput", "open_engine"]
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **fields)
         self.engine = EngineCore(self.config)
         self.tokenizer = load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.engine.vocab_size, StructuredOutputsConfig.from_json(self.config.structured_outputs_config))
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -68,10 +71,12 @@ class LLM:
         """
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
-        engine = Engine(self.engine, self.tokenizer)
+        engine = Engine(self.engine, self.tokenizer, self.structured_outputs)
         inputs = [engine.client.prepare(p) for p in prompt_list]
         for (_, ids), params in zip(inputs, params_list):
             self.engine.validate(ids, params)
+            if params.structured_outputs is not None:  # a bad constraint fails before anything runs
+                self.structured_outputs.compile(params.structured_outputs)
         final = [attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         return trio.run(self._generate_all, engine, inputs, final)
 

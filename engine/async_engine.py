@@ -28,6 +28,7 @@ from engine.output_processor import RequestState
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import IterationStats, StatLogger
+from engine.structured_outputs import CompiledGrammar, StructuredOutputManager, StructuredOutputsConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,11 @@ SUBSCRIBER_QUEUE_SIZE = 256
 class Engine:
     """The actor graph over one ``EngineCore``; ``client`` is how requests get in."""
 
-    def __init__(self, core: EngineCore, tokenizer) -> None:
+    def __init__(self, core: EngineCore, tokenizer, structured_outputs: StructuredOutputManager | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
+        self.structured_outputs = structured_outputs or StructuredOutputManager(
+            tokenizer, core.vocab_size, StructuredOutputsConfig.from_json(core.config.structured_outputs_config))
         self.client = EngineClient(self)
         self.error: EngineDeadError | None = None
         self.registry: dict[str, RequestOutputChannel] = {}
@@ -239,7 +242,8 @@ class EngineClient:
             RequestFailedError: this request failed inside the engine (the engine goes on).
         """
         self._check_room()
-        channel = self.submit(prompt, sampling_params, request_id, priority)
+        grammar = await self.compile(sampling_params)
+        channel = self.submit(prompt, sampling_params, request_id, priority, grammar=grammar)
         request_id = channel.state.request_id
         try:
             async for output in channel:
@@ -269,12 +273,13 @@ class EngineClient:
         for _, token_ids in inputs:
             self.validate(token_ids, params, priority)
         self._check_room()
+        grammar = await self.compile(params)
         wakeup = Wakeup()
         channels = []
         try:
             for request_id, (text, token_ids) in zip(ids, inputs):
                 channels.append(self.submit({"prompt": text, "prompt_token_ids": token_ids}, params, request_id,
-                                            priority, wakeup))
+                                            priority, wakeup, grammar))
             async for item in MergedOutputs(channels, wakeup):
                 yield item
         finally:
@@ -282,9 +287,25 @@ class EngineClient:
                 if not channel.state.finished:
                     self.abort(channel.state.request_id)
 
+    async def compile(self, sampling_params: SamplingParams | None) -> CompiledGrammar | None:
+        """The request's structured-output constraint compiled (in a worker thread, cached), or
+        None without one.
+
+        Raises:
+            InvalidParameterError: the constraint does not compile, or not within the time budget.
+        """
+        if sampling_params is None or sampling_params.structured_outputs is None:
+            return None
+        return await self._engine.structured_outputs.compile_async(sampling_params.structured_outputs)
+
     def submit(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
-               request_id: str | None = None, priority: int = 0, wakeup: Wakeup | None = None) -> RequestOutputChannel:
+               request_id: str | None = None, priority: int = 0, wakeup: Wakeup | None = None,
+               grammar: CompiledGrammar | None = None) -> RequestOutputChannel:
         """Queue a request now (no await) and return its output channel.
+
+        ``grammar`` is the compiled structured-output constraint (``compile``); without it, one
+        is compiled here, in the event loop (cached: callers that submit many requests with one
+        constraint, like the offline ``LLM``, compile it once).
 
         The caller owns the request: it must read the channel to the end or ``abort`` it.
         ``generate`` is the safe wrapper; this is for callers that must queue many requests
@@ -302,8 +323,10 @@ class EngineClient:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt)
         self.validate(ids, params, priority)
+        if params.structured_outputs is not None and grammar is None:
+            grammar = engine.structured_outputs.compile(params.structured_outputs)
         channel = RequestOutputChannel(RequestState(request_id, text, ids, params, self.tokenizer), wakeup)
-        engine.send(AddRequest(request_id, tuple(ids), params, priority))
+        engine.send(AddRequest(request_id, tuple(ids), params, priority, grammar))
         engine.registry[request_id] = channel
         return channel
 

@@ -88,6 +88,9 @@ class EngineConfig:
             instead of queueing without bound.
         step_timeout: seconds one engine step may take before the watchdog declares the
             engine dead (a hung kernel); None disables it.
+        structured_outputs_config: the grammar backend and its limits, as JSON text or a dict
+            (``StructuredOutputsConfig``: backend, compile_timeout_s, max_concurrent_compiles,
+            cache_size).
     """
 
     model: str | None = None
@@ -109,8 +112,12 @@ class EngineConfig:
     device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
     max_waiting_requests: int = attrs.field(default=1024, validator=_positive)
     step_timeout: float | None = attrs.field(default=300.0, validator=_positive_seconds)
+    structured_outputs_config: str | dict | None = None
 
     def __attrs_post_init__(self) -> None:
+        from engine.structured_outputs import StructuredOutputsConfig
+
+        StructuredOutputsConfig.from_json(self.structured_outputs_config)  # a bad one fails here, not per request
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ConfigError("num_kv_blocks", "set num_kv_blocks or kv_cache_memory, not both")
         if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:

@@ -102,7 +102,8 @@ class CoreActor:
     def _apply(self, message: Message) -> None:
         if isinstance(message, AddRequest):
             try:
-                self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.priority)
+                self.core.add_request(message.request_id, message.prompt_token_ids, message.params, message.priority,
+                                      message.grammar)
             except InvalidParameterError as exc:
                 self._rejected.append(RequestRejected(message.request_id, exc))
             except Exception as exc:  # a fault of this request's own, not of the engine

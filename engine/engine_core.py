@@ -24,6 +24,7 @@ from engine.models.loader import load_model, resolve_model
 from engine.request import Request, RequestStatus
 from engine.sampling_params import MIN_SEED, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured_outputs import CompiledGrammar
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,8 @@ class EngineCore:
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.backend, num_blocks, config.block_size, self.device, config.seed)
+        self.runner = ModelRunner(self.model, self.backend, num_blocks, config.block_size, self.device, config.seed,
+                                  config.max_num_seqs)
         self._arrivals = itertools.count()
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequences' ids
         self._num_prompt_tokens = 0
@@ -93,24 +95,38 @@ class EngineCore:
     # ---- requests ----
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+                    priority: int = 0, grammar: CompiledGrammar | None = None) -> None:
         """Queue a request (``params.n`` sequences).
+
+        ``grammar`` is ``params.structured_outputs`` compiled (``StructuredOutputManager``);
+        each sequence gets its own matcher of it.
 
         Raises:
             InvalidParameterError: an empty prompt, token ids outside the vocabulary, a prompt
-                plus ``max_tokens`` longer than ``max_model_len``, or a request id in use.
+                plus ``max_tokens`` longer than ``max_model_len``, a request id in use, or
+                structured outputs without their compiled grammar.
         """
         if request_id in self._children:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
         max_tokens = self.validate(prompt, params, priority)
+        if (params.structured_outputs is None) != (grammar is None):
+            raise InvalidParameterError("structured_outputs", "structured outputs need their compiled grammar "
+                                                              "(and a grammar needs structured outputs)")
+        stops = self._grammar_stop_tokens(params) if grammar is not None else ()
         arrival = next(self._arrivals)
         children = [Request(child_id(request_id, index), prompt, _child_params(params, index), max_tokens,
-                            self.eos_token_id, arrival, priority=priority, parent_id=request_id, index=index)
+                            self.eos_token_id, arrival, priority=priority, parent_id=request_id, index=index,
+                            matcher=None if grammar is None else grammar.matcher(stops))
                     for index in range(params.n)]
         for child in children:
             self.scheduler.add_request(child)
         self._children[request_id] = [c.request_id for c in children]
+
+    def _grammar_stop_tokens(self, params: SamplingParams) -> list[int]:
+        """What a complete grammar lets the sequence end with: EOS and the request's stop tokens."""
+        eos = [] if self.eos_token_id is None else [self.eos_token_id]
+        return eos + [t for t in params.stop_token_ids if t != self.eos_token_id]
 
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
         """Check a prompt and its parameters against the model; return the resolved max_tokens."""
@@ -182,7 +198,7 @@ class EngineCore:
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[TokenDelta]:
         deltas, failed_parents = self._fail_requests(result.failed)
-        self.scheduler.update(plan, result.sampled)
+        self.scheduler.update(plan, result.sampled, result.grammar_finished)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled)
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from engine.outputs import TokenLogprobs
@@ -58,6 +60,7 @@ class AddRequest:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     priority: int = 0
+    grammar: Any = None  # params.structured_outputs, compiled by the front (a CompiledGrammar)
 
 
 @attrs.frozen

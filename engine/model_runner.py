@@ -26,6 +26,7 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     failed: dict[str, Exception] = attrs.field(factory=dict)
+    grammar_finished: set[str] = attrs.field(factory=set)  # structured output complete (stop token in)
 
 
 @attrs.frozen
@@ -102,7 +103,7 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 device: str, seed: int) -> None:
+                 device: str, seed: int, max_num_seqs: int = 128) -> None:
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -110,7 +111,7 @@ class ModelRunner:
         self.device = device
         shape = backend.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(cfg.num_layers)]
-        self.sampler = Sampler(seed, device)
+        self.sampler = Sampler(seed, device, max_num_seqs)
         self.block_tables = BlockTables()
 
     @staticmethod
@@ -140,7 +141,8 @@ class ModelRunner:
         ids = [r.request_id for r in requests]
         failed.update((ids[row], error) for row, error in result.errors.items())
         logprobs = {i: lp for i, lp in zip(ids, result.logprobs) if lp is not None}
-        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs, failed)
+        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs, failed,
+                            {ids[row] for row in result.grammar_finished})
 
     def _prepare(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[KVBlock]]) -> _Batch:
         bs = self.block_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import attrs
 
@@ -60,6 +61,9 @@ class Request:
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were reported (they survive preemption)
     first_scheduled_at: float | None = None  # time.monotonic() at first admission
     block_hashes: list[bytes] = attrs.field(factory=list)  # hashes of full blocks of token_ids, in order
+    # This sequence's place in its structured-output grammar (None: unconstrained). Only the
+    # sampler touches it; it survives preemption, since recomputing samples nothing twice.
+    matcher: Any = None
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

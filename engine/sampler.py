@@ -18,6 +18,7 @@ import torch
 
 from engine.outputs import TokenLogprobs
 from engine.request import Request
+from engine.structured_outputs import GrammarBitmask, Matcher
 
 
 @attrs.frozen
@@ -26,6 +27,13 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None where not requested
     # Rows whose own set-up or processing raised: their request fails, the batch goes on.
     errors: dict[int, Exception] = attrs.field(factory=dict)
+    # Rows whose structured-output grammar accepted its stop token: their sequence is complete.
+    grammar_finished: set[int] = attrs.field(factory=set)
+
+
+class GrammarRefusedError(Exception):
+    """A sampled token that the request's grammar does not allow (the mask should make this
+    impossible; if it happens, that request fails and the rest go on)."""
 
 
 @contextmanager
@@ -45,10 +53,11 @@ class Sampler:
     finished request ids to drop them.
     """
 
-    def __init__(self, seed: int, device: str = "cpu") -> None:
+    def __init__(self, seed: int, device: str = "cpu", max_num_seqs: int = 128) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for unseeded requests
         self._generators: dict[str, torch.Generator] = {}
+        self._bitmask = GrammarBitmask(max_num_seqs)
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
@@ -57,15 +66,50 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         # logits: [N, vocab] float32, row i for requests[i]
         errors: dict[int, Exception] = {}
+        constrained = [(row, r.matcher) for row, r in enumerate(requests) if r.matcher is not None]
+        if constrained:
+            self._apply_grammars(logits, constrained, errors)
         logprobs = self._logprobs(logits, requests)
         logits = self._process(logits, requests, errors)
         tokens = logits.argmax(dim=-1)
         if not all(r.params.greedy for r in requests):
             tokens = self._random(logits, requests, tokens, errors)
         token_ids = tokens.tolist()
+        finished = self._advance_grammars(constrained, token_ids, errors) if constrained else set()
         if logprobs is not None:
-            return SamplerOutput(token_ids, self._gather_logprobs(logprobs, token_ids, requests, errors), errors)
-        return SamplerOutput(token_ids, [None] * len(requests), errors)
+            return SamplerOutput(token_ids, self._gather_logprobs(logprobs, token_ids, requests, errors), errors,
+                                 finished)
+        return SamplerOutput(token_ids, [None] * len(requests), errors, finished)
+
+    # ---- structured outputs ----
+
+    def _apply_grammars(self, logits: torch.Tensor, constrained: list[tuple[int, Matcher]],
+                        errors: dict[int, Exception]) -> None:
+        """Mask, in place, what each constrained row's grammar forbids next (first of all
+        processing: what is reported and sampled is what the grammar allows)."""
+        backend = constrained[0][1].backend
+        bitmask = self._bitmask.get(backend, logits.shape[0])
+        masked = []
+        for row, matcher in constrained:
+            with isolated(errors, row):
+                if matcher.fill_bitmask(bitmask, row):  # False: everything is allowed
+                    masked.append(row)
+        if masked:
+            backend.apply_bitmask(logits, bitmask, masked)
+
+    @staticmethod
+    def _advance_grammars(constrained: list[tuple[int, Matcher]], token_ids: list[int],
+                          errors: dict[int, Exception]) -> set[int]:
+        finished = set()
+        for row, matcher in constrained:
+            if row in errors:
+                continue
+            with isolated(errors, row):
+                if not matcher.accept(token_ids[row]):
+                    raise GrammarRefusedError(f"token {token_ids[row]} is not allowed by the request's grammar")
+                if matcher.terminated:
+                    finished.add(row)
+        return finished
 
     # ---- logprobs ----
 
@@ -148,7 +192,11 @@ def process_row(logits: torch.Tensor, request: Request) -> None:
         if request.eos_token_id is not None and not params.ignore_eos:
             stops.append(request.eos_token_id)
         if stops:
-            logits[torch.tensor(stops, device=logits.device)] = float("-inf")
+            ids = torch.tensor(stops, device=logits.device)
+            kept = logits[ids]
+            logits[ids] = float("-inf")
+            if request.matcher is not None and not torch.isfinite(logits).any():
+                logits[ids] = kept  # the grammar allows nothing but to stop: min_tokens cannot hold
     if params.needs_penalties:
         _apply_penalties(logits, request)
 

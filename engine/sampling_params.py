@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 import attrs
@@ -61,6 +62,84 @@ def _to_bias(value: dict | None) -> dict[int, float]:
         raise InvalidParameterError("logit_bias", "logit_bias must map token ids to numbers") from None
 
 
+PARAM_STRUCTURED = "structured_outputs"
+STRUCTURED_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@attrs.frozen(kw_only=True)
+class StructuredOutputsParams:
+    """Exactly one constraint, plus options (names as in vLLM).
+
+    Attributes:
+        json: a JSON schema (dict or its JSON text); the output is a JSON value valid against it.
+        regex: the whole output matches this regular expression.
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (xgrammar's GBNF dialect, root rule ``root``).
+        json_object: the output is any JSON object.
+        structural_tag: xgrammar's structural tag (dict or JSON text).
+        disable_any_whitespace: JSON without free whitespace (compact separators ``,`` and ``:``
+            followed by one space, as xgrammar writes them).
+        disable_additional_properties: objects take no properties beyond those of their
+            schema. Always true here: the schema is enforced strictly.
+        whitespace_pattern: not supported by the xgrammar backend (a 400, never ignored).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        given = [name for name in STRUCTURED_CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidParameterError(PARAM_STRUCTURED, f"give exactly one of {', '.join(STRUCTURED_CONSTRAINTS)}; got "
+                                               f"{', '.join(given) if given else 'none'}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidParameterError(PARAM_STRUCTURED, f"{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidParameterError(PARAM_STRUCTURED, "choice must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True, False):
+            raise InvalidParameterError(PARAM_STRUCTURED, "json_object must be a boolean")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, dict)):
+                raise InvalidParameterError(PARAM_STRUCTURED, f"{name} must be an object or its JSON text")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(PARAM_STRUCTURED, f"{name} must be a boolean")
+        if self.whitespace_pattern is not None:
+            raise InvalidParameterError(PARAM_STRUCTURED, "whitespace_pattern is not supported by the xgrammar backend "
+                                               "(use disable_any_whitespace for compact JSON)")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in STRUCTURED_CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    def key(self) -> str:
+        """The constraint in canonical form: equal for equal constraints (the cache key)."""
+        value = getattr(self, self.kind)
+        if self.kind in ("json", "structural_tag"):
+            value = parse_json_constraint(value, self.kind)
+        return json.dumps([self.kind, value, self.disable_any_whitespace], sort_keys=True, ensure_ascii=False)
+
+
+def parse_json_constraint(value: str | dict, name: str) -> Any:
+    if isinstance(value, dict):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise InvalidParameterError(PARAM_STRUCTURED, f"{name} is not valid JSON: {exc}") from None
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """Sampling and stopping parameters of one request.
@@ -94,12 +173,16 @@ class SamplingParams:
     # Requests share prefix-cache blocks only with requests of the same salt (vLLM's
     # cache_salt: one per tenant keeps tenants' prompts from probing each other's cache).
     cache_salt: str | None = None
+    # A constraint on the output (JSON schema, regex, choice, grammar), as in vLLM.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __attrs_post_init__(self) -> None:
         self._check_counts()
         self._check_probabilities()
         self._check_stops()
         self._check_salt()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidParameterError(PARAM_STRUCTURED, "structured_outputs must be a StructuredOutputsParams")
 
     def _check_counts(self) -> None:
         _check("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"must be an integer in [1, {MAX_N}]; got {self.n!r}")

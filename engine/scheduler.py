@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import attrs
 
@@ -236,9 +236,12 @@ class Scheduler:
             request.num_cached_tokens = num_cached
             request.first_scheduled_at = time.monotonic()
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: dict[str, int],
+               grammar_finished: Collection[str] = ()) -> list[Request]:
         """Account for a finished step: advance computed counts, append sampled tokens and
-        finish requests that hit a stop condition. Returns the requests finished here."""
+        finish requests that hit a stop condition, or whose structured-output grammar is
+        complete (``grammar_finished``: its stop token is in, whatever ``ignore_eos`` or
+        ``min_tokens`` say). Returns the requests finished here."""
         finished = []
         for chunk in output.chunks:
             request = chunk.request
@@ -249,7 +252,11 @@ class Scheduler:
             if token is None:
                 continue
             request.append_token(token)
-            status, stop_reason = self._check_stop(request, token)
+            if request.request_id in grammar_finished:
+                stop_reason = token if token in request.params.stop_token_ids else None
+                status = RequestStatus.FINISHED_STOPPED
+            else:
+                status, stop_reason = self._check_stop(request, token)
             if status is not None:
                 self.finish(request, status, stop_reason)
                 finished.append(request)

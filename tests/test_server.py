@@ -200,7 +200,8 @@ def error_of(response: httpx.Response, schemas, status: int) -> dict:
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
     ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
      "tool_choice", "not supported"),
-    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"messages": CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+     "json_schema.schema"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages", "not supported"),
 ])

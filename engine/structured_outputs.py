@@ -1,0 +1,366 @@
+"""Structured outputs: constraints on what a request may generate (JSON schema, regex, choice,
+EBNF grammar), compiled to token masks by a grammar library behind a small interface.
+
+The flow, as in vLLM:
+
+1. The front compiles a request's ``StructuredOutputsParams`` before the request is admitted
+   (``StructuredOutputManager.compile_async``: a worker thread, bounded concurrency, a time
+   budget, a cache that also remembers failures). A constraint that fails to compile is an
+   ``InvalidParameterError`` and never reaches the engine core.
+2. The core gives each sequence its own ``Matcher`` of the compiled grammar (n > 1: one each).
+3. Each step, the sampler fills one preallocated bitmask row per constrained sequence that
+   samples, applies the rows that forbid anything right after the LM head, samples, and
+   feeds the token to the matcher. A refused token fails that request alone; a matcher that
+   has accepted a stop token finishes its sequence as ``stop``.
+
+``xgrammar`` is the one backend today; ``GrammarBackend`` is what another (llguidance) would
+implement, selected with ``StructuredOutputsConfig.backend``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import attrs
+import torch
+import trio
+
+from engine.errors import ConfigError, InvalidParameterError
+from engine.sampling_params import PARAM_STRUCTURED as PARAM
+from engine.sampling_params import StructuredOutputsParams, parse_json_constraint
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("xgrammar",)
+
+
+# ---- what a grammar backend provides ----
+
+class Matcher(Protocol):
+    """The state of one sequence in its grammar. Used only by the sampler (one thread at a time)."""
+
+    backend: GrammarBackend
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        """Write the tokens allowed next into ``bitmask[row]``; False if every token is allowed."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False if the grammar refuses it (state unchanged)."""
+
+    @property
+    def terminated(self) -> bool:
+        """A stop token has been accepted: the sequence is complete."""
+
+
+class CompiledGrammar(Protocol):
+    backend: GrammarBackend
+
+    def matcher(self, stop_token_ids: Sequence[int]) -> Matcher:
+        """A fresh matcher; ``stop_token_ids`` are what it allows once the grammar is complete."""
+
+
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Raises InvalidParameterError with the compiler's message."""
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Set to -inf, in place, the logits of ``rows`` that their bitmask rows forbid."""
+
+
+# ---- xgrammar ----
+
+# A cap on consecutive whitespace in JSON (xgrammar's max_whitespace_cnt): enough for indented
+# output several levels deep, and a model cannot loop on spaces until max_tokens.
+MAX_JSON_WHITESPACE = 20
+
+# JSON-schema keywords xgrammar enforces, or that only annotate. Anything else is refused with
+# a 400 rather than silently not enforced (measured against xgrammar 0.2.9: contains,
+# uniqueItems, if/then/else, not, dependentRequired/-Schemas, multipleOf on non-integers, the
+# rarer formats, and string lengths next to a pattern or format are accepted by it and ignored).
+_SCHEMA_KEYWORDS = frozenset({
+    "type", "enum", "const", "properties", "required", "additionalProperties", "patternProperties",
+    "propertyNames", "minProperties", "maxProperties", "items", "prefixItems", "unevaluatedItems",
+    "unevaluatedProperties", "minItems", "maxItems", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
+    "pattern", "minLength", "maxLength", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "multipleOf",
+    # annotations
+    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
+    "writeOnly", "discriminator", "strict",
+})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})  # name -> schema
+_SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
+_SCHEMA_ONE = frozenset({"items", "additionalProperties", "propertyNames", "unevaluatedItems",
+                         "unevaluatedProperties"})
+_FORMATS = frozenset({"email", "date", "date-time", "time", "duration", "uri", "uri-reference", "uri-template",
+                      "ipv4", "ipv6", "uuid", "hostname", "json-pointer", "relative-json-pointer"})
+_ANNOTATIONS = frozenset({"default", "examples", "const", "enum"})  # their values are data, not schemas
+
+
+def unsupported_schema_keywords(schema: Any, path: str = "") -> list[str]:
+    """Where ``schema`` uses what the backend would not enforce: ``["path: keyword", ...]``."""
+    found: list[str] = []
+    if not isinstance(schema, dict):
+        return found
+    for key, value in schema.items():
+        where = f"{path}/{key}"
+        if key not in _SCHEMA_KEYWORDS:
+            found.append(f"{path or '/'}: {key}")
+        elif key == "format" and value not in _FORMATS:
+            found.append(f"{path or '/'}: format {value!r}")
+        elif key == "multipleOf" and not (isinstance(value, int) and schema.get("type") == "integer"):
+            found.append(f"{path or '/'}: multipleOf (enforced for integers only)")
+        elif key in ("minLength", "maxLength") and ("pattern" in schema or "format" in schema):
+            found.append(f"{path or '/'}: {key} together with pattern or format")
+        elif key == "allOf" and isinstance(value, list) and len(value) > 1:
+            found.append(f"{path or '/'}: allOf with more than one schema")
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                found += unsupported_schema_keywords(sub, f"{where}/{name}")
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                found += unsupported_schema_keywords(sub, f"{where}/{i}")
+        elif key in _SCHEMA_ONE:
+            found += unsupported_schema_keywords(value, where)
+    return found
+
+
+class _XGrammarMatcher:
+    __slots__ = ("_matcher", "backend")
+
+    def __init__(self, matcher, backend: XGrammarBackend) -> None:
+        self._matcher = matcher
+        self.backend = backend
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> bool:
+        return self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        return self._matcher.accept_token(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+
+@attrs.frozen
+class _XGrammarCompiled:
+    backend: XGrammarBackend
+    compiled: Any  # xgrammar.CompiledGrammar
+
+    def matcher(self, stop_token_ids: Sequence[int]) -> Matcher:
+        import xgrammar
+
+        stops = list(stop_token_ids) or None  # None: the tokenizer's own stop tokens
+        return _XGrammarMatcher(xgrammar.GrammarMatcher(self.compiled, override_stop_tokens=stops), self.backend)
+
+
+class XGrammarBackend:
+    """xgrammar: per-token masks in microseconds on this vocabulary, a C++ kernel applying them."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 2) -> None:
+        import xgrammar
+
+        self._xgr = xgrammar
+        self.vocab_size = vocab_size
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        kind = params.kind
+        try:
+            if kind == "json":
+                schema = parse_json_constraint(params.json, "json")
+                if not isinstance(schema, dict):
+                    raise InvalidParameterError(PARAM, "json must be a JSON schema object")
+                bad = unsupported_schema_keywords(schema)
+                if bad:
+                    raise InvalidParameterError(PARAM, "the JSON schema uses keywords this server cannot enforce: "
+                                                       + "; ".join(bad[:10]))
+                compiled = self._compile_json(json.dumps(schema), params)
+            elif kind == "json_object":
+                compiled = self._compile_json('{"type": "object"}', params, strict=False)
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(params.regex)
+            elif kind == "choice":
+                alternatives = " | ".join(_ebnf_string(c) for c in params.choice)
+                compiled = self._compiler.compile_grammar(f"root ::= {alternatives}")
+            elif kind == "grammar":
+                compiled = self._compiler.compile_grammar(params.grammar)
+            else:
+                tag = parse_json_constraint(params.structural_tag, "structural_tag")
+                compiled = self._compiler.compile_structural_tag(json.dumps(tag))
+        except InvalidParameterError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidParameterError(PARAM, f"invalid {kind.replace('_', ' ')}: {_compiler_message(exc)}") from None
+        return _XGrammarCompiled(self, compiled)
+
+    def _compile_json(self, schema: str, params: StructuredOutputsParams, strict: bool = True):
+        if params.disable_any_whitespace:
+            return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=strict)
+        return self._compiler.compile_json_schema(schema, any_whitespace=True, strict_mode=strict,
+                                                  max_whitespace_cnt=MAX_JSON_WHITESPACE)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                              vocab_size=self.vocab_size, indices=rows)
+
+
+def _ebnf_string(text: str) -> str:
+    """``text`` as an EBNF string literal (the JSON escapes are the grammar's too)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _compiler_message(exc: Exception) -> str:
+    """xgrammar's message without its log prefix (``[time] source.cc:line: ``)."""
+    message = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(exc).strip())
+    return message.splitlines()[0][:500] if message else type(exc).__name__
+
+
+# ---- compiling, cached, off the event loop ----
+
+@attrs.frozen(kw_only=True)
+class StructuredOutputsConfig:
+    """``--structured-outputs-config`` (JSON), as in vLLM.
+
+    Attributes:
+        backend: the grammar library (``xgrammar``).
+        compile_timeout_s: a constraint that takes longer to compile is refused (400).
+        max_concurrent_compiles: worker threads compiling at once (more requests wait).
+        cache_size: compiled constraints (and failures) remembered.
+    """
+
+    backend: str = "xgrammar"
+    compile_timeout_s: float = 10.0
+    max_concurrent_compiles: int = 2
+    cache_size: int = 512
+
+    def __attrs_post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError("structured_outputs_config", f"backend must be one of {', '.join(BACKENDS)}; "
+                                                           f"got {self.backend!r}")
+        for name in ("compile_timeout_s", "max_concurrent_compiles", "cache_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError("structured_outputs_config", f"{name} must be a positive number; got {value!r}")
+
+    @classmethod
+    def from_json(cls, text: str | dict | None) -> StructuredOutputsConfig:
+        if text is None:
+            return cls()
+        try:
+            fields = json.loads(text) if isinstance(text, str) else dict(text)
+            return cls(**fields)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError("structured_outputs_config", f"not a valid structured outputs config: {exc}") from None
+
+
+class StructuredOutputManager:
+    """Compiles constraints for one tokenizer and vocabulary; thread-safe.
+
+    Resource handling: holds the backend (built on first use) and a bounded LRU cache of
+    compiled grammars and of compile errors, keyed by ``StructuredOutputsParams.key()``.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig | None = None) -> None:
+        self.config = config or StructuredOutputsConfig()
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._backend: GrammarBackend | None = None
+        self._cache: OrderedDict[str, CompiledGrammar | InvalidParameterError] = OrderedDict()
+        self._lock = threading.Lock()
+        self._limiter: trio.CapacityLimiter | None = None
+        self.compile_times: list[float] = []  # seconds per compile actually run (for benchmarks)
+
+    @property
+    def backend(self) -> GrammarBackend:
+        with self._lock:
+            if self._backend is None:
+                self._backend = XGrammarBackend(self._tokenizer, self._vocab_size)
+            return self._backend
+
+    def cached(self, params: StructuredOutputsParams) -> CompiledGrammar | None:
+        """The compiled grammar if it is in the cache (raises a remembered compile error)."""
+        key = params.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+        if isinstance(hit, InvalidParameterError):
+            raise InvalidParameterError(hit.param, str(hit))
+        return hit
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile now, in this thread (cached)."""
+        hit = self.cached(params)
+        if hit is not None:
+            return hit
+        start = time.perf_counter()
+        try:
+            compiled: CompiledGrammar | InvalidParameterError = self.backend.compile(params)
+        except InvalidParameterError as exc:
+            compiled = exc
+        self.compile_times.append(time.perf_counter() - start)
+        self._remember(params.key(), compiled)
+        if isinstance(compiled, InvalidParameterError):
+            raise compiled
+        return compiled
+
+    async def compile_async(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """Compile in a worker thread, at most ``max_concurrent_compiles`` at once and within
+        ``compile_timeout_s`` (a compile past it is abandoned, remembered as failed, and refused)."""
+        hit = self.cached(params)
+        if hit is not None:
+            return hit
+        if self._limiter is None:
+            self._limiter = trio.CapacityLimiter(self.config.max_concurrent_compiles)
+        timeout = self.config.compile_timeout_s
+        with trio.move_on_after(timeout) as scope:
+            return await trio.to_thread.run_sync(self.compile, params, limiter=self._limiter,
+                                                 abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            error = InvalidParameterError(PARAM, f"the constraint took longer than {timeout:g} s to compile "
+                                                 f"(compile_timeout_s); simplify it")
+            self._remember(params.key(), error)
+            raise error
+        raise AssertionError("unreachable")
+
+    def _remember(self, key: str, value: CompiledGrammar | InvalidParameterError) -> None:
+        with self._lock:
+            self._cache[key] = value
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+
+
+class GrammarBitmask:
+    """The sampler's token bitmask: allocated once for ``rows`` sequences (grown only if a batch
+    is larger), filled per step for the constrained rows that sample."""
+
+    def __init__(self, rows: int) -> None:
+        self._rows = rows
+        self._bitmask: torch.Tensor | None = None
+        self._backend: GrammarBackend | None = None
+
+    def get(self, backend: GrammarBackend, rows: int) -> torch.Tensor:
+        if self._bitmask is None or self._backend is not backend or self._bitmask.shape[0] < rows:
+            self._rows = max(self._rows, rows)
+            self._bitmask = backend.allocate_bitmask(self._rows)
+            self._backend = backend
+        return self._bitmask

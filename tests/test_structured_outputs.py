@@ -1,0 +1,342 @@
+"""Structured outputs: JSON schema, regex, choice, grammar and json_object constraints, offline
+and over HTTP; bad constraints are 400s; constrained and unconstrained requests share batches
+without changing each other's tokens; preemption does not feed a grammar twice."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import attrs
+import jsonschema
+import pytest
+import trio
+
+from engine.async_engine import Engine
+from engine.errors import InvalidParameterError
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.structured_outputs import StructuredOutputManager, StructuredOutputsConfig, unsupported_schema_keywords
+from tests.conftest import serve_http, tiny_engine_core
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())["schemas"]
+PROMPT = [{"role": "user", "content": "Reply with a JSON value that fits the schema."}]
+
+
+def json_params(schema, **kw) -> SamplingParams:
+    return SamplingParams(structured_outputs=StructuredOutputsParams(json=schema), **kw)
+
+
+def assert_valid(text: str, schema: dict, label: str) -> None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        pytest.fail(f"{label}: not JSON: {text!r}")
+    jsonschema.validate(value, schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+# ---- parameters and compiling (no model) ----
+
+def test_exactly_one_constraint():
+    with pytest.raises(InvalidParameterError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(InvalidParameterError, match="exactly one.*json, regex"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+    with pytest.raises(InvalidParameterError, match="choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(InvalidParameterError, match="whitespace_pattern"):
+        StructuredOutputsParams(json={"type": "object"}, whitespace_pattern=r"[ ]?")
+    key = StructuredOutputsParams(json={"b": 1, "a": 2}).key()
+    assert key == StructuredOutputsParams(json='{"a": 2, "b": 1}').key()  # canonical: the cache's key
+
+
+def test_schema_keywords_the_backend_would_ignore_are_found_wherever_they_are():
+    schema = {"type": "object", "$defs": {"x": {"type": "array", "uniqueItems": True}},
+              "properties": {"a": {"type": "array", "items": {"type": "number", "multipleOf": 0.5}},
+                             "b": {"anyOf": [{"not": {"type": "null"}}]}, "c": {"type": "string", "format": "idn-email"},
+                             "d": {"type": "string", "pattern": "^a+$", "maxLength": 3}},
+              "if": {"required": ["a"]}}
+    found = unsupported_schema_keywords(schema)
+    assert set(found) == {"/$defs/x: uniqueItems", "/properties/a/items: multipleOf (enforced for integers only)",
+                          "/properties/b/anyOf/0: not", "/properties/c: format 'idn-email'", "/: if",
+                          "/properties/d: maxLength together with pattern or format"}
+    assert all(unsupported_schema_keywords(s) == [] for s in SCHEMAS)
+
+
+@pytest.fixture(scope="module")
+def manager(tokenizer):
+    return StructuredOutputManager(tokenizer, 49152)
+
+
+@pytest.mark.parametrize("params, message", [
+    (StructuredOutputsParams(json={"type": "object", "properties": 5}), "invalid json: properties must be an object"),
+    (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+    (StructuredOutputsParams(json={"type": "array", "contains": {"const": 1}}), "cannot enforce: /: contains"),
+    (StructuredOutputsParams(regex="a(b"), "invalid regex: .*parenthesis"),
+    (StructuredOutputsParams(grammar='root ::= "a" |'), "invalid grammar"),
+])
+def test_a_constraint_that_does_not_compile_is_an_invalid_parameter(manager, params, message):
+    with pytest.raises(InvalidParameterError, match=message) as info:
+        manager.compile(params)
+    assert info.value.param == "structured_outputs"
+
+
+def test_compiles_are_cached_and_so_are_failures(manager):
+    params = StructuredOutputsParams(regex=r"[0-9]{4}")
+    before = len(manager.compile_times)
+    first = manager.compile(params)
+    assert manager.compile(StructuredOutputsParams(regex=r"[0-9]{4}")) is first
+    bad = StructuredOutputsParams(regex="(((")
+    for _ in range(3):
+        with pytest.raises(InvalidParameterError):
+            manager.compile(bad)
+    assert len(manager.compile_times) == before + 2  # one real compile each
+
+
+async def test_a_slow_compile_is_refused_within_its_budget_and_does_not_stall_the_loop(tokenizer):
+    manager = StructuredOutputManager(tokenizer, 49152, StructuredOutputsConfig(compile_timeout_s=0.2))
+    backend = manager.backend
+    real = backend.compile
+
+    def slow(params):
+        time.sleep(1.0)
+        return real(params)
+
+    backend.compile = slow
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await trio.sleep(0.01)
+            ticks += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ticker)
+        start = trio.current_time()
+        with pytest.raises(InvalidParameterError, match="longer than 0.2 s"):
+            await manager.compile_async(StructuredOutputsParams(regex="slow"))
+        assert trio.current_time() - start < 0.6
+        nursery.cancel_scope.cancel()
+    assert ticks >= 10  # the event loop ran meanwhile
+    with pytest.raises(InvalidParameterError, match="longer than"):  # remembered: no second thread
+        await manager.compile_async(StructuredOutputsParams(regex="slow"))
+
+
+# ---- the real model, offline ----
+
+@pytest.mark.slow
+def test_every_schema_of_the_corpus_is_honoured_at_temperature_1(llm):
+    params = [json_params(s, temperature=1.0, n=4, seed=i, max_tokens=256) for i, s in enumerate(SCHEMAS)]
+    outputs = llm.chat([PROMPT] * len(SCHEMAS), params)
+    for i, (schema, output) in enumerate(zip(SCHEMAS, outputs)):
+        for c in output.outputs:
+            assert c.finish_reason == "stop", f"schema {i}: {c.finish_reason}: {c.text!r}"
+            assert_valid(c.text, schema, f"schema {i}")
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    constraints = {
+        "regex": StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8} [0-9]{1,3}"),
+        "choice": StructuredOutputsParams(choice=["Paris", "London", "Rome"]),
+        "grammar": StructuredOutputsParams(grammar='root ::= ("yes" | "no") ", because " [a-z ]{1,20} "."'),
+        "json_object": StructuredOutputsParams(json_object=True),
+    }
+    params = [SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=64, structured_outputs=c)
+              for c in constraints.values()]
+    outputs = llm.generate(["The capital of France is"] * len(params), params)
+    texts = {kind: [c.text for c in o.outputs] for kind, o in zip(constraints, outputs)}
+    assert all(re.fullmatch(r"[A-Z][a-z]{2,8} [0-9]{1,3}", t) for t in texts["regex"]), texts["regex"]
+    assert set(texts["choice"]) <= {"Paris", "London", "Rome"}
+    assert all(re.fullmatch(r"(yes|no), because [a-z ]{1,20}\.", t) for t in texts["grammar"]), texts["grammar"]
+    assert all(isinstance(json.loads(t), dict) for t in texts["json_object"]), texts["json_object"]
+    assert all(c.finish_reason == "stop" for o in outputs for c in o.outputs)
+
+
+def test_a_cut_off_json_value_reports_length(llm):
+    schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 200}}, "required": ["story"]}
+    output = llm.generate("Tell me a story.", json_params(schema, temperature=0, max_tokens=8))[0].outputs[0]
+    assert output.finish_reason == "length" and len(output.token_ids) == 8
+    assert output.text.startswith('{')
+
+
+def test_min_tokens_and_ignore_eos_do_not_outlive_a_complete_grammar(llm):
+    params = SamplingParams(temperature=0, max_tokens=30, min_tokens=20, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    output = llm.generate("Is water wet? Answer:", params)[0].outputs[0]
+    assert output.text in ("yes", "no") and output.finish_reason == "stop"
+    assert len(output.token_ids) <= 3  # the answer, then EOS: the grammar allows nothing else
+
+
+def test_unconstrained_requests_keep_their_tokens_in_a_mixed_batch(llm):
+    prompts = [f"Write a sentence about {topic}:" for topic in ("cats", "rain", "bread", "ships")]
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    llm.reset_prefix_cache()
+    mixed_params = [greedy, json_params(SCHEMAS[0], temperature=0, max_tokens=40)] * 4
+    mixed = llm.generate([p for p in prompts for _ in range(2)], mixed_params)
+    assert [mixed[2 * i].outputs[0].token_ids for i in range(4)] == alone
+    assert all(json.loads(mixed[2 * i + 1].outputs[0].text) for i in range(4))
+
+
+def test_a_bad_constraint_fails_before_anything_runs(llm):
+    with pytest.raises(InvalidParameterError, match="regex"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=4),
+                                  SamplingParams(structured_outputs=StructuredOutputsParams(regex="(("))])
+    assert llm.engine.stats().kv_blocks_used == 0 and not llm.engine.has_unfinished_requests
+
+
+# ---- preemption and failures, on the tiny random model (any output is what its grammar allows) ----
+
+async def test_preemption_does_not_feed_a_grammar_twice(tiny_vocab_model, tokenizer):
+    core = tiny_engine_core(tiny_vocab_model, num_kv_blocks=12, max_model_len=96, max_num_seqs=8)
+    pattern = r"[a-z]{3}( [a-z]{3}){3,6}"  # at most 27 characters: it ends well before max_tokens
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=40, output_kind=RequestOutputKind.FINAL_ONLY,
+                            structured_outputs=StructuredOutputsParams(regex=pattern))
+    async with Engine(core, tokenizer).serve() as client:
+        results = []
+
+        async def one(i):
+            async for output in client.generate([100 + i] * 44, attrs.evolve(params, seed=i)):
+                results.append(output.outputs[0])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(one, i)
+        assert client.stats().num_preemptions > 0
+        assert client.stats().kv_blocks_used == 0
+    assert len(results) == 8
+    for c in results:
+        assert c.finish_reason == "stop" and re.fullmatch(pattern, c.text), (c.finish_reason, c.text)
+
+
+async def test_a_token_the_grammar_refuses_fails_that_request_only(tiny_vocab_core, tokenizer, monkeypatch):
+    from engine import structured_outputs
+
+    real_accept = structured_outputs._XGrammarMatcher.accept
+    monkeypatch.setattr(structured_outputs._XGrammarMatcher, "accept",
+                        lambda self, token: False if getattr(self.backend, "poisoned", False) else real_accept(self, token))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    async with Engine(tiny_vocab_core, tokenizer).serve() as client:
+        alone = [o async for o in client.generate([5, 6, 7], params)][-1].outputs[0].token_ids
+        client._engine.structured_outputs.backend.poisoned = True
+        outcomes = {}
+
+        async def run(name, p):
+            try:
+                outcomes[name] = [o async for o in client.generate([5, 6, 7], p)][-1].outputs[0].token_ids
+            except Exception as exc:  # noqa: BLE001 - the outcome under test
+                outcomes[name] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "plain", params)
+            nursery.start_soon(run, "constrained", attrs.evolve(
+                params, structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
+        assert client.stats().kv_blocks_used == 0 and not client.errored
+    assert outcomes["plain"] == alone
+    assert "not allowed by the request's grammar" in str(outcomes["constrained"])
+
+
+# ---- HTTP ----
+
+@pytest.fixture
+async def server(llm):
+    async with serve_http(llm.engine, llm.tokenizer) as live:
+        yield live
+
+
+async def chat(server, body: dict):
+    return await server.http.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 200, **body},
+                                  timeout=300)
+
+
+async def stream_text(server, body: dict) -> tuple[str, str]:
+    text, finish = "", None
+    async with server.http.stream("POST", "/v1/chat/completions",
+                                  json={"messages": PROMPT, "max_tokens": 200, "stream": True, **body}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["delta"].get("content") or ""
+                finish = choice["finish_reason"] or finish
+    return text, finish
+
+
+@pytest.mark.slow
+async def test_every_schema_of_the_corpus_is_honoured_over_http(server):
+    results = [None] * len(SCHEMAS)
+
+    async def one(i, schema):
+        response = await chat(server, {"n": 4, "temperature": 1.0, "seed": 100 + i, "max_tokens": 256,
+                                        "response_format": {"type": "json_schema",
+                                                            "json_schema": {"name": f"s{i}", "schema": schema}}})
+        results[i] = response
+
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            for i, schema in enumerate(SCHEMAS):
+                nursery.start_soon(one, i, schema)
+    for i, (schema, response) in enumerate(zip(SCHEMAS, results)):
+        assert response.status_code == 200, response.text
+        for choice in response.json()["choices"]:
+            assert choice["finish_reason"] == "stop", choice
+            assert_valid(choice["message"]["content"], schema, f"schema {i}")
+
+
+@pytest.mark.parametrize("field", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS[0], "strict": True}}},
+    {"structured_outputs": {"json": SCHEMAS[0]}},
+    {"guided_json": SCHEMAS[0]},
+])
+async def test_every_way_of_asking_for_json_is_honoured_and_streams_byte_equal(server, field):
+    body = {"temperature": 1.0, "seed": 11, **field}
+    response = await chat(server, body)
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["message"]["content"]
+    assert_valid(text, SCHEMAS[0], str(field))
+    assert await stream_text(server, body) == (text, "stop")
+
+
+async def test_completions_take_the_constraints_too(server):
+    response = await server.http.post("/v1/completions", json={
+        "prompt": "Pick a colour:", "max_tokens": 10, "guided_choice": ["red", "green"], "n": 2, "seed": 3})
+    assert response.status_code == 200, response.text
+    assert {c["text"] for c in response.json()["choices"]} <= {"red", "green"}
+    response = await server.http.post("/v1/completions", json={
+        "prompt": "Year:", "max_tokens": 10, "structured_outputs": {"regex": "(19|20)[0-9]{2}"}})
+    assert re.fullmatch(r"(19|20)[0-9]{2}", response.json()["choices"][0]["text"])
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "type must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": 3}}}},
+     "response_format", "properties must be an object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format", "uniqueItems"),
+    ({"guided_regex": "a(b"}, "guided_regex", "invalid regex"),
+    ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs", "invalid grammar"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"jsonn": {}}}, "structured_outputs", "unknown fields: jsonn"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "one output constraint"),
+    ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice", "one output constraint"),
+    ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "xgrammar"),
+])
+async def test_bad_constraints_are_400s_naming_their_field(server, body, param, message):
+    plain = {"temperature": 0, "max_tokens": 12, "messages": [{"role": "user", "content": "Say hi."}]}
+    async with trio.open_nursery() as nursery:  # a concurrent plain request is not disturbed
+        results = {}
+
+        async def plain_request():
+            results["plain"] = await server.http.post("/v1/chat/completions", json=plain)
+
+        nursery.start_soon(plain_request)
+        response = await chat(server, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and re.search(message, error["message"]), error
+    assert results["plain"].status_code == 200
+    assert server.client.stats().kv_blocks_used == 0 or server.client.num_unfinished == 0
