@@ -102,10 +102,12 @@ def create_app(state: ServerState) -> QuartTrio:
 
     @app.after_request
     async def finish(response: Response) -> Response:
-        if response.status_code >= 400 and (request.content_length or "Transfer-Encoding" in request.headers):
-            # An error may come before the body was read (a wrong method or route, a missing
-            # API key): what is left of it would be parsed as the next request on this
-            # connection and hang the client. Closing is cheap next to an error.
+        has_body = request.content_length or "Transfer-Encoding" in request.headers
+        if has_body and (response.status_code >= 400 or request.method != "POST"):
+            # A body nobody read (an error before it was read: a wrong method or route, a
+            # missing API key; or a body on a GET or OPTIONS, answered without it) would be
+            # parsed as the next request on this connection and hang the client. Only POST
+            # handlers read bodies, and they read them first.
             response.headers["Connection"] = "close"
         return _cors(response) if state.allowed_origins else response
 
