@@ -20,7 +20,6 @@ implement, selected with ``StructuredOutputsConfig.backend``.
 from __future__ import annotations
 
 import json
-import logging
 import re
 import threading
 import time
@@ -35,8 +34,6 @@ import trio
 from engine.errors import ConfigError, InvalidParameterError
 from engine.sampling_params import PARAM_STRUCTURED as PARAM
 from engine.sampling_params import StructuredOutputsParams, parse_json_constraint
-
-log = logging.getLogger(__name__)
 
 BACKENDS = ("xgrammar",)
 
