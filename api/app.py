@@ -159,10 +159,8 @@ def _register_error_handlers(app: QuartTrio, limits: Limits) -> None:
         messages = {404: f"route {request.path} not found", 405: f"method {request.method} not allowed for {request.path}",
                     408: f"the request body did not arrive within {limits.body_timeout:g} s",
                     413: f"request body larger than {limits.max_body_bytes} bytes"}
-        response = await api_error(APIError(error.code or 500, messages.get(error.code, error.description or "error")))
-        if error.code in (408, 413):  # the body was not read to its end: the connection cannot carry another request
-            response.headers["Connection"] = "close"
-        return response
+        # 408/413 leave the body unread: the after_request hook closes the connection.
+        return await api_error(APIError(error.code or 500, messages.get(error.code, error.description or "error")))
 
     @app.errorhandler(Exception)
     async def internal(error: Exception) -> Response:

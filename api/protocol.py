@@ -296,9 +296,7 @@ def structured_outputs(request: SamplingFields) -> tuple[StructuredOutputsParams
         fields["whitespace_pattern"] = request.guided_whitespace_pattern
     try:
         return StructuredOutputsParams(**fields), source
-    except InvalidParameterError as exc:
-        raise bad_request(f"{source}: {exc}", source) from None
-    except TypeError as exc:
+    except (InvalidParameterError, TypeError) as exc:  # TypeError: an unknown or missing field
         raise bad_request(f"{source}: {exc}", source) from None
 
 

@@ -324,6 +324,7 @@ async def test_a_client_that_never_sends_its_body_is_timed_out(tiny_vocab_core, 
                 reply += await stream.receive_some()
         await stream.aclose()
         assert reply.startswith(b"HTTP/1.1 408") and b'"timeout_error"' in reply
+        assert b"connection: close" in reply.lower()  # the rest of the body must not become a request
         ok = await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
         assert ok.status_code == 200
 
