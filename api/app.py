@@ -31,6 +31,7 @@ from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
+from engine.tools import ToolCallParser, ToolPlan, plan_tools, prepare_messages, template_renders_tools
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +273,8 @@ class _Handlers:
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
-            ids = await self.render_chat(req.messages, req.add_generation_prompt, False, None)
+            plan = plan_tools(req.tools)
+            ids = await self.render_chat(req.messages, req.add_generation_prompt, False, None, plan)
         else:
             ids = await _off_loop(len(req.prompt), self.client.encode, req.prompt, req.add_special_tokens)
         return json_response({"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids})
@@ -289,7 +291,7 @@ class _Handlers:
     # ---- chat ----
 
     async def render_chat(self, messages, add_generation_prompt: bool, continue_final_message: bool,
-                          template_kwargs: dict | None) -> list[int]:
+                          template_kwargs: dict | None, plan: ToolPlan | None) -> list[int]:
         converted = []
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
@@ -297,20 +299,29 @@ class _Handlers:
                                   "messages")
             converted.append(_template_message(m, self._text_content(m.content, i)))
         size = sum(len(m["content"]) for m in converted)
+        if plan is not None:
+            size += sum(len(orjson.dumps(t.parameters)) + len(t.description or "") for t in plan.tools)
         self.client.check_text_length(size, "messages")
         return await _off_loop(size, self._apply_template, converted, add_generation_prompt, continue_final_message,
-                               template_kwargs)
+                               template_kwargs, plan)
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                        template_kwargs: dict | None) -> list[int]:
+                        template_kwargs: dict | None, plan: ToolPlan | None) -> list[int]:
+        tokenizer = self.client.tokenizer
         try:
-            return apply_chat_template(self.client.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+            if plan is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+                renders_tools = template_renders_tools(tokenizer, self.state.chat_template)
+                messages, tool_kwargs = prepare_messages(messages, plan, renders_tools)
+                template_kwargs = {**(template_kwargs or {}), **tool_kwargs}
+            return apply_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message,
                                        chat_template=self.state.chat_template, **(template_kwargs or {}))
         except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the caller's messages or kwargs
+            if isinstance(exc, InvalidParameterError):
+                raise
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
 
-    async def compile_constraint(self, req, params: SamplingParams) -> None:
+    async def compile_constraint(self, req, params: SamplingParams, plan: ToolPlan | None = None) -> None:
         """Compile the request's output constraint now (off the event loop, cached), so that a
         bad one is a 400 naming the field it came from, also for a stream not yet begun."""
         if params.structured_outputs is None:
@@ -318,7 +329,7 @@ class _Handlers:
         try:
             await self.client.compile(params)
         except InvalidParameterError as exc:
-            source = structured_outputs(req)[1]
+            source = "tools" if plan is not None and plan.may_call else structured_outputs(req)[1]
             raise APIError(400, f"{source}: {exc}", source) from None
 
     @staticmethod
@@ -337,22 +348,35 @@ class _Handlers:
         req: ChatCompletionRequest = await self.body(ChatCompletionRequest)
         req.check_supported()
         self.check_model(req.model)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                     req.chat_template_kwargs)
+                                     req.chat_template_kwargs, plan)
         params = sampling_params(req, chat=True)
+        if plan is not None:
+            params = plan.constrain(params)
         self.validate(ids, params, req.priority)
-        await self.compile_constraint(req, params)
+        await self.compile_constraint(req, params, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
         stream = _before(self.deadline(), self.client.generate({"prompt_token_ids": ids}, params,
                                                                request_id=request_id, priority=req.priority))
         if req.stream:
-            return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo))
+            return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan))
         final = await self._final(stream, tracker)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": echo + c.text, "refusal": None},
-                    "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0) if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            message = {"role": "assistant", "content": echo + c.text, "refusal": None}
+            finish_reason = c.finish_reason
+            if plan is not None and plan.may_call:
+                parser = ToolCallParser()
+                message["content"] = (echo + parser.feed(c.text, final=True).content) or None
+                if parser.calls:
+                    message["tool_calls"] = parser.calls
+                finish_reason = plan.finish_reason(finish_reason, parser.num_complete)
+            choices.append({"index": c.index, "message": message, "finish_reason": finish_reason,
+                            "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
+                            if req.logprobs else None, "stop_reason": c.stop_reason})
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.state.model_name, "choices": choices, "usage": tracker.usage()}
         if req.prompt_logprobs is not None:
@@ -366,8 +390,10 @@ class _Handlers:
             return last.content
         return ""
 
-    async def _chat_chunks(self, req, request_id: str, stream, tracker: UsageTracker, echo: str):
+    async def _chat_chunks(self, req, request_id: str, stream, tracker: UsageTracker, echo: str,
+                           plan: ToolPlan | None):
         chunk = ChunkWriter(request_id, "chat.completion.chunk", self.state.model_name, req.stream_options, tracker)
+        parsers = [ToolCallParser() for _ in range(req.n)] if plan is not None and plan.may_call else None
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(req.n)])
         async for output in _guard(stream):
@@ -377,9 +403,19 @@ class _Handlers:
             tracker.observe(output)
             choices = []
             for c in output.outputs:
-                choice = {"index": c.index, "delta": {"content": c.text} if c.text or not c.finish_reason else {},
+                delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                finish_reason = c.finish_reason
+                if parsers is not None:
+                    parser = parsers[c.index]
+                    parsed = parser.feed(c.text, final=c.finish_reason is not None)
+                    delta = {"content": parsed.content} if parsed.content or not (c.finish_reason or parsed.calls) \
+                        else {}
+                    if parsed.calls:
+                        delta["tool_calls"] = [call.as_openai() for call in parsed.calls]
+                    finish_reason = plan.finish_reason(finish_reason, parser.num_complete)
+                choice = {"index": c.index, "delta": delta,
                           "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
-                          if req.logprobs else None, "finish_reason": c.finish_reason}
+                          if req.logprobs else None, "finish_reason": finish_reason}
                 if c.finish_reason:
                     choice["stop_reason"] = c.stop_reason
                 choices.append(choice)

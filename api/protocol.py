@@ -118,15 +118,14 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict] | None = None
-    tool_choice: Any = None
+    tool_choice: Any = attrs.field(default=None, metadata={"schema": {"anyOf": [
+        {"type": "string", "enum": ["none", "auto", "required"]}, {"type": "object"}]}})
+    parallel_tool_calls: bool = True
     audio: Any = None
     modalities: list[str] | None = None
 
     def check_supported(self) -> None:
         self.check_common()
-        # With tools, OpenAI's default tool_choice is "auto": the model may call them.
-        if (self.tools and self.tool_choice != "none") or self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", "tool calling (tool_choice other than 'none')")
         if self.audio is not None or (self.modalities and self.modalities != ["text"]):
             raise unsupported("audio", "audio output")
         if self.top_logprobs is not None and not self.logprobs:
@@ -156,6 +155,7 @@ class TokenizeRequest:
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

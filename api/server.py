@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help='JSON, as in vLLM: {"backend": "xgrammar", "compile_timeout_s": 10, '
                         '"max_concurrent_compiles": 2, "cache_size": 512}. Requests constrain their output with '
                         'response_format, structured_outputs or the guided_* fields')
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted as in vLLM; tools (tool_choice none/auto/required/named) always work here")
+    p.add_argument("--tool-call-parser", choices=("hermes",), default="hermes",
+                   help="the format of tool calls: Hermes (<tool_call>{json}</tool_call>), written into the "
+                        "prompt when the chat template does not render tools, and enforced by a grammar")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     return p
 

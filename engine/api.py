@@ -24,6 +24,7 @@ from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import StructuredOutputManager, StructuredOutputsConfig
 from engine.tokenizer import apply_chat_template, load_tokenizer
+from engine.tools import plan_tools, prepare_messages, template_renders_tools
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
            "EngineConfig", "Engine", "EngineClient", "EngineDeadError", "EngineStats", "StepOutput", "open_engine"]
@@ -84,13 +85,28 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, rendered with the chat template."""
+             tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+             parallel_tool_calls: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, rendered with the chat template.
+
+        With ``tools`` (OpenAI's function tools), the prompt lists them and calls come out in
+        the Hermes format, shaped by a grammar as ``tool_choice`` and ``parallel_tool_calls``
+        ask (as in the HTTP API); ``engine.tools.parse_tool_calls`` reads them from a text.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": apply_chat_template(
-            self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, chat_template=chat_template,
-            **(chat_template_kwargs or {}))} for conv in conversations]
+        plan = plan_tools(tools, tool_choice, parallel_tool_calls)
+        prompts = []
+        for conv in conversations:
+            kwargs = dict(chat_template_kwargs or {})
+            if plan is not None or any(m.get("role") == "tool" or m.get("tool_calls") for m in conv):
+                conv, tool_kwargs = prepare_messages(conv, plan, template_renders_tools(self.tokenizer, chat_template))
+                kwargs.update(tool_kwargs)
+            prompts.append({"prompt_token_ids": apply_chat_template(
+                self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)})
+        if plan is not None:
+            params = self._params_per_prompt(sampling_params, len(prompts))
+            sampling_params = [plan.constrain(p) for p in params]
         return self.generate(prompts, sampling_params)
 
     @staticmethod

@@ -221,7 +221,7 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
     ("/v1/completions", {"prompt": "Hi", "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "Hi", "priority": 1}, "priority"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),
     ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "Hi", "stream": True, "stream_options": "yes"}, "stream_options"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": [True]}, "stream_options"),
