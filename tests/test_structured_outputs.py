@@ -137,7 +137,11 @@ def test_every_schema_of_the_corpus_is_honoured_at_temperature_1(llm):
 
 
 def test_regex_choice_grammar_and_json_object(llm):
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<city>", "end": "</city>", "content": {
+        "type": "json_schema", "json_schema": {"type": "object", "required": ["name"],
+                                               "properties": {"name": {"type": "string", "maxLength": 12}}}}}}
     constraints = {
+        "structural_tag": StructuredOutputsParams(structural_tag=json.dumps(tag)),
         "regex": StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8} [0-9]{1,3}"),
         "choice": StructuredOutputsParams(choice=["Paris", "London", "Rome"]),
         "grammar": StructuredOutputsParams(grammar='root ::= ("yes" | "no") ", because " [a-z ]{1,20} "."'),
@@ -151,6 +155,9 @@ def test_regex_choice_grammar_and_json_object(llm):
     assert set(texts["choice"]) <= {"Paris", "London", "Rome"}
     assert all(re.fullmatch(r"(yes|no), because [a-z ]{1,20}\.", t) for t in texts["grammar"]), texts["grammar"]
     assert all(isinstance(json.loads(t), dict) for t in texts["json_object"]), texts["json_object"]
+    for text in texts["structural_tag"]:
+        assert text.startswith("<city>") and text.endswith("</city>"), text
+        assert len(json.loads(text[6:-7])["name"]) <= 12
     assert all(c.finish_reason == "stop" for o in outputs for c in o.outputs)
 
 
