@@ -15,8 +15,8 @@ from hypercorn.trio import serve
 
 from api.app import Limits, ServerState, create_app
 from engine.async_engine import open_engine
-from engine.config import (BACKENDS, DTYPES, LOAD_FORMATS, SCHEDULING_POLICIES, SERVING_CPU_MIXED_PREFILL_TOKENS,
-                           EngineConfig, resolve_device)
+from engine.config import (BACKENDS, DTYPES, LOAD_FORMATS, QUANTIZATIONS, SCHEDULING_POLICIES,
+                           SERVING_CPU_MIXED_PREFILL_TOKENS, EngineConfig, resolve_device)
 from engine.errors import BackendUnavailableError, InvalidParameterError, first_leaf
 from engine.models.loader import resolve_model
 
@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device to run on")
     p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU and on CPUs with AMX (bf16 matrix units), float32 on other CPUs")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights, for benchmarks")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                   help="auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights stay packed and run in native kernels "
+                        "(CPU); none: dequantize every weight to --dtype at load")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="most tokens in one forward pass")

@@ -25,31 +25,36 @@ class NativeKernelError(RuntimeError):
     """A native kernel reported an error; the message is the library's (e.g. CUDA's)."""
 
 
-def _cdef_source() -> str:
+def _cdef_source(header: Path = HEADER) -> str:
     """The header's declarations, without preprocessor lines, C++ guards or comments (cffi parses plain C)."""
-    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
+    text = re.sub(r"/\*.*?\*/", "", header.read_text(), flags=re.S)
     text = re.sub(r"#ifdef __cplusplus.*?#endif", "", text, flags=re.S)
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
+def ffi(header: Path = HEADER) -> FFI:
+    """The one FFI instance of ``header`` (types from two instances do not mix)."""
+    return _ffi(header)  # (cached per path: called for every pointer passed, so nothing costly here)
+
+
 @cache
-def ffi() -> FFI:
+def _ffi(header: Path) -> FFI:
     instance = FFI()
-    instance.cdef(_cdef_source())
+    instance.cdef(_cdef_source(header))
     return instance
 
 
-def load_library(name: str, backend: str):
-    """``dlopen`` ``lib{name}.so``, or explain how to build it."""
+def load_library(name: str, backend: str, header: Path = HEADER, what: str = "attention backend"):
+    """``dlopen`` ``lib{name}.so`` (declared by ``header``), or explain how to build it."""
     path = LIB_DIR / f"lib{name}.so"
     if not path.exists():
         raise BackendUnavailableError(
-            f"the {backend} attention backend needs {path.name}, which is not built in {LIB_DIR}: "
+            f"the {backend} {what} needs {path.name}, which is not built in {LIB_DIR}: "
             f"run `python native/build.py` (or reinstall: pip install -e .)")
     try:
-        return ffi().dlopen(str(path))
+        return ffi(header).dlopen(str(path))
     except OSError as exc:
-        raise BackendUnavailableError(f"the {backend} attention backend could not load {path}: {exc}") from exc
+        raise BackendUnavailableError(f"the {backend} {what} could not load {path}: {exc}") from exc
 
 
 def ptr(tensor: torch.Tensor, kind: str = "void *"):

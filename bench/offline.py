@@ -53,12 +53,15 @@ def run_engine(args, workload) -> float:
 def roofline(model, prompt_tokens: int, generated_tokens: int, elapsed: float) -> None:
     """The engine's matrix-product rate (2 x weights x tokens through them / time) against the
     rate of one large fp32 product of the model's own shape, measured now."""
-    layer_weights = sum(t.numel() for layer in model.layers
+    def numel(linear) -> int:
+        return linear.in_features * linear.out_features
+
+    layer_weights = sum(numel(t) for layer in model.layers
                         for t in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))
     # Every computed token goes through the layers; only sampled positions through the LM head.
-    flops = 2 * (layer_weights * (prompt_tokens + generated_tokens) + model.lm_head.numel() * generated_tokens)
+    flops = 2 * (layer_weights * (prompt_tokens + generated_tokens) + numel(model.lm_head) * generated_tokens)
     achieved = flops / elapsed / 1e9
-    peak = matmul_gflops(model.config.hidden_size, model.layers[0].gate_up_proj.shape[0], model.dtype)
+    peak = matmul_gflops(model.config.hidden_size, model.layers[0].gate_up_proj.out_features, model.dtype)
     print(f"engine: {achieved:.1f} GFLOP/s in its matrix products ({prompt_tokens} prompt + {generated_tokens} "
           f"generated tokens), {achieved / peak:.0%} of this CPU's {peak:.1f} GFLOP/s for a 1024-row "
           f"{model.dtype} product of the model's shape (measured now)")

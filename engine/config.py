@@ -16,6 +16,7 @@ from engine.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+QUANTIZATIONS = ("auto", "none")
 BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -66,6 +67,9 @@ class EngineConfig:
         dtype: weight and activation dtype; ``auto`` is bfloat16 on GPU and on CPUs with AMX,
             float32 on other CPUs.
         load_format: how to read weights; ``dummy`` makes random weights of the right shapes.
+        quantization: how weights are held (as vLLM names it): ``auto`` keeps a GGUF file's
+            Q4_0 / Q4_1 / Q8_0 tensors packed and runs them through native kernels (on CPU);
+            ``none`` dequantizes every tensor to ``dtype`` at load.
         max_model_len: longest prompt + output in tokens; defaults to the model's context length.
         block_size: tokens per KV cache block.
         num_kv_blocks: exact number of KV blocks (overrides ``kv_cache_memory``).
@@ -97,6 +101,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = attrs.field(default="auto", validator=_one_of(DTYPES))
     load_format: str = attrs.field(default="auto", validator=_one_of(LOAD_FORMATS))
+    quantization: str = attrs.field(default="auto", validator=_one_of(QUANTIZATIONS))
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     block_size: int = attrs.field(default=16, validator=_power_of_two)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)

@@ -42,8 +42,8 @@ class EngineCore:
         self.device = resolve_device(config)
         self.backend = get_backend(config.backend, self.device)  # before loading: a wrong choice fails fast
         source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
-        self.model = model or load_model(source, config.load_format,
-                                          resolve_dtype(config, self.device), self.device, config.seed)
+        self.model = model or load_model(source, config.load_format, resolve_dtype(config, self.device),
+                                          self.device, config.seed, config.quantization)
         self.vocab_size = self.model.config.vocab_size
         self.eos_token_id = self.model.config.eos_token_id
         num_blocks = self._num_kv_blocks()

@@ -1,10 +1,11 @@
-"""Compile the native attention libraries.
+"""Compile the native libraries: paged attention (CPU, CUDA) and packed-weight matrix products (CPU).
 
     python native/build.py [--out DIR] [--no-cuda]
 
 The CPU library is always built (system C++ compiler, OpenMP); the CUDA library when
 ``nvcc`` is found (sm_80 and sm_90). ``setup.py`` runs this on install; run it by hand
-after editing the sources. Outputs: ``libpa_cpu.so`` and ``libpa_cuda.so`` in ``backends/lib``.
+after editing the sources. Outputs: ``libpa_cpu.so``, ``libqm_cpu.so`` and ``libpa_cuda.so`` in
+``backends/lib``.
 """
 
 from __future__ import annotations
@@ -50,6 +51,29 @@ def build_cpu(out: Path) -> Path:
     return target
 
 
+def build_quant_cpu(out: Path) -> Path:
+    """The packed-weight (GGUF Q4_0/Q4_1/Q8_0) matrix library: AVX2+FMA+F16C and portable variants."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX): the packed-weight kernels cannot be built")
+    target = out / "libqm_cpu.so"
+    # -ffp-contract=off: dequantized values are rounded as GGUF's reference rounds them.
+    common = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-ffp-contract=off",
+              f"-I{ROOT / 'include'}", f"-I{ROOT / 'cpu'}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = []
+        for variant, flags in (("qm_avx2", ["-mavx2", "-mfma", "-mf16c"]), ("qm_portable", [])):
+            if flags and not _is_x86():
+                continue
+            obj = Path(tmp) / f"quant_{variant}.o"
+            _run([cxx, *common, *flags, f"-DQM_NS={variant}", "-c", str(ROOT / "cpu" / "quant_kernel.cpp"),
+                  "-o", str(obj)])
+            objects.append(str(obj))
+        defines = [] if _is_x86() else ["-DQM_NO_AVX2"]
+        _run([cxx, *common, *defines, "-shared", str(ROOT / "cpu" / "quant_matmul.cpp"), *objects, "-o", str(target)])
+    return target
+
+
 def _is_x86() -> bool:
     return platform.machine() in ("x86_64", "AMD64", "i686")
 
@@ -89,7 +113,7 @@ def build_cuda_host_emulation(out: Path) -> Path:
 
 def build_all(out: Path = DEFAULT_OUT, cuda: bool = True) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    built = [build_cpu(out)]
+    built = [build_cpu(out), build_quant_cpu(out)]
     if cuda:
         lib = build_cuda(out)
         if lib is not None:

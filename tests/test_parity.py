@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from engine.api import LLM, SamplingParams
+from engine.models.linear import DenseLinear, PackedLinear
 from tests.conftest import assert_matches_reference
 
 pytestmark = pytest.mark.slow
@@ -57,6 +58,13 @@ BACKENDS = pytest.mark.parametrize("backend", ["torch", "cpu"])
 @BACKENDS
 def test_batched_greedy_matches_transformers(hf_oracle, backend):
     llm = LLM(backend=backend, dtype="float32", num_kv_blocks=256)
+    assert isinstance(llm.engine.model.layers[0].gate_up_proj, PackedLinear)  # the GGUF's weights as stored
+    check_against_oracle(llm, PROMPTS, hf_oracle)
+
+
+def test_dequantized_weights_match_transformers_too(hf_oracle):
+    llm = LLM(backend="cpu", dtype="float32", num_kv_blocks=256, quantization="none")
+    assert isinstance(llm.engine.model.layers[0].gate_up_proj, DenseLinear)
     check_against_oracle(llm, PROMPTS, hf_oracle)
 
 

@@ -7,6 +7,7 @@ keep the sequences apart and to reach their cached prefixes.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from backends.base import AttentionBackend, AttentionMetadata
+from engine.models.linear import DenseLinear, Linear, PackedLinear, PackedWeight
+
+log = logging.getLogger(__name__)
 
 
 @attrs.frozen(kw_only=True)
@@ -93,26 +97,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 @attrs.define(eq=False)
 class LlamaLayer:
     input_norm: torch.Tensor  # [hidden]
-    qkv_proj: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
+    qkv_proj: Linear  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden], with the qkv bias if any
+    o_proj: Linear  # [hidden, num_heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
-    down_proj: torch.Tensor  # [hidden, intermediate]
+    gate_up_proj: Linear  # [2 * intermediate, hidden]
+    down_proj: Linear  # [hidden, intermediate]
 
 
 class LlamaModel:
     """Weights and forward pass. Build with ``from_state_dict`` (Hugging Face parameter names)."""
 
-    def __init__(self, config: LlamaConfig, embed: torch.Tensor, layers: list[LlamaLayer],
-                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+    def __init__(self, config: LlamaConfig, embed: DenseLinear | PackedLinear, layers: list[LlamaLayer],
+                 norm: torch.Tensor, lm_head: Linear) -> None:
         self.config = config
-        self.embed = embed  # [vocab, hidden]
+        self.embed = embed  # [vocab, hidden]; rows() looks tokens up
         self.layers = layers
         self.norm = norm
-        self.lm_head = lm_head  # [vocab, hidden]; the same tensor as embed when tied
+        self.lm_head = lm_head  # [vocab, hidden]; the same object as embed when tied
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
-                                      embed.dtype, str(embed.device))
+                                      norm.dtype, str(norm.device))
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
@@ -120,8 +123,25 @@ class LlamaModel:
     @classmethod
     def from_state_dict(cls, config: LlamaConfig, weights: Mapping[str, torch.Tensor],
                         dtype: torch.dtype, device: str) -> LlamaModel:
+        """Weights are tensors, or ``PackedWeight`` (kept packed on CPU; dequantized elsewhere)."""
+
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(dtype=dtype, device=device)
+            value = weights[name]
+            return (value.dequantize() if isinstance(value, PackedWeight) else value).to(dtype=dtype, device=device)
+
+        def linear(names: list[str], bias: list[str] | None = None) -> Linear:
+            """One product for the weights ``names`` stacked by rows: packed if they all are, of one type."""
+            parts = [weights[n] for n in names]
+            kinds = {p.kind if isinstance(p, PackedWeight) else None for p in parts}
+            b = torch.cat([w(n) for n in bias]) if bias else None
+            if device == "cpu" and len(kinds) == 1 and None not in kinds:
+                packed = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
+                return PackedLinear(packed, parts[0].kind, parts[0].shape[1],
+                                    None if b is None else b.to(torch.float32))
+            if kinds != {None}:
+                log.warning("%s: %s weights dequantized to %s (mixed types or not on CPU)", names[0],
+                            "/".join(sorted(k or "dense" for k in kinds)), dtype)
+            return DenseLinear(torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]), b)
 
         layers = []
         for i in range(config.num_layers):
@@ -129,26 +149,42 @@ class LlamaModel:
             attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
             layers.append(LlamaLayer(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv_proj=torch.cat([w(a + ".weight") for a in attn]),
-                qkv_bias=torch.cat([w(a + ".bias") for a in attn]) if config.attention_bias else None,
-                o_proj=w(p + "self_attn.o_proj.weight"),
+                qkv_proj=linear([a + ".weight" for a in attn], [a + ".bias" for a in attn] if config.attention_bias
+                                else None),
+                o_proj=linear([p + "self_attn.o_proj.weight"]),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up_proj=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down_proj=w(p + "mlp.down_proj.weight"),
+                gate_up_proj=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down_proj=linear([p + "mlp.down_proj.weight"]),
             ))
-        embed = w("model.embed_tokens.weight")
+        embed = linear(["model.embed_tokens.weight"])
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        lm_head = embed if tied else w("lm_head.weight")
+        lm_head = embed if tied else linear(["lm_head.weight"])
         return cls(config, embed, layers, w("model.norm.weight"), lm_head)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype
+
+    def weight_summary(self) -> tuple[dict[str, int], int]:
+        """How the weights are held: tensors per kind (``Q4_1``, ``float32``...), and resident bytes."""
+        kinds: dict[str, int] = {}
+        seen: set[int] = set()
+        total = 0
+        linears = [self.embed, self.lm_head] + [m for layer in self.layers for m in
+                                                (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        for linear in linears:
+            if id(linear) in seen:
+                continue
+            seen.add(id(linear))
+            kinds[linear.kind] = kinds.get(linear.kind, 0) + 1
+            total += linear.nbytes
+        total += sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.input_norm, layer.post_norm))
+        return kinds, total + self.norm.numel() * self.norm.element_size()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for the flat batch ``input_ids`` ``[T]``."""
-        x = F.embedding(input_ids, self.embed)  # [T, hidden]
+        x = self.embed.rows(input_ids).to(self.dtype)  # [T, hidden]
         rope = self.rotary.at(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.config.rms_norm_eps),
@@ -158,13 +194,13 @@ class LlamaModel:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` float32 logits for ``[N, hidden]`` hidden states."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     def _attention(self, layer: LlamaLayer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         cfg = self.config
         num_tokens = h.shape[0]
-        qkv = F.linear(h, layer.qkv_proj, layer.qkv_bias)
+        qkv = layer.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rotary(q.view(num_tokens, cfg.num_heads, cfg.head_dim), *rope)  # [T, heads, head_dim]
         k = apply_rotary(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), *rope)  # [T, kv_heads, head_dim]
@@ -172,8 +208,8 @@ class LlamaModel:
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         backend.attend(q, kv_cache, meta, self.scale, out)
-        return F.linear(out.view(num_tokens, self.q_size), layer.o_proj)
+        return layer.o_proj(out.view(num_tokens, self.q_size))
 
     def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, layer.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down_proj)
+        gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)
+        return layer.down_proj(F.silu(gate) * up)

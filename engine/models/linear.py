@@ -1,0 +1,131 @@
+"""The model's matrix products behind one small interface (vLLM calls it a linear method):
+dense weights, or weights kept packed as the GGUF file stores them.
+
+The forward pass calls ``layer(x)`` and never looks at how the weight is held; the loader
+picks the kind per tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from backends import packed as packed_kernels
+
+# Up to this many rows of x, the packed kernel (each block read once for every row) beats
+# dequantizing the weight and a GEMM; above it, the weight is dequantized a tile of rows at a
+# time into a scratch buffer and multiplied by torch's GEMM. Measured with bench/packed.py on
+# the default model's shapes (AMD EPYC, AVX2): the two meet between 16 and 64 rows.
+PACKED_MAX_ROWS = 16
+# Rows of the dequantized tile hold at most this many floats (16 MiB): the LM head of a large
+# vocabulary is never dequantized whole.
+_TILE_FLOATS = 4 * 1024 * 1024
+
+
+@attrs.frozen(eq=False)
+class PackedWeight:
+    """A weight as the GGUF file stores it: ``data`` is ``[out, row_bytes]`` uint8 in ``kind``'s
+    block format, ``shape`` is (out, in) in values."""
+
+    data: torch.Tensor
+    kind: str
+    shape: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        return packed_kernels.dequantize_range(self.data, self.kind, self.shape[1], 0, self.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.data)
+
+
+class Linear(Protocol):
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` over the last dimension of ``x``."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the weight (and bias) take in memory."""
+
+
+class DenseLinear:
+    """A weight held as a plain tensor (fp32 or bf16)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.weight) + _bytes(self.bias)
+
+    @property
+    def kind(self) -> str:
+        return str(self.weight.dtype).removeprefix("torch.")
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight (when it doubles as an embedding table)."""
+        return F.embedding(ids, self.weight)
+
+
+class PackedLinear:
+    """A weight kept in a GGUF block format (Q4_0, Q4_1, Q8_0): ``[out, row_bytes]`` uint8.
+
+    Computes in fp32 from the stored values (the same values GGUF's reference dequantizes
+    to), and returns the dtype of ``x``.
+    """
+
+    def __init__(self, packed: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None) -> None:
+        if packed.shape[1] != packed_kernels.row_bytes(kind, in_features):
+            raise ValueError(f"{kind} rows of {packed.shape[1]} bytes do not hold {in_features} values")
+        self.packed, self.kind, self.bias = packed.contiguous(), kind, bias
+        self.in_features, self.out_features = in_features, packed.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        if x2.shape[0] <= PACKED_MAX_ROWS:
+            y = packed_kernels.linear(x2, self.packed, self.kind, self.in_features)
+        else:
+            y = self._tiled(x2)
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    def _tiled(self, x: torch.Tensor) -> torch.Tensor:
+        rows = max(1, min(self.out_features, _TILE_FLOATS // self.in_features))
+        if rows == self.out_features:
+            return F.linear(x, self.dequantize())
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        tile = torch.empty(rows * self.in_features, dtype=torch.float32)
+        for begin in range(0, self.out_features, rows):
+            end = min(self.out_features, begin + rows)
+            w = packed_kernels.dequantize_range(self.packed, self.kind, self.in_features, begin, end, out=tile)
+            out[:, begin:end] = F.linear(x, w)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight as fp32 ``[out, in]``."""
+        return packed_kernels.dequantize_range(self.packed, self.kind, self.in_features, 0, self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` as fp32 (when the weight doubles as an embedding table)."""
+        flat = packed_kernels.dequantize_rows(self.packed, self.kind, self.in_features, ids.reshape(-1))
+        return flat.view(*ids.shape, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.packed) + _bytes(self.bias)
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

@@ -1,0 +1,203 @@
+// The per-row work of the packed-weight library (quant_matmul.cpp has the design). Compiled
+// twice: with -mavx2 -mfma -mf16c -DQM_NS=qm_avx2 (intrinsics below), and plain with
+// -DQM_NS=qm_portable. Both compute the same sums in the same order per 8-lane group (AVX2 with
+// fused multiply-adds, so the last bits may differ).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "quant_kernel.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QM_AVX2 1
+#include <immintrin.h>
+#endif
+
+#ifndef QM_NS
+#error "compile with -DQM_NS=qm_avx2 or -DQM_NS=qm_portable"
+#endif
+
+namespace qm {
+namespace QM_NS {
+namespace {
+
+inline float fp16(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+#if QM_AVX2
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);  // inf, nan
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else {  // subnormal: normalize
+        int e = -1;
+        do { ++e; mant <<= 1; } while (!(mant & 0x400));
+        bits = sign | static_cast<uint32_t>(112 - e) << 23 | ((mant & 0x3ff) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+// The 32 quantized values of a block as floats (before scale and offset).
+inline void block_values(int type, const uint8_t* b, float* q) {
+    if (type == kQ8_0) {
+        const int8_t* s = reinterpret_cast<const int8_t*>(b + 2);
+        for (int i = 0; i < 32; ++i) q[i] = static_cast<float>(s[i]);
+        return;
+    }
+    const uint8_t* s = b + (type == kQ4_1 ? 4 : 2);
+    for (int i = 0; i < 16; ++i) {
+        q[i] = static_cast<float>(s[i] & 0x0f);
+        q[i + 16] = static_cast<float>(s[i] >> 4);
+    }
+}
+
+#if QM_AVX2
+// Four vectors of 8 floats: the block's quantized values, in order.
+inline void block_values8(int type, const uint8_t* b, __m256* q) {
+    if (type == kQ8_0) {
+        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        const __m128i lo = _mm256_castsi256_si128(all), hi = _mm256_extracti128_si256(all, 1);
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+        return;
+    }
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (type == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// The block's scale, and what each unit of sum(x) adds (the offset: -8d, m or 0).
+inline void scale_offset(int type, const uint8_t* b, float* d, float* offset) {
+    *d = fp16(b);
+    *offset = type == kQ4_1 ? fp16(b + 2) : type == kQ4_0 ? -8.f * *d : 0.f;
+}
+
+// Rows [n0, n1) of y for up to kRowTile rows of x. Per block: the quantized values are dotted
+// with x (float sums), then scaled; the offset term uses the block sums of x (xsum), so
+// sum_i (d q_i + m) x_i is computed as d * sum_i q_i x_i + m * sum_i x_i.
+template <int T>
+void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
+    const int64_t blocks = j.k / 32;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = j.w + n * j.row_bytes;
+        float acc[T] = {};
+#if QM_AVX2
+        __m256 vacc[T];
+        for (int t = 0; t < T; ++t) vacc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* blk = row + b * j.block_bytes;
+            float d, offset;
+            scale_offset(j.type, blk, &d, &offset);
+            __m256 q[4];
+            block_values8(j.type, blk, q);
+            const __m256 vd = _mm256_set1_ps(d);
+            for (int t = 0; t < T; ++t) {
+                const float* x = j.x + (m0 + t) * j.k + b * 32;
+                __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+                s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), s);
+                s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), s);
+                s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), s);
+                vacc[t] = _mm256_fmadd_ps(vd, s, vacc[t]);
+                acc[t] += offset * j.xsum[(m0 + t) * blocks + b];
+            }
+        }
+        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = hsum(vacc[t]) + acc[t];
+#else
+        float lanes[T][8] = {};
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* blk = row + b * j.block_bytes;
+            float d, offset, q[32];
+            scale_offset(j.type, blk, &d, &offset);
+            block_values(j.type, blk, q);
+            for (int t = 0; t < T; ++t) {
+                const float* x = j.x + (m0 + t) * j.k + b * 32;
+                for (int l = 0; l < 8; ++l) {
+                    const float s = q[l] * x[l] + q[l + 8] * x[l + 8] + q[l + 16] * x[l + 16] + q[l + 24] * x[l + 24];
+                    lanes[t][l] += d * s;
+                }
+                acc[t] += offset * j.xsum[(m0 + t) * blocks + b];
+            }
+        }
+        for (int t = 0; t < T; ++t) {
+            float s = 0.f;
+            for (int l = 0; l < 8; ++l) s += lanes[t][l];
+            j.y[(m0 + t) * j.n + n] = s + acc[t];
+        }
+#endif
+    }
+}
+
+void linear_rows(const Job& j, int64_t n0, int64_t n1) {
+    int64_t m0 = 0;
+    // Tiles of 4 rows of x share each block's unpacked values (the block stays in L1 for the next tile).
+    for (; m0 + 4 <= j.m; m0 += 4) rows_tile<4>(j, n0, n1, m0);
+    for (; m0 + 2 <= j.m; m0 += 2) rows_tile<2>(j, n0, n1, m0);
+    for (; m0 < j.m; ++m0) rows_tile<1>(j, n0, n1, m0);
+}
+
+// One row, dequantized exactly as GGUF's reference does: d * q + m, rounded after each step.
+void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out) {
+    for (int64_t b = 0; b < k / 32; ++b) {
+        const uint8_t* blk = row + b * block_bytes;
+        const float d = fp16(blk);
+        float* o = out + b * 32;
+#if QM_AVX2
+        __m256 q[4];
+        block_values8(type, blk, q);
+        const __m256 vd = _mm256_set1_ps(d);
+        if (type == kQ4_1) {
+            const __m256 vm = _mm256_set1_ps(fp16(blk + 2));
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(vd, q[i]), vm));
+        } else {
+            const __m256 shift = _mm256_set1_ps(type == kQ4_0 ? 8.f : 0.f);
+            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_sub_ps(q[i], shift), vd));
+        }
+#else
+        float q[32];
+        block_values(type, blk, q);
+        if (type == kQ4_1) {
+            const float m = fp16(blk + 2);
+            for (int i = 0; i < 32; ++i) o[i] = d * q[i] + m;
+        } else {
+            const float shift = type == kQ4_0 ? 8.f : 0.f;
+            for (int i = 0; i < 32; ++i) o[i] = (q[i] - shift) * d;
+        }
+#endif
+    }
+}
+
+}  // namespace
+
+Kernels kernels() {
+#if QM_AVX2
+    return {linear_rows, dequantize_row, "avx2+fma"};
+#else
+    return {linear_rows, dequantize_row, "portable"};
+#endif
+}
+
+}  // namespace QM_NS
+}  // namespace qm

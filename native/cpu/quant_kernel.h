@@ -1,0 +1,30 @@
+// Internal to the packed-weight library: the per-row kernels, compiled twice (quant_kernel.cpp)
+// into namespaces qm_avx2 and qm_portable; quant_matmul.cpp picks one per call.
+#pragma once
+
+#include <cstdint>
+
+namespace qm {
+
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML type ids
+
+struct Job {
+    int type;
+    const uint8_t* w;
+    int64_t n, k, row_bytes, block_bytes;
+    const float* x;
+    int64_t m;
+    float* y;
+    const float* xsum;  // [m, k / 32]: each block's sum of x
+};
+
+struct Kernels {
+    void (*linear_rows)(const Job&, int64_t n0, int64_t n1);
+    void (*dequantize_row)(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out);
+    const char* name;
+};
+
+namespace qm_avx2 { Kernels kernels(); }
+namespace qm_portable { Kernels kernels(); }
+
+}  // namespace qm

@@ -1,0 +1,138 @@
+// Matrix products with GGUF-packed weights on the CPU (see quant_matmul.h for the formats).
+//
+// Decode-sized batches (small M) are memory-bound: the packed weight is streamed once per
+// call, each block unpacked in registers and used for every row of x, over output rows split
+// among OpenMP threads. The offsets of Q4_0/Q4_1 are folded out of the inner loop:
+// sum_i (d q_i + m) x_i = d * sum_i q_i x_i + m * sum_i x_i, with the block sums of x computed
+// once per call. Large batches are better served by dequantizing a tile of rows
+// (qm_dequantize_range) and an optimized GEMM; the caller picks by M.
+//
+// The arithmetic (quant_kernel.cpp) is compiled twice, AVX2+FMA+F16C and portable; the best the
+// CPU runs is picked at load time, never by compile flags of the library.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "quant_kernel.h"
+#include "quant_matmul.h"
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int fail(const std::string& message) {
+    g_last_error = message;
+    return 1;
+}
+
+bool has_avx2() {
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(QM_NO_AVX2)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");  // F16C comes with them
+#else
+    return false;
+#endif
+}
+
+const bool kHasAvx2 = has_avx2();
+
+int64_t block_bytes(int type) {
+    switch (type) {
+        case qm::kQ4_0: return 18;
+        case qm::kQ4_1: return 20;
+        case qm::kQ8_0: return 34;
+        default: return 0;
+    }
+}
+
+// The kernels for isa (0: best), or nullptr with the error set.
+const qm::Kernels* pick(int isa) {
+    static const qm::Kernels portable = qm::qm_portable::kernels();
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(QM_NO_AVX2)
+    static const qm::Kernels avx2 = qm::qm_avx2::kernels();
+    if (isa == 0) return kHasAvx2 ? &avx2 : &portable;
+    if (isa == 2) {
+        if (kHasAvx2) return &avx2;
+        fail("this CPU does not run AVX2+FMA");
+        return nullptr;
+    }
+#else
+    if (isa == 0) return &portable;
+#endif
+    if (isa == 1) return &portable;
+    fail("unknown isa " + std::to_string(isa));
+    return nullptr;
+}
+
+int check(int type, const void* w, int64_t k, const void* out) {
+    if (block_bytes(type) == 0) return fail("unsupported packed type " + std::to_string(type) + " (2: Q4_0, 3: Q4_1, 8: Q8_0)");
+    if (k <= 0 || k % 32) return fail("k must be a positive multiple of 32; got " + std::to_string(k));
+    if (w == nullptr || out == nullptr) return fail("null pointer");
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t qm_row_bytes(int type, int64_t k) {
+    if (block_bytes(type) == 0 || k <= 0 || k % 32) return 0;
+    return k / 32 * block_bytes(type);
+}
+
+int qm_linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa) {
+    if (check(type, w, k, y) || x == nullptr) return 1;
+    const qm::Kernels* kern = pick(isa);
+    if (kern == nullptr) return 1;
+    if (n <= 0 || m <= 0) return n < 0 || m < 0 ? fail("negative size") : 0;
+    const int64_t blocks = k / 32;
+    std::vector<float> xsum(static_cast<size_t>(m * blocks));
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+            float s = 0.f;
+            for (int i = 0; i < 32; ++i) s += x[r * k + b * 32 + i];
+            xsum[r * blocks + b] = s;
+        }
+    const qm::Job job{type, static_cast<const uint8_t*>(w), n, k, qm_row_bytes(type, k), block_bytes(type), x, m, y,
+                      xsum.data()};
+    // Chunks of 16 output rows: enough work per chunk, and whole cache lines of y per thread.
+    const int64_t chunk = 16, chunks = (n + chunk - 1) / chunk;
+    const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), chunks));
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < chunks; ++c) kern->linear_rows(job, c * chunk, std::min(n, (c + 1) * chunk));
+    return 0;
+}
+
+int qm_dequantize_rows(int type, const void* w, int64_t k, const int64_t* rows, int64_t count, float* out, int isa) {
+    if (check(type, w, k, out) || (count > 0 && rows == nullptr)) return 1;
+    const qm::Kernels* kern = pick(isa);
+    if (kern == nullptr) return 1;
+    const int64_t row_bytes = qm_row_bytes(type, k);
+    const auto* base = static_cast<const uint8_t*>(w);
+    for (int64_t i = 0; i < count; ++i) kern->dequantize_row(type, base + rows[i] * row_bytes, k, block_bytes(type), out + i * k);
+    return 0;
+}
+
+int qm_dequantize_range(int type, const void* w, int64_t k, int64_t row_begin, int64_t row_end, float* out, int isa) {
+    if (check(type, w, k, out)) return 1;
+    if (row_begin < 0 || row_end < row_begin) return fail("bad row range");
+    const qm::Kernels* kern = pick(isa);
+    if (kern == nullptr) return 1;
+    const int64_t row_bytes = qm_row_bytes(type, k);
+    const auto* base = static_cast<const uint8_t*>(w);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = row_begin; r < row_end; ++r)
+        kern->dequantize_row(type, base + r * row_bytes, k, block_bytes(type), out + (r - row_begin) * k);
+    return 0;
+}
+
+const char* qm_isa(void) { return pick(0)->name; }
+
+int qm_isa_supported(int isa) { return isa == 0 || isa == 1 || (isa == 2 && kHasAvx2); }
+
+const char* qm_last_error(void) { return g_last_error.c_str(); }
+
+}  // extern "C"

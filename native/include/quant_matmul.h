@@ -1,0 +1,41 @@
+/* Matrix products with weights kept in GGUF's packed block formats (CPU).
+ *
+ * A packed weight is N rows of K values; each row is K / 32 blocks laid out as in GGUF/ggml:
+ *   Q4_0 (type 2): fp16 d, 16 bytes of nibbles             -> value = (q - 8) * d   (18 bytes)
+ *   Q4_1 (type 3): fp16 d, fp16 m, 16 bytes of nibbles     -> value = q * d + m     (20 bytes)
+ *   Q8_0 (type 8): fp16 d, 32 int8                         -> value = q * d         (34 bytes)
+ * In a nibble block, byte j holds value j (low nibble) and value j + 16 (high nibble).
+ *
+ * Activations and results are fp32, row-major and contiguous. Every call returns 0, or 1
+ * with a message for qm_last_error(). isa: 0 = the best this CPU runs, 1 = portable, 2 = AVX2+FMA.
+ */
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* y[m, n] = sum_k x[m, k] * W[n, k]: each packed block is read once per call and used for all
+ * M rows of x (for small M: decode). */
+int qm_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int isa);
+
+/* out[i, :] = W[rows[i], :] as fp32 (an embedding lookup). */
+int qm_dequantize_rows(int type, const void *w, int64_t k, const int64_t *rows, int64_t count, float *out, int isa);
+
+/* out[r - row_begin, :] = W[r, :] for row_begin <= r < row_end (a tile for a GEMM). */
+int qm_dequantize_range(int type, const void *w, int64_t k, int64_t row_begin, int64_t row_end, float *out,
+                        int isa);
+
+/* Bytes of one packed row of k values (0 for an unknown type or a k that is not whole blocks). */
+int64_t qm_row_bytes(int type, int64_t k);
+
+/* The vector path isa 0 picks on this CPU ("avx2+fma" or "portable"); whether an isa runs here. */
+const char *qm_isa(void);
+int qm_isa_supported(int isa);
+const char *qm_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,135 @@
+"""Packed GGUF weights (Q4_0, Q4_1, Q8_0): the native kernels against dequantize-then-F.linear
+(GGUF's own reference dequantizer), each vector path this CPU runs; the linear-layer seam;
+the loader's checks; the default model's resident weight size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+import engine.models.linear as linear_module
+from backends import packed
+from engine.errors import ConfigError
+from engine.models.linear import PackedLinear
+
+KINDS = list(packed.TYPES)
+ISAS = [isa for isa in ("portable", "avx2") if packed.isa_supported(isa)]
+
+
+def packed_weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed rows, GGUF's reference dequantization of them as fp32)."""
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    data = quantize(w, GGMLQuantizationType[kind])
+    reference = np.array(dequantize(data, GGMLQuantizationType[kind]), dtype=np.float32).reshape(n, k)
+    return torch.from_numpy(data.reshape(n, -1).copy()), torch.from_numpy(reference)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, k", [(1, 32), (7, 96), (37, 576), (193, 160)])
+def test_the_kernels_match_dequantize_then_linear(kind, isa, n, k):
+    data, reference = packed_weight(kind, n, k, seed=n * k)
+    # Dequantizing gives GGUF's values bit for bit.
+    assert torch.equal(packed.dequantize_range(data, kind, k, 0, n, isa=isa), reference)
+    rows = torch.tensor([n - 1, 0, n // 2, n - 1])
+    assert torch.equal(packed.dequantize_rows(data, kind, k, rows, isa=isa), reference[rows])
+    assert torch.equal(packed.dequantize_range(data, kind, k, n // 2, n, isa=isa), reference[n // 2:])
+    # The product: equal up to the order of the sums.
+    gen = torch.Generator().manual_seed(k)
+    for m in (1, 2, 3, 4, 5, 7, 8, 13, 16, 31, 64):
+        x = torch.randn(m, k, generator=gen)
+        expected = F.linear(x.double(), reference.double())
+        got = packed.linear(x, data, kind, k, isa=isa)
+        bound = 1e-5 * (x.abs().double() @ reference.abs().double().T) + 1e-6
+        assert ((got.double() - expected).abs() <= bound).all(), (kind, isa, m)
+
+
+def test_the_vector_paths_agree(monkeypatch):
+    if "avx2" not in ISAS:
+        pytest.skip("this CPU has no AVX2")
+    data, _ = packed_weight("Q4_1", 64, 576)
+    x = torch.randn(5, 576)
+    fast, portable = packed.linear(x, data, "Q4_1", 576, isa="avx2"), packed.linear(x, data, "Q4_1", 576, isa="portable")
+    assert torch.allclose(fast, portable, rtol=1e-4, atol=1e-4)  # the same sums; AVX2 fuses its multiply-adds
+    assert packed.isa() == "avx2+fma"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_linear_small_and_tiled_paths_bias_and_dtype(kind, monkeypatch):
+    data, reference = packed_weight(kind, 50, 64)
+    bias = torch.randn(50)
+    layer = PackedLinear(data, kind, 64, bias)
+    monkeypatch.setattr(linear_module, "_TILE_FLOATS", 64 * 16)  # tiles of 16 rows: four of them
+    for m in (1, linear_module.PACKED_MAX_ROWS, linear_module.PACKED_MAX_ROWS + 1, 100):
+        x = torch.randn(2, m, 64)
+        assert torch.allclose(layer(x), F.linear(x, reference, bias), rtol=1e-5, atol=1e-5), m
+    assert layer(torch.randn(3, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    assert torch.equal(layer.rows(torch.tensor([[3, 1]])), reference[[3, 1]][None])
+    assert layer.nbytes == data.numel() + bias.numel() * 4
+
+
+def test_bad_arguments_are_clear_errors():
+    data, _ = packed_weight("Q8_0", 4, 64)
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        packed.row_bytes("Q8_0", 48)
+    with pytest.raises(ValueError, match="do not hold 96"):
+        packed.linear(torch.randn(1, 96), data, "Q8_0", 96)
+    with pytest.raises(ValueError, match="no kernel"):
+        packed.linear(torch.randn(1, 64), data, "Q6_K", 64)
+    with pytest.raises(ValueError, match="float32"):
+        packed.linear(torch.randn(1, 64, dtype=torch.float64), data, "Q8_0", 64)
+    with pytest.raises(ValueError, match=r"row ids must be in \[0, 4\)"):
+        packed.dequantize_rows(data, "Q8_0", 64, torch.tensor([4]))
+
+
+# ---- loading ----
+
+def write_gguf(path, tensors: dict[str, tuple[np.ndarray, str]]) -> None:
+    writer = GGUFWriter(str(path), "llama")
+    for name, (values, kind) in tensors.items():
+        qtype = GGMLQuantizationType[kind]
+        data = quantize(values, qtype) if kind != "F32" else values
+        writer.add_tensor(name, data, raw_shape=data.shape if kind == "F32" else None, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_the_loader_keeps_packed_types_packed_and_names_a_truncated_tensor(tmp_path):
+    from engine.models.linear import PackedWeight
+    from engine.models.llama import LlamaConfig
+    from engine.models.loader import gguf_weights
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, {"blk.0.ffn_up.weight": (rng.standard_normal((8, 64), dtype=np.float32), "Q4_1"),
+                      "blk.0.ffn_down.weight": (rng.standard_normal((64, 8 * 32), dtype=np.float32), "Q8_0"),
+                      "output_norm.weight": (np.ones(64, dtype=np.float32), "F32")})
+    config = LlamaConfig(vocab_size=8, hidden_size=64, intermediate_size=8, num_layers=1, num_heads=1,
+                         num_kv_heads=1, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    weights = dict(gguf_weights(path, config, keep_packed=True))
+    up = weights["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(up, PackedWeight) and up.kind == "Q4_1" and up.shape == (8, 64)
+    assert weights["model.norm.weight"].dtype == torch.float32
+    dense = dict(gguf_weights(path, config))
+    assert torch.equal(up.dequantize(), dense["model.layers.0.mlp.up_proj.weight"])
+
+    path.write_bytes(path.read_bytes()[:-100])  # the last tensor loses its end
+    with pytest.raises(ConfigError, match="tiny.gguf .*truncated or corrupt"):
+        list(gguf_weights(path, config, keep_packed=True))
+
+
+@pytest.mark.slow
+def test_the_default_models_weights_stay_within_their_file_size(shared_llm):
+    from engine.models.loader import _gguf_reader, resolve_model
+
+    file_bytes = sum(int(t.n_bytes) for t in _gguf_reader(resolve_model(None).path).tensors)
+    kinds, resident = shared_llm.engine.model.weight_summary()
+    assert kinds == {"Q4_1": 120, "Q8_0": 1}
+    assert resident <= 1.2 * file_bytes, (resident, file_bytes)
