@@ -16,7 +16,7 @@ from engine.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "int8")
 BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -69,7 +69,9 @@ class EngineConfig:
         load_format: how to read weights; ``dummy`` makes random weights of the right shapes.
         quantization: how weights are held (as vLLM names it): ``auto`` keeps a GGUF file's
             Q4_0 / Q4_1 / Q8_0 tensors packed and runs them through native kernels (on CPU);
-            ``none`` dequantizes every tensor to ``dtype`` at load.
+            ``none`` dequantizes every tensor to ``dtype`` at load; ``int8`` quantizes the
+            matrices of an fp32/fp16/bf16 model at load (weight-only, int8 with a scale per 32
+            values: GGUF's Q8_0) for the same kernels.
         max_model_len: longest prompt + output in tokens; defaults to the model's context length.
         block_size: tokens per KV cache block.
         num_kv_blocks: exact number of KV blocks (overrides ``kv_cache_memory``).

@@ -42,6 +42,23 @@ class PackedWeight:
         return _bytes(self.data)
 
 
+def quantize_q8_0(weight: torch.Tensor) -> PackedWeight:
+    """``weight`` ``[out, in]`` as Q8_0: int8 values with one fp16 scale per 32 (max |w| / 127),
+    byte for byte what GGUF's reference quantizer writes (rounding half away from zero)."""
+    out_features, in_features = weight.shape
+    if in_features % packed_kernels.BLOCK:
+        raise ValueError(f"int8 needs rows of whole {packed_kernels.BLOCK}-value blocks; got {in_features}")
+    blocks = weight.detach().to(torch.float32).reshape(-1, packed_kernels.BLOCK)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / 127
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+    scaled = blocks * inverse
+    magnitude = scaled.abs()
+    floored = magnitude.floor()
+    values = (scaled.sign() * (floored + (2 * (magnitude - floored)).floor())).to(torch.int8)
+    data = torch.cat([scale.to(torch.float16).view(torch.uint8), values.view(torch.uint8)], dim=1)
+    return PackedWeight(data.reshape(out_features, -1).contiguous(), "Q8_0", (out_features, in_features))
+
+
 class Linear(Protocol):
     in_features: int
     out_features: int

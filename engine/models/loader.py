@@ -15,7 +15,7 @@ import torch
 
 from backends.packed import TYPES as _PACKED
 from engine.errors import ConfigError
-from engine.models.linear import PackedWeight
+from engine.models.linear import PackedWeight, quantize_q8_0
 from engine.models.llama import LlamaConfig, LlamaModel
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,11 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     if fmt == "safetensors" and source.is_gguf:
         raise ConfigError("load_format", f"load_format safetensors needs a model directory; got {source.path}")
     config = read_config(source)
+    if quantization == "int8" and device != "cpu":
+        raise ConfigError("quantization", f"quantization int8 runs on CPU only for now; the device is {device}")
+    if quantization == "int8" and fmt == "gguf":
+        raise ConfigError("quantization", f"{source.path.name} is already quantized (GGUF): quantization int8 "
+                                          "is for fp32/fp16/bf16 models; use auto (as stored) or none")
     if fmt == "dummy":
         weights = dict(dummy_weights(config, seed))
     elif fmt == "gguf":
@@ -95,11 +100,18 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     else:
         weights = dict(safetensors_weights(source.path))
     log.info("loaded %d weight tensors of %s (%s)", len(weights), source.path, fmt)
+    if quantization == "int8":
+        weights = {name: quantize_q8_0(w) if _is_matrix(name, w) else w for name, w in weights.items()}
     model = LlamaModel.from_state_dict(config, weights, dtype, device)
     kinds, resident = model.weight_summary()
     log.info("weights (quantization %s): %s; %.1f MB resident", quantization,
              ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())), resident / 1e6)
     return model
+
+
+def _is_matrix(name: str, weight: torch.Tensor) -> bool:
+    """The weights of matrix products (and the embedding table, which may be the LM head)."""
+    return weight.dim() == 2 and name.endswith(("_proj.weight", "embed_tokens.weight", "lm_head.weight"))
 
 
 def read_config(source: ModelSource) -> LlamaConfig:
