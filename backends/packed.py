@@ -77,6 +77,27 @@ def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, k: int, isa: str = 
     return out
 
 
+class PackedMatrix:
+    """A packed weight bound to the library, checked once: the per-step products skip the
+    argument checks of ``linear`` (they run ~120 times a decode step)."""
+
+    def __init__(self, data: torch.Tensor, kind: str, k: int) -> None:
+        self._type = _check(data, kind, k)
+        self.data, self.kind, self.k = data, kind, k  # data: kept alive while the pointer is used
+        self._lib, self._ffi = library(), _ffi()
+        self._ptr = self._ffi.cast("void *", data.data_ptr())
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for ``x`` float32, contiguous, ``[M, K]`` (the caller guarantees it)."""
+        out = torch.empty(x.shape[0], self.data.shape[0], dtype=torch.float32)
+        cast = self._ffi.cast
+        rc = self._lib.qm_linear(self._type, self._ptr, self.data.shape[0], self.k, cast("float *", x.data_ptr()),
+                                 x.shape[0], cast("float *", out.data_ptr()), 0)
+        if rc:
+            _rc(rc, "packed linear")
+        return out
+
+
 def dequantize_rows(packed: torch.Tensor, kind: str, k: int, rows: torch.Tensor, isa: str = "best") -> torch.Tensor:
     """Rows ``rows`` (int64) of the weight as fp32 ``[len(rows), K]`` (an embedding lookup)."""
     type_id = _check(packed, kind, k)

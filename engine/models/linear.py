@@ -106,12 +106,13 @@ class PackedLinear:
             raise ValueError(f"{kind} rows of {packed.shape[1]} bytes do not hold {in_features} values")
         self.packed, self.kind, self.bias = packed.contiguous(), kind, bias
         self.in_features, self.out_features = in_features, packed.shape[0]
+        self._matrix = packed_kernels.PackedMatrix(self.packed, kind, in_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         if x2.shape[0] <= PACKED_MAX_ROWS:
-            y = packed_kernels.linear(x2, self.packed, self.kind, self.in_features)
+            y = self._matrix.linear(x2)
         else:
             y = self._tiled(x2)
         if self.bias is not None:

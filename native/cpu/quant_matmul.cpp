@@ -1,10 +1,10 @@
 // Matrix products with GGUF-packed weights on the CPU (see quant_matmul.h for the formats).
 //
-// Decode-sized batches (small M) are memory-bound: the packed weight is streamed once per
-// call, each block unpacked in registers and used for every row of x, over output rows split
-// among OpenMP threads. The offsets of Q4_0/Q4_1 are folded out of the inner loop:
-// sum_i (d q_i + m) x_i = d * sum_i q_i x_i + m * sum_i x_i, with the block sums of x computed
-// once per call. Large batches are better served by dequantizing a tile of rows
+// Decode-sized batches (small M): the packed weight is streamed once per call, each block
+// unpacked in registers and used for every row of x, over output rows split among OpenMP
+// threads when there is enough work (kMinWorkPerThread). The offsets of Q4_0/Q4_1 are folded
+// out of the inner loop: sum_i (d q_i + m) x_i = d * sum_i q_i x_i + m * sum_i x_i, with the
+// block sums of x computed once per call. Large batches are better served by dequantizing a tile of rows
 // (qm_dequantize_range) and an optimized GEMM; the caller picks by M.
 //
 // The arithmetic (quant_kernel.cpp) is compiled twice, AVX2+FMA+F16C and portable; the best the
@@ -67,6 +67,18 @@ const qm::Kernels* pick(int isa) {
     return nullptr;
 }
 
+// Block-row products (or blocks dequantized) one thread should have before a second one
+// joins: a thread woken for less costs more than it saves. In the engine, between two
+// products of a decode step the OpenMP workers fall asleep, and waking them took longer than
+// a layer's products at batch 1 (measured: 2 threads on every call made a decode step ~20%
+// slower than 1; this threshold keeps the small products on one thread and splits the LM head).
+constexpr int64_t kMinWorkPerThread = 1 << 18;
+
+int threads_for(int64_t work, int64_t chunks) {
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({omp_get_max_threads(), chunks,
+                                                                      work / kMinWorkPerThread})));
+}
+
 int check(int type, const void* w, int64_t k, const void* out) {
     if (block_bytes(type) == 0) return fail("unsupported packed type " + std::to_string(type) + " (2: Q4_0, 3: Q4_1, 8: Q8_0)");
     if (k <= 0 || k % 32) return fail("k must be a positive multiple of 32; got " + std::to_string(k));
@@ -100,7 +112,7 @@ int qm_linear(int type, const void* w, int64_t n, int64_t k, const float* x, int
                       xsum.data()};
     // Chunks of 16 output rows: enough work per chunk, and whole cache lines of y per thread.
     const int64_t chunk = 16, chunks = (n + chunk - 1) / chunk;
-    const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), chunks));
+    const int threads = threads_for(n * blocks * m, chunks);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; ++c) kern->linear_rows(job, c * chunk, std::min(n, (c + 1) * chunk));
     return 0;
@@ -123,7 +135,8 @@ int qm_dequantize_range(int type, const void* w, int64_t k, int64_t row_begin, i
     if (kern == nullptr) return 1;
     const int64_t row_bytes = qm_row_bytes(type, k);
     const auto* base = static_cast<const uint8_t*>(w);
-#pragma omp parallel for schedule(static)
+    const int threads = threads_for((row_end - row_begin) * (k / 32), row_end - row_begin);
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = row_begin; r < row_end; ++r)
         kern->dequantize_row(type, base + r * row_bytes, k, block_bytes(type), out + (r - row_begin) * k);
     return 0;
