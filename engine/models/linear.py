@@ -7,6 +7,7 @@ picks the kind per tensor.
 
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import attrs
@@ -18,7 +19,8 @@ from backends import packed as packed_kernels
 # Up to this many rows of x, the packed kernel (each block read once for every row) beats
 # dequantizing the weight and a GEMM; above it, the weight is dequantized a tile of rows at a
 # time into a scratch buffer and multiplied by torch's GEMM. Measured with bench/packed.py on
-# the default model's shapes (AMD EPYC, AVX2): the two meet between 16 and 64 rows.
+# the default model's and Llama-3-8B's shapes (AMD EPYC, AVX2): the two meet between 16 and
+# 32 rows (between 32 and 128 for a weight larger than a tile, such as an LM head).
 PACKED_MAX_ROWS = 16
 # Rows of the dequantized tile hold at most this many floats (16 MiB): the LM head of a large
 # vocabulary is never dequantized whole.
@@ -107,11 +109,15 @@ class PackedLinear:
         self.packed, self.kind, self.bias = packed.contiguous(), kind, bias
         self.in_features, self.out_features = in_features, packed.shape[0]
         self._matrix = packed_kernels.PackedMatrix(self.packed, kind, in_features)
+        # A weight larger than one tile (the LM head) would be dequantized through many tiles
+        # per call: the kernel stays ahead of that up to 4x as many rows (bench/packed.py).
+        large = self.out_features * in_features > _TILE_FLOATS
+        self.max_kernel_rows = PACKED_MAX_ROWS * (4 if large else 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
-        if x2.shape[0] <= PACKED_MAX_ROWS:
+        if x2.shape[0] <= self.max_kernel_rows:
             y = self._matrix.linear(x2)
         else:
             y = self._tiled(x2)
@@ -121,10 +127,11 @@ class PackedLinear:
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         rows = max(1, min(self.out_features, _TILE_FLOATS // self.in_features))
+        tile = _scratch(rows * self.in_features)
         if rows == self.out_features:
-            return F.linear(x, self.dequantize())
+            return F.linear(x, packed_kernels.dequantize_range(self.packed, self.kind, self.in_features, 0, rows,
+                                                               out=tile))
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        tile = torch.empty(rows * self.in_features, dtype=torch.float32)
         for begin in range(0, self.out_features, rows):
             end = min(self.out_features, begin + rows)
             w = packed_kernels.dequantize_range(self.packed, self.kind, self.in_features, begin, end, out=tile)
@@ -143,6 +150,18 @@ class PackedLinear:
     @property
     def nbytes(self) -> int:
         return _bytes(self.packed) + _bytes(self.bias)
+
+
+_local = threading.local()
+
+
+def _scratch(floats: int) -> torch.Tensor:
+    """This thread's dequantization tile (at most ``_TILE_FLOATS``), kept between calls: a
+    fresh buffer of megabytes per product costs page faults on every step."""
+    tile = getattr(_local, "tile", None)
+    if tile is None or tile.numel() < floats:
+        tile = _local.tile = torch.empty(floats, dtype=torch.float32)
+    return tile[:floats]
 
 
 def _bytes(t: torch.Tensor | None) -> int:
