@@ -135,7 +135,8 @@ int qm_dequantize_range(int type, const void* w, int64_t k, int64_t row_begin, i
     if (kern == nullptr) return 1;
     const int64_t row_bytes = qm_row_bytes(type, k);
     const auto* base = static_cast<const uint8_t*>(w);
-    const int threads = threads_for((row_end - row_begin) * (k / 32), row_end - row_begin);
+    // Tiles are dequantized for large batches, whose steps are long: waking a worker is cheap there.
+    const int threads = threads_for((row_end - row_begin) * (k / 32) * 16, row_end - row_begin);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t r = row_begin; r < row_end; ++r)
         kern->dequantize_row(type, base + r * row_bytes, k, block_bytes(type), out + (r - row_begin) * k);
