@@ -31,7 +31,7 @@ from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
-from engine.tools import ToolCallParser, ToolPlan, plan_tools, prepare_messages, template_renders_tools
+from engine.tools import ToolCallParser, ToolPlan, plan_tools, render_inputs
 
 log = logging.getLogger(__name__)
 
@@ -309,13 +309,11 @@ class _Handlers:
                         template_kwargs: dict | None, plan: ToolPlan | None) -> list[int]:
         tokenizer = self.client.tokenizer
         try:
-            if plan is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-                renders_tools = template_renders_tools(tokenizer, self.state.chat_template)
-                messages, tool_kwargs = prepare_messages(messages, plan, renders_tools)
-                template_kwargs = {**(template_kwargs or {}), **tool_kwargs}
+            messages, tool_kwargs = render_inputs(tokenizer, messages, plan, self.state.chat_template)
             return apply_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message,
-                                       chat_template=self.state.chat_template, **(template_kwargs or {}))
+                                       chat_template=self.state.chat_template, **{**(template_kwargs or {}),
+                                                                                  **tool_kwargs})
         except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the caller's messages or kwargs
             if isinstance(exc, InvalidParameterError):
                 raise

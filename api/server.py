@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "X-Request-Timeout header overrides it")
     p.add_argument("--request-body-timeout", type=float, default=60.0,
                    help="seconds a client may take to send its request body (408 past it)")
+    _add_output_flags(p)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
+    return p
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """What shapes a response: structured outputs and tool calls (as in vLLM)."""
     p.add_argument("--structured-outputs-config", default=None,
                    help='JSON, as in vLLM: {"backend": "xgrammar", "compile_timeout_s": 10, '
                         '"max_concurrent_compiles": 2, "cache_size": 512}. Requests constrain their output with '
@@ -87,8 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", choices=("hermes",), default="hermes",
                    help="the format of tool calls: Hermes (<tool_call>{json}</tool_call>), written into the "
                         "prompt when the chat template does not render tools, and enforced by a grammar")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
-    return p
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

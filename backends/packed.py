@@ -68,13 +68,10 @@ def _rc(rc: int, what: str) -> None:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, k: int, isa: str = "best") -> torch.Tensor:
     """``x @ W.T`` for fp32 ``x`` ``[M, K]``: the packed kernel (reads each block once for all M rows)."""
-    type_id = _check(packed, kind, k)
+    matrix = PackedMatrix(packed, kind, k)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous float32 [M, {k}] tensor; got {x.dtype} {tuple(x.shape)}")
-    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.float32)
-    _rc(library().qm_linear(type_id, _ptr(packed), packed.shape[0], k, _ptr(x, "float *"), x.shape[0],
-                            _ptr(out, "float *"), ISAS[isa]), "packed linear")
-    return out
+    return matrix.linear(x, isa)
 
 
 class PackedMatrix:
@@ -87,12 +84,12 @@ class PackedMatrix:
         self._lib, self._ffi = library(), _ffi()
         self._ptr = self._ffi.cast("void *", data.data_ptr())
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, isa: str = "best") -> torch.Tensor:
         """``x @ W.T`` for ``x`` float32, contiguous, ``[M, K]`` (the caller guarantees it)."""
         out = torch.empty(x.shape[0], self.data.shape[0], dtype=torch.float32)
         cast = self._ffi.cast
         rc = self._lib.qm_linear(self._type, self._ptr, self.data.shape[0], self.k, cast("float *", x.data_ptr()),
-                                 x.shape[0], cast("float *", out.data_ptr()), 0)
+                                 x.shape[0], cast("float *", out.data_ptr()), ISAS[isa])
         if rc:
             _rc(rc, "packed linear")
         return out

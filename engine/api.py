@@ -24,7 +24,7 @@ from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import StructuredOutputManager, StructuredOutputsConfig
 from engine.tokenizer import apply_chat_template, load_tokenizer
-from engine.tools import plan_tools, prepare_messages, template_renders_tools
+from engine.tools import plan_tools, render_inputs
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
            "EngineConfig", "Engine", "EngineClient", "EngineDeadError", "EngineStats", "StepOutput", "open_engine"]
@@ -97,10 +97,8 @@ class LLM:
         plan = plan_tools(tools, tool_choice, parallel_tool_calls)
         prompts = []
         for conv in conversations:
-            kwargs = dict(chat_template_kwargs or {})
-            if plan is not None or any(m.get("role") == "tool" or m.get("tool_calls") for m in conv):
-                conv, tool_kwargs = prepare_messages(conv, plan, template_renders_tools(self.tokenizer, chat_template))
-                kwargs.update(tool_kwargs)
+            conv, tool_kwargs = render_inputs(self.tokenizer, conv, plan, chat_template)
+            kwargs = {**(chat_template_kwargs or {}), **tool_kwargs}
             prompts.append({"prompt_token_ids": apply_chat_template(
                 self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)})

@@ -97,22 +97,21 @@ class ToolPlan:
         """
         if self.choice == "none":
             return None
+        if self.choice == "named":
+            return self._hermes_tag({"type": "function", "function": {"name": self.named}})
+        if content is not None and self.choice == "auto":
+            calls = self._hermes_tag("required")["format"]
+            return {**self._hermes_tag("auto"), "format": {"type": "or", "elements": [_as_format(content), calls]}}
+        return self._hermes_tag(self.choice)
+
+    def _hermes_tag(self, tool_choice: Any) -> dict[str, Any]:
+        """xgrammar's structural tag for Hermes-format calls to these tools."""
         from xgrammar.builtin_structural_tag import get_model_structural_tag
 
-        choice: Any = self.choice
-        if choice == "named":
-            choice = {"type": "function", "function": {"name": self.named}}
-        tag = get_model_structural_tag(
-            "qwen_3", tools=[t.as_openai() for t in self.tools], tool_choice=choice, reasoning="disabled",
+        return get_model_structural_tag(
+            "qwen_3", tools=[t.as_openai() for t in self.tools], tool_choice=tool_choice, reasoning="disabled",
             exclude_special_tokens=False, max_whitespace_cnt=_MAX_WHITESPACE,
             parallel_tool_calls=self.parallel).model_dump(mode="json")
-        if content is not None and self.choice == "auto":
-            calls = get_model_structural_tag(
-                "qwen_3", tools=[t.as_openai() for t in self.tools], tool_choice="required", reasoning="disabled",
-                exclude_special_tokens=False, max_whitespace_cnt=_MAX_WHITESPACE,
-                parallel_tool_calls=self.parallel).model_dump(mode="json")
-            tag["format"] = {"type": "or", "elements": [_as_format(content), calls["format"]]}
-        return tag
 
     def constrain(self, params: SamplingParams) -> SamplingParams:
         """``params`` with the tool grammar as its constraint (merged with one already there)."""
@@ -242,6 +241,15 @@ def template_renders_tools(tokenizer, chat_template: str | None = None) -> bool:
     return known
 
 
+def render_inputs(tokenizer, messages: list[Message], plan: ToolPlan | None, chat_template: str | None,
+                  ) -> tuple[list[Message], dict[str, Any]]:
+    """The conversation and extra template arguments for ``plan``'s tools and for any earlier
+    calls and results in ``messages``; unchanged (and no template probe) when there are none."""
+    if plan is None and not any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        return messages, {}
+    return prepare_messages(messages, plan, template_renders_tools(tokenizer, chat_template))
+
+
 def prepare_messages(messages: list[Message], plan: ToolPlan | None, renders_tools: bool,
                      ) -> tuple[list[Message], dict[str, Any]]:
     """The conversation and extra template arguments to render a request with tools (or with
@@ -259,17 +267,16 @@ def prepare_messages(messages: list[Message], plan: ToolPlan | None, renders_too
         role = message["role"]
         if role == "tool":
             response = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
-            if converted and converted[-1].get("_tool_responses"):
+            if i and messages[i - 1]["role"] == "tool":  # results of one turn's calls: one user turn
                 converted[-1]["content"] += "\n" + response
             else:
-                converted.append({"role": "user", "content": response, "_tool_responses": True})
+                converted.append({"role": "user", "content": response})
         elif role == "assistant" and message.get("tool_calls"):
             calls = [_call_text(call, i) for call in message["tool_calls"]]
             content = message.get("content") or ""
             converted.append({"role": "assistant", "content": "\n".join(([content] if content else []) + calls)})
         else:
             converted.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")})
-    converted = [{k: v for k, v in m.items() if k != "_tool_responses"} for m in converted]
     if tools:
         block = _tools_system_text(tools)
         if converted and converted[0]["role"] == "system":
