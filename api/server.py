@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
                    help="auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights stay packed and run in native kernels "
                         "(CPU); none: dequantize every weight to --dtype at load; int8: quantize an "
-                        "fp32/fp16/bf16 model's matrices at load (int8 weight-only, a scale per 32 values)")
+                        "fp32/fp16/bf16 model's matrices at load (8-bit weight-only, a scale and a minimum per 32 values)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="most tokens in one forward pass")

@@ -1,4 +1,5 @@
-"""Matrix products with weights kept in GGUF's packed block formats (Q4_0, Q4_1, Q8_0), through
+"""Matrix products with weights kept in GGUF's packed block formats (Q4_0, Q4_1, Q8_0; and Q8_M,
+which ``--quantization int8`` makes at load), through
 the native library ``libqm_cpu.so`` (cffi, ABI mode; AVX2+FMA or portable, chosen at load).
 
 A packed weight is a uint8 tensor ``[N, row_bytes]``: N output rows of K values each, in
@@ -15,8 +16,9 @@ import torch
 from backends import native
 
 HEADER = Path(__file__).resolve().parent.parent / "native" / "include" / "quant_matmul.h"
-# GGUF type name -> (ggml type id, bytes per block of 32 values)
-TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
+# type name -> (type id, bytes per block of 32 values): GGUF's ids, and Q8_M (fp16 scale, fp16
+# minimum, 32 uint8), which is not a GGUF type (native/include/quant_matmul.h)
+TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34), "Q8_M": (100, 36)}
 BLOCK = 32
 ISAS = {"best": 0, "portable": 1, "avx2": 2}
 

@@ -70,8 +70,8 @@ class EngineConfig:
         quantization: how weights are held (as vLLM names it): ``auto`` keeps a GGUF file's
             Q4_0 / Q4_1 / Q8_0 tensors packed and runs them through native kernels (on CPU);
             ``none`` dequantizes every tensor to ``dtype`` at load; ``int8`` quantizes the
-            matrices of an fp32/fp16/bf16 model at load (weight-only, int8 with a scale per 32
-            values: GGUF's Q8_0) for the same kernels.
+            matrices of an fp32/fp16/bf16 model at load (weight-only, 8 bits with a scale and a
+            minimum per 32 values: Q8_M) for the same kernels.
         max_model_len: longest prompt + output in tokens; defaults to the model's context length.
         block_size: tokens per KV cache block.
         num_kv_blocks: exact number of KV blocks (overrides ``kv_cache_memory``).

@@ -1,5 +1,6 @@
-"""Packed GGUF weights (Q4_0, Q4_1, Q8_0): the native kernels against dequantize-then-F.linear
-(GGUF's own reference dequantizer), each vector path this CPU runs; the linear-layer seam;
+"""Packed weights (GGUF's Q4_0, Q4_1, Q8_0, and Q8_M for int8): the native kernels against
+dequantize-then-F.linear (GGUF's own reference dequantizer; for Q8_M, q * d + m written out
+here), each vector path this CPU runs; the linear-layer seam;
 the loader's checks; the default model's resident weight size."""
 
 from __future__ import annotations
@@ -14,15 +15,25 @@ from gguf.quants import dequantize, quantize
 import engine.models.linear as linear_module
 from backends import packed
 from engine.errors import ConfigError
-from engine.models.linear import PackedLinear
+from engine.models.linear import PackedLinear, quantize_q8_m
 
 KINDS = list(packed.TYPES)
 ISAS = [isa for isa in ("portable", "avx2") if packed.isa_supported(isa)]
 
 
+def q8_m_reference(data: torch.Tensor, k: int) -> torch.Tensor:
+    """Q8_M blocks (fp16 d, fp16 m, 32 uint8 q) as fp32 q * d + m, rounded after each step."""
+    blocks = data.reshape(-1, 36)
+    d, m = blocks[:, 0:2].contiguous().view(torch.float16).float(), blocks[:, 2:4].contiguous().view(torch.float16).float()
+    return (blocks[:, 4:].float() * d + m).reshape(-1, k)
+
+
 def packed_weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed rows, GGUF's reference dequantization of them as fp32)."""
+    """(packed rows, the reference dequantization of them as fp32)."""
     w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    if kind == "Q8_M":
+        data = quantize_q8_m(torch.from_numpy(w)).data
+        return data, q8_m_reference(data, k)
     data = quantize(w, GGMLQuantizationType[kind])
     reference = np.array(dequantize(data, GGMLQuantizationType[kind]), dtype=np.float32).reshape(n, k)
     return torch.from_numpy(data.reshape(n, -1).copy()), torch.from_numpy(reference)
@@ -137,12 +148,24 @@ def test_the_default_models_weights_stay_within_their_file_size(shared_llm):
 
 # ---- int8 weight-only ----
 
-def test_int8_quantizes_as_ggufs_reference_does():
-    from engine.models.linear import quantize_q8_0
-
+def test_int8_keeps_every_value_within_half_a_step_of_its_blocks_own_range():
     w = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)) * 0.05
     w[3, :32], w[5, 7] = 0, 0.5  # an all-zero block; an outlier
-    assert np.array_equal(quantize_q8_0(w).data.numpy(), quantize(w.numpy(), GGMLQuantizationType.Q8_0).reshape(64, -1))
+    w[9] = 0.2 + 0.1 * torch.rand(96, generator=torch.Generator().manual_seed(4))  # all positive
+    packed_w = quantize_q8_m(w)
+    assert packed_w.kind == "Q8_M" and packed_w.data.shape == (64, 3 * 36)
+    got = packed_w.dequantize()
+    assert torch.equal(got, q8_m_reference(packed_w.data, 96))
+    blocks, values = w.reshape(-1, 32), got.reshape(-1, 32)
+    step = (blocks.amax(1) - blocks.amin(1)) / 255
+    error = (values - blocks).abs().amax(1)
+    assert (error <= 0.51 * step + blocks.abs().amax(1) * 2 ** -10).all()
+    assert torch.equal(got[3, :32], torch.zeros(32))
+    # A block away from zero gets levels over its own range: a step of 0.1/255, where a
+    # symmetric scale (max |w| / 127) would step 0.3/127.
+    assert error.reshape(64, 3)[9].max() < 0.3 / 127 / 4
+    with pytest.raises(ValueError, match="finite"):
+        quantize_q8_m(torch.full((2, 32), float("nan")))
 
 
 def test_int8_on_a_quantized_file_is_a_clear_error():
@@ -179,10 +202,12 @@ def fp32_model_dir(tmp_path_factory, tokenizer):
 @pytest.mark.slow
 def test_int8_agrees_with_fp32_over_the_projects_own_text(fp32_model_dir, tokenizer):
     """Teacher-forced over the README and the benchmark notes (read now). Measured: the int8
-    model's top-1 token equals the fp32 model's at 98.0% of 3000 positions, and every
-    disagreement is a near-tie (fp32's top two within 0.19 nats; median 0.04); perplexity
-    +0.14%. (This fp32 model is the dequantized Q4_1 file: its blocks are asymmetric, which
-    Q8_0's symmetric scale serves worst.)"""
+    model (layers in Q8_M, LM head fp32) picks the fp32 model's top-1 token at 99.8% of 3000
+    positions (7 differ, each where fp32's top two were within 0.009 nats); perplexity
+    +0.005%. With a symmetric int8 scale (Q8_0) it was 98.0%; with the LM head in Q8_M too,
+    99.0%. (This fp32 model is the dequantized Q4_1 file, whose 16 levels per block Q8_M's 256
+    nearly hold; on a copy with its weights moved off that grid, Q8_0 and Q8_M agreed on
+    96.9% and 97.2%: that model has twice the near-ties.)"""
     import math
     from pathlib import Path
 
@@ -195,7 +220,7 @@ def test_int8_agrees_with_fp32_over_the_projects_own_text(fp32_model_dir, tokeni
     results = {}
     for quantization in ("none", "int8"):
         llm = LLM(str(fp32_model_dir), backend="cpu", dtype="float32", num_kv_blocks=256, quantization=quantization)
-        assert llm.engine.model.weight_summary()[0] == ({"Q8_0": 121} if quantization == "int8" else {"float32": 121})
+        assert llm.engine.model.weight_summary()[0] == ({"Q8_M": 120, "float32": 1} if quantization == "int8" else {"float32": 121})
         output = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
         positions = [sorted(p.items(), key=lambda item: item[1].rank) for p in output.prompt_logprobs[1:]]
         nll = -sum(dict(p)[t].logprob for p, t in zip(positions, ids[1:])) / len(positions)
@@ -203,6 +228,6 @@ def test_int8_agrees_with_fp32_over_the_projects_own_text(fp32_model_dir, tokeni
     (fp32, fp32_ppl), (int8, int8_ppl) = results["none"], results["int8"]
     flips = [a for a, b in zip(fp32, int8) if a[0][0] != b[0][0]]
     margins = [a[0][1].logprob - next(lp.logprob for _, lp in a if lp.rank == 2) for a in flips]
-    assert len(flips) <= 0.025 * len(fp32), len(flips)
+    assert len(flips) <= 0.01 * len(fp32), len(flips)
     assert all(m < 0.3 for m in margins), max(margins)  # only near-ties flip
     assert abs(int8_ppl / fp32_ppl - 1) <= 0.02, (int8_ppl, fp32_ppl)

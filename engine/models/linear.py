@@ -44,21 +44,28 @@ class PackedWeight:
         return _bytes(self.data)
 
 
-def quantize_q8_0(weight: torch.Tensor) -> PackedWeight:
-    """``weight`` ``[out, in]`` as Q8_0: int8 values with one fp16 scale per 32 (max |w| / 127),
-    byte for byte what GGUF's reference quantizer writes (rounding half away from zero)."""
+def quantize_q8_m(weight: torch.Tensor) -> PackedWeight:
+    """``weight`` ``[out, in]`` as Q8_M (``--quantization int8``): per 32 values an fp16 scale
+    ``d = (max - min) / 255`` and minimum ``m``, and uint8 ``q`` with value ``q * d + m``.
+
+    Asymmetric: the 256 levels span each block's own range, so the step is at most what a
+    symmetric int8 scale (max |w| / 127) gives, and often half of it. Measured on the default
+    model's layers, teacher-forced over 3000 tokens (tests/test_packed.py): Q8_0 agreed with
+    fp32 on 98.0% of top-1 tokens, Q8_M on 99.8%. Part of that margin is the model's Q4_1
+    origin, whose 16 levels per block Q8_M holds almost exactly.
+    """
     out_features, in_features = weight.shape
     if in_features % packed_kernels.BLOCK:
         raise ValueError(f"int8 needs rows of whole {packed_kernels.BLOCK}-value blocks; got {in_features}")
     blocks = weight.detach().to(torch.float32).reshape(-1, packed_kernels.BLOCK)
-    scale = blocks.abs().amax(dim=1, keepdim=True) / 127
-    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
-    scaled = blocks * inverse
-    magnitude = scaled.abs()
-    floored = magnitude.floor()
-    values = (scaled.sign() * (floored + (2 * (magnitude - floored)).floor())).to(torch.int8)
-    data = torch.cat([scale.to(torch.float16).view(torch.uint8), values.view(torch.uint8)], dim=1)
-    return PackedWeight(data.reshape(out_features, -1).contiguous(), "Q8_0", (out_features, in_features))
+    if not torch.isfinite(blocks).all() or blocks.abs().max() > 65504:
+        raise ValueError("int8 needs finite weights within fp16's range")
+    low = blocks.amin(dim=1, keepdim=True).to(torch.float16)
+    scale = ((blocks.amax(dim=1, keepdim=True) - low.float()) / 255).to(torch.float16)
+    inverse = torch.where(scale == 0, torch.zeros_like(scale, dtype=torch.float32), 1 / scale.float())
+    values = ((blocks - low.float()) * inverse).round().clamp(0, 255).to(torch.uint8)
+    data = torch.cat([scale.view(torch.uint8), low.view(torch.uint8), values], dim=1)
+    return PackedWeight(data.reshape(out_features, -1).contiguous(), "Q8_M", (out_features, in_features))
 
 
 class Linear(Protocol):
@@ -97,7 +104,7 @@ class DenseLinear:
 
 
 class PackedLinear:
-    """A weight kept in a GGUF block format (Q4_0, Q4_1, Q8_0): ``[out, row_bytes]`` uint8.
+    """A weight kept in a packed block format (GGUF's Q4_0, Q4_1, Q8_0, or Q8_M): ``[out, row_bytes]`` uint8.
 
     Computes in fp32 from the stored values (the same values GGUF's reference dequantizes
     to), and returns the dtype of ``x``.

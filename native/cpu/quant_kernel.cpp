@@ -54,6 +54,10 @@ inline void block_values(int type, const uint8_t* b, float* q) {
         for (int i = 0; i < 32; ++i) q[i] = static_cast<float>(s[i]);
         return;
     }
+    if (type == kQ8_M) {
+        for (int i = 0; i < 32; ++i) q[i] = static_cast<float>(b[4 + i]);
+        return;
+    }
     const uint8_t* s = b + (type == kQ4_1 ? 4 : 2);
     for (int i = 0; i < 16; ++i) {
         q[i] = static_cast<float>(s[i] & 0x0f);
@@ -71,6 +75,15 @@ inline void block_values8(int type, const uint8_t* b, __m256* q) {
         q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
         q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
         q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+        return;
+    }
+    if (type == kQ8_M) {
+        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4));
+        const __m128i lo = _mm256_castsi256_si128(all), hi = _mm256_extracti128_si256(all, 1);
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
         return;
     }
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (type == kQ4_1 ? 4 : 2)));
@@ -92,7 +105,7 @@ inline float hsum(__m256 v) {
 // The block's scale, and what each unit of sum(x) adds (the offset: -8d, m or 0).
 inline void scale_offset(int type, const uint8_t* b, float* d, float* offset) {
     *d = fp16(b);
-    *offset = type == kQ4_1 ? fp16(b + 2) : type == kQ4_0 ? -8.f * *d : 0.f;
+    *offset = type == kQ4_1 || type == kQ8_M ? fp16(b + 2) : type == kQ4_0 ? -8.f * *d : 0.f;
 }
 
 // Rows [n0, n1) of y for up to kRowTile rows of x. Per block: the quantized values are dotted
@@ -158,7 +171,8 @@ void linear_rows(const Job& j, int64_t n0, int64_t n1) {
     for (; m0 < j.m; ++m0) rows_tile<1>(j, n0, n1, m0);
 }
 
-// One row, dequantized exactly as GGUF's reference does: d * q + m, rounded after each step.
+// One row, dequantized exactly as GGUF's reference does: d * q + m, rounded after each step
+// (Q8_M, which is not a GGUF type, the same way as Q4_1).
 void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out) {
     for (int64_t b = 0; b < k / 32; ++b) {
         const uint8_t* blk = row + b * block_bytes;
@@ -168,7 +182,7 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
         __m256 q[4];
         block_values8(type, blk, q);
         const __m256 vd = _mm256_set1_ps(d);
-        if (type == kQ4_1) {
+        if (type == kQ4_1 || type == kQ8_M) {
             const __m256 vm = _mm256_set1_ps(fp16(blk + 2));
             for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(vd, q[i]), vm));
         } else {
@@ -178,7 +192,7 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
 #else
         float q[32];
         block_values(type, blk, q);
-        if (type == kQ4_1) {
+        if (type == kQ4_1 || type == kQ8_M) {
             const float m = fp16(blk + 2);
             for (int i = 0; i < 32; ++i) o[i] = d * q[i] + m;
         } else {

@@ -7,6 +7,7 @@
 namespace qm {
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML type ids
+constexpr int kQ8_M = 100;                      // not a GGML type: uint8 with a scale and a min (int8 at load)
 
 struct Job {
     int type;

@@ -44,6 +44,7 @@ int64_t block_bytes(int type) {
         case qm::kQ4_0: return 18;
         case qm::kQ4_1: return 20;
         case qm::kQ8_0: return 34;
+        case qm::kQ8_M: return 36;
         default: return 0;
     }
 }
@@ -80,7 +81,7 @@ int threads_for(int64_t work, int64_t chunks) {
 }
 
 int check(int type, const void* w, int64_t k, const void* out) {
-    if (block_bytes(type) == 0) return fail("unsupported packed type " + std::to_string(type) + " (2: Q4_0, 3: Q4_1, 8: Q8_0)");
+    if (block_bytes(type) == 0) return fail("unsupported packed type " + std::to_string(type) + " (2: Q4_0, 3: Q4_1, 8: Q8_0, 100: Q8_M)");
     if (k <= 0 || k % 32) return fail("k must be a positive multiple of 32; got " + std::to_string(k));
     if (w == nullptr || out == nullptr) return fail("null pointer");
     return 0;

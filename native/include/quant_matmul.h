@@ -4,6 +4,8 @@
  *   Q4_0 (type 2): fp16 d, 16 bytes of nibbles             -> value = (q - 8) * d   (18 bytes)
  *   Q4_1 (type 3): fp16 d, fp16 m, 16 bytes of nibbles     -> value = q * d + m     (20 bytes)
  *   Q8_0 (type 8): fp16 d, 32 int8                         -> value = q * d         (34 bytes)
+ *   Q8_M (type 100, not a GGUF type): fp16 d, fp16 m, 32 uint8 -> value = q * d + m (36 bytes);
+ *        what --quantization int8 makes at load (a scale and a minimum per 32 values)
  * In a nibble block, byte j holds value j (low nibble) and value j + 16 (high nibble).
  *
  * Activations and results are fp32, row-major and contiguous. Every call returns 0, or 1
