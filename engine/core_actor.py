@@ -72,7 +72,7 @@ class CoreActor:
                                            StepTimings(t1 - t0, t2 - t1, t3 - t2)))
 
     async def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        """The step's device work in a worker thread, under the watchdog.
+        """The step's device work on the core's device thread, under the watchdog.
 
         Shielded: shutting down waits for the step in flight (its K/V writes must not race
         the blocks being freed), but never longer than ``step_timeout``: a step that does not
@@ -80,7 +80,7 @@ class CoreActor:
         """
         timeout = self.core.config.step_timeout
         with trio.CancelScope(shield=True), trio.move_on_after(math.inf if timeout is None else timeout):
-            return await trio.to_thread.run_sync(self.core.execute, plan, abandon_on_cancel=True)
+            return await self.core.device_thread.run(self.core.execute, plan)
         raise StepTimeoutError(f"an engine step ran for more than {timeout} s (step_timeout): a hung kernel?")
 
     def _step_output(self, deltas: list[TokenDelta], num_tokens: int, num_seqs: int,

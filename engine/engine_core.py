@@ -15,6 +15,7 @@ import attrs
 
 from backends import get_backend
 from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, default_gpu_kv_cache_memory, resolve_device, resolve_dtype
+from engine.device_thread import DeviceThread
 from engine.errors import ConfigError, InvalidParameterError
 from engine.kv_cache import BlockManager
 from engine.messages import EngineStats, TokenDelta
@@ -42,16 +43,19 @@ class EngineCore:
         self.device = resolve_device(config)
         self.backend = get_backend(config.backend, self.device)  # before loading: a wrong choice fails fast
         source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
-        self.model = model or load_model(source, config.load_format, resolve_dtype(config, self.device),
-                                          self.device, config.seed, config.quantization)
+        # Weights, KV cache and forward passes all on one thread (device_thread.py says why).
+        self.device_thread = DeviceThread.shared()
+        self.model = model or self.device_thread.run_sync(
+            load_model, source, config.load_format, resolve_dtype(config, self.device), self.device, config.seed,
+            config.quantization)
         self.vocab_size = self.model.config.vocab_size
         self.eos_token_id = self.model.config.eos_token_id
         num_blocks = self._num_kv_blocks()
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.backend, num_blocks, config.block_size, self.device, config.seed,
-                                  config.max_num_seqs)
+        self.runner = self.device_thread.run_sync(ModelRunner, self.model, self.backend, num_blocks,
+                                                  config.block_size, self.device, config.seed, config.max_num_seqs)
         self._arrivals = itertools.count()
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequences' ids
         self._num_prompt_tokens = 0
@@ -192,7 +196,11 @@ class EngineCore:
         return self.scheduler.schedule()
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        """The device work of a step; touches no scheduler state, so it may run in a worker thread."""
+        """The device work of a step, on the device thread; touches no scheduler state (the
+        core actor awaits it with ``device_thread.run`` while its event loop goes on)."""
+        return self.device_thread.run_sync(self._execute, plan)
+
+    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
         tables = {c.request.request_id: self.block_manager.owned_blocks(c.request.request_id) for c in plan.chunks}
         return self.runner.execute(plan, tables)
 

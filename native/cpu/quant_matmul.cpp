@@ -69,11 +69,12 @@ const qm::Kernels* pick(int isa) {
 }
 
 // Block-row products (or blocks dequantized) one thread should have before a second one
-// joins: a thread woken for less costs more than it saves. In the engine, between two
-// products of a decode step the OpenMP workers fall asleep, and waking them took longer than
-// a layer's products at batch 1 (measured: 2 threads on every call made a decode step ~20%
-// slower than 1; this threshold keeps the small products on one thread and splits the LM head).
-constexpr int64_t kMinWorkPerThread = 1 << 18;
+// joins: a thread woken for less costs more than it saves. 4096 splits every product of a
+// batch-1 decode step of the default model over both cores. That pays only while the
+// process has one OpenMP pool (the engine's device thread, engine/device_thread.py): with
+// two, libgomp cuts its spin-wait short and each product waits for a sleeping worker
+// (measured then: a batch-1 step 20% slower than with one thread).
+constexpr int64_t kMinWorkPerThread = 1 << 12;
 
 int threads_for(int64_t work, int64_t chunks) {
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({omp_get_max_threads(), chunks,

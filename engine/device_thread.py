@@ -1,0 +1,111 @@
+"""The one thread that does the process's device work: loading weights, building KV caches,
+and every forward pass, of every engine in the process.
+
+Why one thread: OpenMP (torch's CPU kernels and the native libraries both use libgomp) keeps
+a pool of worker threads for each thread that opens parallel regions. Once the process holds
+more pool threads than cores, libgomp cuts its spin-wait short, so every parallel region
+has to wake sleeping workers. On a 2-core VM a batch-1 decode step then lost more to waking
+a worker than a second core gained: splitting the small products over both cores made the
+step 20% slower. With the weights loaded on one thread and the steps run on another (trio's
+thread cache), there were two pools; with two engines in a process (a benchmark comparing
+two), four. One device thread for the process keeps one pool; engines in one process take
+turns on it, as they would take turns on the cores anyway. (A kernel that hangs holds up
+every engine of the process: the watchdog declares its engine dead, and the process should
+be restarted.)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import trio
+
+T = TypeVar("T")
+
+
+class _Job:
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self.fn, self.args = fn, args
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.on_done: Callable[[], None] | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as error:  # handed to the caller, who re-raises it
+            self.error = error
+        self.fn = self.args = None  # the thread must not keep the caller's objects alive
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done()
+
+    def outcome(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _serve(jobs: queue.SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job.run()
+        del job
+
+
+class DeviceThread:
+    """Runs calls one at a time on a daemon thread of its own (daemon: a hung kernel that the
+    step watchdog abandoned must not hold up the interpreter's exit). ``shared()`` is the
+    process's one."""
+
+    _shared: DeviceThread | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self, name: str = "engine-device") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=name, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def shared(cls) -> DeviceThread:
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    def close(self) -> None:
+        """Ends the thread after the calls already queued."""
+        self._jobs.put(None)
+
+    def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the device thread; blocks until it returns (or raises)."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        job = _Job(fn, args)
+        self._jobs.put(job)
+        job.done.wait()
+        return job.outcome()
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the device thread, awaited from trio without blocking the event
+        loop. Cancelling the wait abandons the call: it still finishes on the device thread."""
+        token = trio.lowlevel.current_trio_token()
+        finished = trio.Event()
+
+        def wake() -> None:
+            try:
+                token.run_sync_soon(finished.set)
+            except trio.RunFinishedError:  # the caller's trio.run is gone (an abandoned call)
+                pass
+
+        job = _Job(fn, args)
+        job.on_done = wake
+        self._jobs.put(job)
+        await finished.wait()
+        return job.outcome()

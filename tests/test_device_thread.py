@@ -1,0 +1,75 @@
+"""The device thread: every engine's device work (load, KV cache, forward passes) runs on one
+thread per process, so OpenMP keeps one worker pool (engine/device_thread.py says why)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+
+from engine.device_thread import DeviceThread
+from engine.sampling_params import SamplingParams
+from tests.conftest import tiny_engine_core
+
+
+def test_run_sync_returns_raises_and_runs_nested_calls_in_place():
+    device = DeviceThread(name="test-device")
+    try:
+        assert device.run_sync(threading.current_thread) is not threading.current_thread()
+        assert device.run_sync(lambda a, b: a + b, 2, 3) == 5
+        with pytest.raises(ZeroDivisionError):
+            device.run_sync(lambda: 1 / 0)
+        # A call made from the device thread itself runs there at once (no deadlock).
+        inner = device.run_sync(lambda: device.run_sync(threading.current_thread))
+        assert inner is device.run_sync(threading.current_thread)
+    finally:
+        device.close()
+
+
+async def test_run_awaits_without_blocking_the_event_loop_and_a_cancelled_wait_abandons_the_call():
+    device = DeviceThread(name="test-device")
+    release, finished, ticks = threading.Event(), threading.Event(), []
+
+    def slow() -> str:
+        release.wait(10)
+        finished.set()
+        return "done"
+
+    async def tick():
+        while True:
+            ticks.append(1)
+            await trio.sleep(0.001)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tick)
+            with trio.move_on_after(0.05) as scope:
+                await device.run(slow)
+            assert scope.cancelled_caught and not finished.is_set() and len(ticks) > 5
+            release.set()
+            assert await device.run(lambda: "next") == "next"  # queued behind the abandoned call
+            assert finished.is_set()
+            with pytest.raises(KeyError):
+                await device.run(lambda: {}["missing"])
+            nursery.cancel_scope.cancel()
+    finally:
+        device.close()
+
+
+def test_every_engine_in_the_process_loads_and_steps_on_the_one_device_thread(tiny_model, monkeypatch):
+    device = DeviceThread.shared()
+    first, second = tiny_engine_core(tiny_model), tiny_engine_core(tiny_model)
+    assert first.device_thread is second.device_thread is device
+    seen = set()
+    real = first.runner.execute
+
+    def execute(*args):
+        seen.add(threading.current_thread())
+        return real(*args)
+
+    monkeypatch.setattr(first.runner, "execute", execute)
+    first.add_request("r", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    while first.has_unfinished_requests:
+        first.step()
+    assert seen == {device.run_sync(threading.current_thread)}
