@@ -60,7 +60,7 @@ def random_packed(kind: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
     blocks = rng.integers(0, 256, size=(n, k // 32, block_bytes), dtype=np.uint8)
     scales = (rng.random((n, k // 32, 2)) * 0.02 + 0.001).astype(np.float16).view(np.uint8)
     blocks[..., 0:2] = scales[..., 0:2]  # d
-    if kind == "Q4_1":
+    if kind in ("Q4_1", "Q8_M"):
         blocks[..., 2:4] = scales[..., 0:2]  # m
     return torch.from_numpy(blocks.reshape(n, -1))
 
@@ -84,7 +84,7 @@ def kernels(shapes, label: str, bandwidth: float, rows=(1, 8, 32, 128)) -> None:
                 kernel = best(lambda: packed.linear(x, data, kind, k))
                 tiled = best(lambda: layer._tiled(x), 5)
                 dense = best(lambda: F.linear(x, weight))
-                chosen = kernel if m <= PACKED_MAX_ROWS else tiled
+                chosen = kernel if m <= layer.max_kernel_rows else tiled
                 cells.append(f"M={m}: {kernel * 1e3:.3f}/{tiled * 1e3:.3f}/{dense * 1e3:.3f} ({dense / chosen:.2f}x)")
                 if m == 1:
                     rate = data.numel() / kernel

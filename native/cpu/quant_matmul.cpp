@@ -2,10 +2,12 @@
 //
 // Decode-sized batches (small M): the packed weight is streamed once per call, each block
 // unpacked in registers and used for every row of x, over output rows split among OpenMP
-// threads when there is enough work (kMinWorkPerThread). The offsets of Q4_0/Q4_1 are folded
-// out of the inner loop: sum_i (d q_i + m) x_i = d * sum_i q_i x_i + m * sum_i x_i, with the
-// block sums of x computed once per call. Large batches are better served by dequantizing a tile of rows
-// (qm_dequantize_range) and an optimized GEMM; the caller picks by M.
+// threads when there is enough work (kMinWorkPerThread). Below 8 rows the offsets of
+// Q4_0/Q4_1/Q8_M are folded out of the inner loop: sum_i (d q_i + m) x_i =
+// d * sum_i q_i x_i + m * sum_i x_i, with the block sums of x computed once per call. From 8
+// rows (AVX2) each block is dequantized in registers once and feeds 8 rows of x. Large
+// batches are better served by dequantizing a tile of rows (qm_dequantize_range) and an
+// optimized GEMM; the caller picks by M.
 //
 // The arithmetic (quant_kernel.cpp) is compiled twice, AVX2+FMA+F16C and portable; the best the
 // CPU runs is picked at load time, never by compile flags of the library.
