@@ -126,14 +126,18 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():  # (no-op calls cost a dispatch each)
+            x2 = x2.to(torch.float32).contiguous()
         if x2.shape[0] <= self.max_kernel_rows:
             y = self._matrix.linear(x2)
         else:
             y = self._tiled(x2)
         if self.bias is not None:
             y += self.bias
-        return y.to(x.dtype).view(*lead, self.out_features)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y.view(*lead, self.out_features) if len(lead) != 1 else y
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         rows = max(1, min(self.out_features, _TILE_FLOATS // self.in_features))
