@@ -95,6 +95,20 @@ inline void block_values8(int type, const uint8_t* b, __m256* q) {
     q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
+// The block's 32 values as GGUF's reference dequantizes them: d * q + m, rounded after each
+// step (Q8_M, which is not a GGUF type, the same way as Q4_1), or (q - 8) * d, or q * d.
+inline void block_dequantized8(int type, const uint8_t* b, __m256* w) {
+    block_values8(type, b, w);
+    const __m256 vd = _mm256_set1_ps(fp16(b));
+    if (type == kQ4_1 || type == kQ8_M) {
+        const __m256 vm = _mm256_set1_ps(fp16(b + 2));
+        for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(vd, w[i]), vm);
+    } else {
+        const __m256 shift = _mm256_set1_ps(type == kQ4_0 ? 8.f : 0.f);
+        for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(_mm256_sub_ps(w[i], shift), vd);
+    }
+}
+
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -175,19 +189,8 @@ void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         __m256 acc[T];
         for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
-            const uint8_t* blk = row + b * j.block_bytes;
-            float d, offset;
-            scale_offset(j.type, blk, &d, &offset);
             __m256 w[4];
-            block_values8(j.type, blk, w);
-            const __m256 vd = _mm256_set1_ps(d);
-            if (j.type == kQ4_1 || j.type == kQ8_M) {
-                const __m256 vm = _mm256_set1_ps(offset);
-                for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(vd, w[i]), vm);
-            } else {
-                const __m256 shift = _mm256_set1_ps(j.type == kQ4_0 ? 8.f : 0.f);
-                for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(_mm256_sub_ps(w[i], shift), vd);
-            }
+            block_dequantized8(j.type, row + b * j.block_bytes, w);
             const float* x = j.x + m0 * j.k + b * 32;
             for (int t = 0; t < T; ++t, x += j.k) {
                 acc[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), acc[t]);
@@ -213,25 +216,17 @@ void linear_rows(const Job& j, int64_t n0, int64_t n1) {
     for (; m0 < j.m; ++m0) rows_tile<1>(j, n0, n1, m0);
 }
 
-// One row, dequantized exactly as GGUF's reference does: d * q + m, rounded after each step
-// (Q8_M, which is not a GGUF type, the same way as Q4_1).
+// One row, dequantized exactly as GGUF's reference does (see block_dequantized8).
 void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out) {
     for (int64_t b = 0; b < k / 32; ++b) {
         const uint8_t* blk = row + b * block_bytes;
-        const float d = fp16(blk);
         float* o = out + b * 32;
 #if QM_AVX2
-        __m256 q[4];
-        block_values8(type, blk, q);
-        const __m256 vd = _mm256_set1_ps(d);
-        if (type == kQ4_1 || type == kQ8_M) {
-            const __m256 vm = _mm256_set1_ps(fp16(blk + 2));
-            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_add_ps(_mm256_mul_ps(vd, q[i]), vm));
-        } else {
-            const __m256 shift = _mm256_set1_ps(type == kQ4_0 ? 8.f : 0.f);
-            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(_mm256_sub_ps(q[i], shift), vd));
-        }
+        __m256 w[4];
+        block_dequantized8(type, blk, w);
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, w[i]);
 #else
+        const float d = fp16(blk);
         float q[32];
         block_values(type, blk, q);
         if (type == kQ4_1 || type == kQ8_M) {
