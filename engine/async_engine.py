@@ -2,7 +2,7 @@
 
 Resource handling: ``Engine.run`` owns the actors; leaving it (cancellation, or a fault in
 the core) fails every open request stream with ``EngineDeadError``, so no consumer waits
-forever. Cancellation takes effect between steps: a step already in its worker thread
+forever. Cancellation takes effect between steps: a step already on the device thread
 finishes first (one step is the shutdown deadline).
 """
 

@@ -1,4 +1,4 @@
-"""The core actor: owns the ``EngineCore`` and runs its steps, the device work in a worker thread."""
+"""The core actor: owns the ``EngineCore`` and runs its steps, the device work on the device thread."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ Message = AddRequest | AbortRequest | StopRequest
 
 
 class CoreActor:
-    """Loop: drain the inbox (adds, aborts, stops) -> schedule -> execute in a worker thread
+    """Loop: drain the inbox (adds, aborts, stops) -> schedule -> execute on the device thread
     -> update -> send a ``StepOutput``. With nothing to run it sleeps on the inbox.
 
     Aborts are applied only between steps, in the event loop, so the worker thread never

@@ -1,7 +1,7 @@
 """The synchronous engine core: validate and add requests, step the model, report deltas.
 
 No trio here: the core actor (and the offline ``LLM``) drive it. A step is three parts so
-that the actor can run only the middle one in a worker thread:
+that the actor can run only the middle one on the device thread (device_thread.py):
 ``schedule()`` -> ``execute(plan)`` (device work) -> ``update(plan, result)``.
 """
 
