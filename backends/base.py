@@ -42,6 +42,7 @@ class AttentionBackend(Protocol):
     """What the model needs from an attention implementation."""
 
     name: str
+    layer_ops: Any  # backends.layer_ops.TorchLayerOps or a fused subclass of it
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor (K and V together)."""

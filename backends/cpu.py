@@ -6,6 +6,7 @@ import torch
 
 from backends import native
 from backends.base import AttentionMetadata
+from backends.layer_ops import Rope, TorchLayerOps
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -15,6 +16,7 @@ class CpuAttentionBackend:
 
     def __init__(self, lib=None) -> None:
         self._lib = lib if lib is not None else native.load_library("pa_cpu", "cpu")
+        self.layer_ops = CpuLayerOps(self._lib)
 
     @property
     def isa(self) -> str:
@@ -41,3 +43,44 @@ class CpuAttentionBackend:
                                         native.ptr(meta.block_tables, "int32_t *"), scale)
         native.check_rc(rc, self._lib, "pa_cpu", "attention")
         return out
+
+
+class CpuLayerOps(TorchLayerOps):
+    """RMSNorm (+ residual) and rotary (+ K/V write) as one native call each, for float32;
+    other dtypes take the torch versions. The rotary embedding is bit-equal to torch's; the
+    RMSNorm sums its squares in another order (last-bit differences)."""
+
+    def __init__(self, lib) -> None:
+        self._lib = lib
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = x.shape[-1]
+        if not (_fp32_rows(x, hidden) and _fp32_rows(weight, hidden) and weight.numel() == hidden
+                and (residual is None or (_fp32_rows(residual, hidden) and residual.shape == x.shape))):
+            return super().add_rms_norm(x, residual, weight, eps)
+        out = torch.empty_like(x)
+        rc = self._lib.pa_cpu_rms_norm(native.ptr(out, "float *"),
+                                       native.ffi().NULL if residual is None else native.ptr(residual, "float *"),
+                                       native.ptr(x, "float *"), native.ptr(weight, "float *"), x.numel() // hidden,
+                                       hidden, eps)
+        native.check_rc(rc, self._lib, "pa_cpu", "rms_norm")
+        return out, x if residual is None else residual
+
+    def rope_write_kv(self, backend, qkv: torch.Tensor, rope: Rope, num_heads: int, num_kv_heads: int,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        if qkv.dtype != torch.float32:
+            return super().rope_write_kv(backend, qkv, rope, num_heads, num_kv_heads, kv_cache, slot_mapping)
+        shape = native.rope_write_kv_shape(qkv, rope.positions, rope.cos_table, rope.sin_table, num_heads,
+                                           num_kv_heads, kv_cache, slot_mapping)
+        q = torch.empty(shape.num_tokens, num_heads, shape.head_size)
+        rc = self._lib.pa_cpu_rope_write_kv(shape, native.ptr(qkv, "float *"), native.ptr(rope.positions, "int64_t *"),
+                                            native.ptr(rope.cos_table, "float *"), native.ptr(rope.sin_table, "float *"),
+                                            rope.cos_table.shape[0], native.ptr(q, "float *"), native.ptr(kv_cache),
+                                            native.ptr(slot_mapping, "int64_t *"))
+        native.check_rc(rc, self._lib, "pa_cpu", "rope_write_kv")
+        return q
+
+
+def _fp32_rows(t: torch.Tensor, hidden: int) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and t.shape[-1] == hidden

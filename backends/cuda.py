@@ -6,12 +6,14 @@ import torch
 
 from backends import native
 from backends.base import AttentionMetadata
+from backends.layer_ops import TORCH_LAYER_OPS
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CudaAttentionBackend:
     name = "cuda"
+    layer_ops = TORCH_LAYER_OPS
     device_type = "cuda"  # the library's kernels read device pointers
 
     def __init__(self, lib=None) -> None:

@@ -130,6 +130,32 @@ def write_kv_shape(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
                   DTYPE_CODES[key.dtype])
 
 
+def rope_write_kv_shape(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        num_heads: int, num_kv_heads: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """Check everything ``pa_cpu_rope_write_kv`` assumes (float32); return the filled ``pa_shape``."""
+    device = qkv.device
+    _check_tensor("qkv", qkv, torch.float32, device, 2)
+    num_tokens, width = qkv.shape
+    head_size = width // (num_heads + 2 * num_kv_heads)
+    if width != (num_heads + 2 * num_kv_heads) * head_size or head_size % 2:
+        raise ValueError(f"qkv rows of {width} values do not hold {num_heads} + 2 x {num_kv_heads} heads "
+                         "of an even head_size")
+    _check_tensor("kv_cache", kv_cache, torch.float32, device, 5)
+    _, num_blocks, block_size, cache_kv_heads, cache_head = kv_cache.shape
+    if (cache_kv_heads, cache_head) != (num_kv_heads, head_size):
+        raise ValueError("qkv's heads do not match the cache's [num_kv_heads, head_size]")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        _check_tensor(name, t, torch.int64, device, 1)
+        if t.shape[0] != num_tokens:
+            raise ValueError(f"{name} needs one entry per token")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _check_tensor(name, t, torch.float32, device, 2)
+        if t.shape != cos.shape or t.shape[1] != head_size // 2:
+            raise ValueError(f"rotary table {name} must be [max_positions, {head_size // 2}]")
+    return _shape(num_tokens, 0, num_heads, num_kv_heads, head_size, block_size, num_blocks, 0, 0, 0,
+                  DTYPE_CODES[torch.float32])
+
+
 def _shape(*values: int):
     """A ``pa_shape`` from its fields in declaration order (num_tokens ... dtype)."""
     return ffi().new("pa_shape *", values)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.base import AttentionMetadata
+from backends.layer_ops import TORCH_LAYER_OPS
 
 # Cache layout: [2 (K, V), num_blocks, block_size, num_kv_heads, head_size].
 KEY, VALUE = 0, 1
@@ -26,6 +27,7 @@ BUCKET_RATIO = 0.75
 
 class TorchAttentionBackend:
     name = "torch"
+    layer_ops = TORCH_LAYER_OPS
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)

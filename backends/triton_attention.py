@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from backends.base import AttentionMetadata
+from backends.layer_ops import TORCH_LAYER_OPS
 
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 MIN_PROGRAMS = 512  # split the keys when (tokens x KV heads) is below this...
@@ -108,6 +109,7 @@ def _merge_kernel(out_ptr, partial_ptr, num_splits, HEAD_SIZE: tl.constexpr, SPL
 
 class TritonAttentionBackend:
     name = "triton"
+    layer_ops = TORCH_LAYER_OPS
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_size)

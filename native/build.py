@@ -45,6 +45,10 @@ def build_cpu(out: Path) -> Path:
             obj = Path(tmp) / f"kernel_{variant}.o"
             _run([cxx, *common, *flags, f"-DPA_NS={variant}", "-c", str(ROOT / "cpu" / "kernel.cpp"), "-o", str(obj)])
             objects.append(str(obj))
+        # The fused layer ops, once for every CPU, rounded as torch rounds (see layer_ops.cpp).
+        obj = Path(tmp) / "layer_ops.o"
+        _run([cxx, *common, "-ffp-contract=off", "-c", str(ROOT / "cpu" / "layer_ops.cpp"), "-o", str(obj)])
+        objects.append(str(obj))
         defines = [] if _is_x86() else ["-DPA_NO_AVX2"]
         _run([cxx, *common, *defines, "-shared", str(ROOT / "cpu" / "paged_attention_cpu.cpp"), *objects,
               "-o", str(target)])

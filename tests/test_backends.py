@@ -279,7 +279,7 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
         get_backend("triton", "cpu")
 
 
-ENGINE_BACKENDS = ["cuda-emulated"] + (["cuda", "triton"] if torch.cuda.is_available() else [])
+ENGINE_BACKENDS = ["cpu", "cuda-emulated"] + (["cuda", "triton"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("backend_name", ENGINE_BACKENDS)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.base import AttentionBackend, AttentionMetadata
+from backends.layer_ops import Rope
 from engine.models.linear import DenseLinear, Linear, PackedLinear, PackedWeight
 
 log = logging.getLogger(__name__)
@@ -66,19 +67,8 @@ class LlamaConfig:
         )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same order of operations as transformers' LlamaRMSNorm, so fp32 results match bit for bit.
-    # (In fp32 the two conversions are skipped: a decode step makes ~60 of these calls, and
-    # each no-op conversion is still a dispatch.)
-    if x.dtype == torch.float32:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 class RotaryEmbedding:
-    """Rotary position embedding (non-interleaved halves, as in transformers' Llama)."""
+    """Rotary position embedding tables (non-interleaved halves, as in transformers' Llama)."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype, device: str) -> None:
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -87,15 +77,9 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim / 2]
         self.sin = freqs.sin().to(dtype=dtype, device=device)
 
-    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) for a flat batch's positions, ``[T, 1, head_dim / 2]`` each; shared by every layer."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, num_heads, head_dim], halves rotated as in transformers' Llama
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def at(self, positions: torch.Tensor) -> Rope:
+        """The angles of a flat batch's positions, shared by every layer."""
+        return Rope(positions, self.cos, self.sin)
 
 
 @attrs.define(eq=False)
@@ -190,30 +174,27 @@ class LlamaModel:
         """Hidden states after the final norm, ``[T, hidden]``, for the flat batch ``input_ids`` ``[T]``."""
         x = self.embed.rows(input_ids).to(self.dtype)  # [T, hidden]
         rope = self.rotary.at(positions)
+        ops, eps = backend.layer_ops, self.config.rms_norm_eps
+        residual = None  # the residual stream: x + every layer's outputs so far
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = x + self._attention(layer, rms_norm(x, layer.input_norm, self.config.rms_norm_eps),
-                                    rope, kv_cache, meta, backend)
-            x = x + self._mlp(layer, rms_norm(x, layer.post_norm, self.config.rms_norm_eps))
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+            h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
+            x = self._attention(layer, h, rope, kv_cache, meta, backend)
+            h, residual = ops.add_rms_norm(x, residual, layer.post_norm, eps)
+            x = self._mlp(layer, h)
+        return ops.add_rms_norm(x, residual, self.norm, eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab]`` float32 logits for ``[N, hidden]`` hidden states."""
         return self.lm_head(hidden).float()
 
-    def _attention(self, layer: LlamaLayer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   kv_cache: torch.Tensor, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def _attention(self, layer: LlamaLayer, h: torch.Tensor, rope: Rope, kv_cache: torch.Tensor,
+                   meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         cfg = self.config
-        num_tokens = h.shape[0]
-        qkv = layer.qkv_proj(h)
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k rotated in one pass (the same elementwise products as two)
-        qk = apply_rotary(qk.view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *rope)
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)  # [T, heads | kv_heads, head_dim]
-        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        q = backend.layer_ops.rope_write_kv(backend, layer.qkv_proj(h), rope, cfg.num_heads, cfg.num_kv_heads,
+                                            kv_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         backend.attend(q, kv_cache, meta, self.scale, out)
-        return layer.o_proj(out.view(num_tokens, self.q_size))
+        return layer.o_proj(out.view(q.shape[0], self.q_size))
 
     def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)

@@ -63,6 +63,9 @@ struct Kernels {
     const char* name;
 };
 
+// Stores `message` for pa_cpu_last_error() (thread-local); returns 1, the failing return code.
+int report_error(const char* message);
+
 namespace pa_avx2 { Kernels kernels(); }
 namespace pa_portable { Kernels kernels(); }
 

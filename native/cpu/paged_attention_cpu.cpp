@@ -106,6 +106,8 @@ int check_shape(const pa_shape* s) {
 
 }  // namespace
 
+int pa::report_error(const char* message) { return fail(message); }
+
 extern "C" {
 
 const char* pa_cpu_last_error(void) { return g_last_error.c_str(); }

@@ -1,0 +1,79 @@
+"""The small per-layer ops around attention: RMSNorm with the residual add before it, and the
+rotary embedding with the K/V cache write after the qkv product.
+
+``TorchLayerOps`` is the reference: the same operations, in the same order, as transformers'
+Llama. A backend may fuse them natively (``backends.cpu.CpuLayerOps``: one call where torch
+makes 6-10 dispatches); the model asks its attention backend for ``layer_ops``.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same order of operations as transformers' LlamaRMSNorm, so fp32 results match bit for bit.
+    # (In fp32 the two conversions are skipped: each no-op conversion is still a dispatch.)
+    if x.dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, num_heads, head_dim], halves rotated as in transformers' Llama
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Rope:
+    """One step's rotary angles: the tokens' positions and the tables ``[max_positions, head_dim / 2]``.
+
+    ``cos`` and ``sin`` (``[T, 1, head_dim / 2]``, shared by every layer) are gathered on first
+    use; a fused op reads the tables by position instead.
+    """
+
+    def __init__(self, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> None:
+        self.positions, self.cos_table, self.sin_table = positions, cos_table, sin_table
+
+    @cached_property
+    def cos(self) -> torch.Tensor:
+        return self.cos_table[self.positions][:, None, :]
+
+    @cached_property
+    def sin(self) -> torch.Tensor:
+        return self.sin_table[self.positions][:, None, :]
+
+
+class TorchLayerOps:
+    """The reference implementations, in torch, for any device and dtype."""
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rms_norm(x + residual), x + residual)`` (just ``x`` without a residual).
+
+        The residual stream is threaded through the layers this way (as vLLM does) so that a
+        fused version can add and normalize in one pass; it may update ``residual`` in place.
+        """
+        if residual is not None:
+            x = x + residual
+        return rms_norm(x, weight, eps), x
+
+    def rope_write_kv(self, backend, qkv: torch.Tensor, rope: Rope, num_heads: int, num_kv_heads: int,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotates q and k of ``qkv`` (``[T, (num_heads + 2 num_kv_heads) * head_dim]``), stores k
+        and v in ``kv_cache`` through ``backend``, and returns q, ``[T, num_heads, head_dim]``."""
+        num_tokens = qkv.shape[0]
+        head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+        qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
+        # q and k rotated in one pass (the same elementwise products as two)
+        qk = apply_rotary(qk.view(num_tokens, num_heads + num_kv_heads, head_dim), rope.cos, rope.sin)
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        backend.write_kv(k, v.reshape(num_tokens, num_kv_heads, head_dim), kv_cache, slot_mapping)
+        return q
+
+
+TORCH_LAYER_OPS = TorchLayerOps()
