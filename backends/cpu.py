@@ -36,11 +36,21 @@ class CpuAttentionBackend:
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                out: torch.Tensor) -> torch.Tensor:
         query = query.contiguous()
-        shape = native.attention_shape(query, kv_cache, meta, out, DTYPES)
+        # Every layer of a step passes the same metadata and shapes: the checks of the metadata
+        # and its pointers are made once per step (kept in meta.scratch); each call still checks
+        # its own tensors.
+        key = (query.shape, query.dtype, kv_cache.shape)
+        plan = meta.scratch.get("cpu_attention")
+        if plan is None or plan[0] != key:
+            plan = (key, native.attention_shape(query, kv_cache, meta, out, DTYPES),
+                    native.ptr(meta.query_start_loc, "int32_t *"), native.ptr(meta.seq_lens, "int32_t *"),
+                    native.ptr(meta.block_tables, "int32_t *"))
+            meta.scratch["cpu_attention"] = plan
+        else:
+            native.check_rows("query", query, "out", out, kv_cache, DTYPES)
+        _, shape, query_start_loc, seq_lens, block_tables = plan
         rc = self._lib.pa_cpu_attention(shape, native.ptr(out), native.ptr(query), native.ptr(kv_cache),
-                                        native.ptr(meta.query_start_loc, "int32_t *"),
-                                        native.ptr(meta.seq_lens, "int32_t *"),
-                                        native.ptr(meta.block_tables, "int32_t *"), scale)
+                                        query_start_loc, seq_lens, block_tables, scale)
         native.check_rc(rc, self._lib, "pa_cpu", "attention")
         return out
 

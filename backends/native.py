@@ -75,7 +75,7 @@ def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.
 # The checks below run for every layer of every step: each message is formatted only when
 # its check fails.
 
-def _check_rows(name: str, rows: torch.Tensor, twin_name: str, twin: torch.Tensor, kv_cache: torch.Tensor,
+def check_rows(name: str, rows: torch.Tensor, twin_name: str, twin: torch.Tensor, kv_cache: torch.Tensor,
                 dtypes: tuple[torch.dtype, ...]) -> None:
     """``rows`` ([tokens, heads, head_size]) in a supported dtype; ``twin`` shaped like it; the
     5-d cache; all of that dtype, contiguous, on one device."""
@@ -92,7 +92,7 @@ def attention_shape(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
                     dtypes: tuple[torch.dtype, ...]):
     """Check everything ``*_attention`` assumes; return the filled ``pa_shape``."""
     device = query.device
-    _check_rows("query", query, "out", out, kv_cache, dtypes)
+    check_rows("query", query, "out", out, kv_cache, dtypes)
     num_tokens, num_heads, head_size = query.shape
     kv_parts, num_blocks, block_size, num_kv_heads, cache_head = kv_cache.shape
     if kv_parts != 2:
@@ -119,7 +119,7 @@ def write_kv_shape(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tenso
                    dtypes: tuple[torch.dtype, ...]):
     """Check everything ``*_write_kv`` assumes; return the filled ``pa_shape``."""
     device = key.device
-    _check_rows("key", key, "value", value, kv_cache, dtypes)
+    check_rows("key", key, "value", value, kv_cache, dtypes)
     _check_tensor("slot_mapping", slot_mapping, torch.int64, device, 1)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError("slot_mapping needs one slot per token")

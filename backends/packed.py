@@ -85,13 +85,15 @@ class PackedMatrix:
         self.data, self.kind, self.k = data, kind, k  # data: kept alive while the pointer is used
         self._lib, self._ffi = library(), _ffi()
         self._ptr = self._ffi.cast("void *", data.data_ptr())
+        self._n = data.shape[0]
 
     def linear(self, x: torch.Tensor, isa: str = "best") -> torch.Tensor:
         """``x @ W.T`` for ``x`` float32, contiguous, ``[M, K]`` (the caller guarantees it)."""
-        out = torch.empty(x.shape[0], self.data.shape[0], dtype=torch.float32)
+        m = x.shape[0]
+        out = torch.empty(m, self._n, dtype=torch.float32)
         cast = self._ffi.cast
-        rc = self._lib.qm_linear(self._type, self._ptr, self.data.shape[0], self.k, cast("float *", x.data_ptr()),
-                                 x.shape[0], cast("float *", out.data_ptr()), ISAS[isa])
+        rc = self._lib.qm_linear(self._type, self._ptr, self._n, self.k, cast("float *", x.data_ptr()), m,
+                                 cast("float *", out.data_ptr()), ISAS[isa])
         if rc:
             _rc(rc, "packed linear")
         return out

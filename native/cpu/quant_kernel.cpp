@@ -125,7 +125,7 @@ inline void scale_offset(int type, const uint8_t* b, float* d, float* offset) {
 // Rows [n0, n1) of y for up to kRowTile rows of x. Per block: the quantized values are dotted
 // with x (float sums), then scaled; the offset term uses the block sums of x (xsum), so
 // sum_i (d q_i + m) x_i is computed as d * sum_i q_i x_i + m * sum_i x_i.
-template <int T>
+template <int Type, int T>
 void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
     const int64_t blocks = j.k / 32;
     for (int64_t n = n0; n < n1; ++n) {
@@ -137,9 +137,9 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* blk = row + b * j.block_bytes;
             float d, offset;
-            scale_offset(j.type, blk, &d, &offset);
+            scale_offset(Type, blk, &d, &offset);
             __m256 q[4];
-            block_values8(j.type, blk, q);
+            block_values8(Type, blk, q);
             const __m256 vd = _mm256_set1_ps(d);
             for (int t = 0; t < T; ++t) {
                 const float* x = j.x + (m0 + t) * j.k + b * 32;
@@ -157,8 +157,8 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* blk = row + b * j.block_bytes;
             float d, offset, q[32];
-            scale_offset(j.type, blk, &d, &offset);
-            block_values(j.type, blk, q);
+            scale_offset(Type, blk, &d, &offset);
+            block_values(Type, blk, q);
             for (int t = 0; t < T; ++t) {
                 const float* x = j.x + (m0 + t) * j.k + b * 32;
                 for (int l = 0; l < 8; ++l) {
@@ -181,7 +181,7 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
 // Larger batches: each block is dequantized in registers once (d * q + m, rounded as GGUF's
 // reference does) and multiplied into T rows of x, one accumulator per row: per block and
 // row, four fused multiply-adds and no per-block scaling or offset work.
-template <int T>
+template <int Type, int T>
 void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
     const int64_t blocks = j.k / 32;
     for (int64_t n = n0; n < n1; ++n) {
@@ -190,7 +190,7 @@ void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
             __m256 w[4];
-            block_dequantized8(j.type, row + b * j.block_bytes, w);
+            block_dequantized8(Type, row + b * j.block_bytes, w);
             const float* x = j.x + m0 * j.k + b * 32;
             for (int t = 0; t < T; ++t, x += j.k) {
                 acc[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), acc[t]);
@@ -204,16 +204,27 @@ void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
 }
 #endif
 
-void linear_rows(const Job& j, int64_t n0, int64_t n1) {
+// Each tile is compiled per type, so the block format is known in the inner loop.
+template <int Type>
+void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
     int64_t m0 = 0;
 #if QM_AVX2
-    for (; m0 + 8 <= j.m; m0 += 8) rows_tile_dequantized<8>(j, n0, n1, m0);
+    for (; m0 + 8 <= j.m; m0 += 8) rows_tile_dequantized<Type, 8>(j, n0, n1, m0);
 #endif
     // Tiles of 8 rows (dequantized blocks), then 4, 2, 1 (folded offsets) share each block's
     // unpacked values; the caller's chunk of output rows stays in L1 from one tile to the next.
-    for (; m0 + 4 <= j.m; m0 += 4) rows_tile<4>(j, n0, n1, m0);
-    for (; m0 + 2 <= j.m; m0 += 2) rows_tile<2>(j, n0, n1, m0);
-    for (; m0 < j.m; ++m0) rows_tile<1>(j, n0, n1, m0);
+    for (; m0 + 4 <= j.m; m0 += 4) rows_tile<Type, 4>(j, n0, n1, m0);
+    for (; m0 + 2 <= j.m; m0 += 2) rows_tile<Type, 2>(j, n0, n1, m0);
+    for (; m0 < j.m; ++m0) rows_tile<Type, 1>(j, n0, n1, m0);
+}
+
+void linear_rows(const Job& j, int64_t n0, int64_t n1) {
+    switch (j.type) {
+        case kQ4_0: return linear_rows_of<kQ4_0>(j, n0, n1);
+        case kQ4_1: return linear_rows_of<kQ4_1>(j, n0, n1);
+        case kQ8_0: return linear_rows_of<kQ8_0>(j, n0, n1);
+        case kQ8_M: return linear_rows_of<kQ8_M>(j, n0, n1);
+    }
 }
 
 // One row, dequantized exactly as GGUF's reference does (see block_dequantized8).
