@@ -52,11 +52,12 @@ def _ptr(tensor: torch.Tensor, kind: str = "void *"):
     return _ffi().cast(kind, tensor.data_ptr())
 
 
-def _check(packed: torch.Tensor, kind: str, k: int) -> int:
+def _check(packed: torch.Tensor, kind: str, k: int, device_type: str = "cpu") -> int:
     if kind not in TYPES:
         raise ValueError(f"packed type {kind} has no kernel (supported: {', '.join(TYPES)})")
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous() or packed.device.type != "cpu":
-        raise ValueError("a packed weight must be a contiguous 2-d uint8 CPU tensor")
+    if (packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous()
+            or packed.device.type != device_type):
+        raise ValueError(f"a packed weight must be a contiguous 2-d uint8 {device_type.upper()} tensor")
     if packed.shape[1] != row_bytes(kind, k):
         raise ValueError(f"packed rows of {packed.shape[1]} bytes do not hold {k} {kind} values")
     return TYPES[kind][0]
@@ -124,3 +125,71 @@ def dequantize_range(packed: torch.Tensor, kind: str, k: int, begin: int, end: i
     _rc(library().qm_dequantize_range(type_id, _ptr(packed), k, begin, end, _ptr(out, "float *"), ISAS[isa]),
         "packed dequantize")
     return out[: (end - begin) * k].view(end - begin, k) if out.dim() == 1 else out
+
+
+@cache
+def cuda_library():
+    return native.load_library("qm_cuda", "cuda", HEADER, "packed-weight kernels")
+
+
+def cuda_unavailable_reason() -> str | None:
+    """Why packed weights cannot run on the GPU here, or None if they can."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch"
+    if not (native.LIB_DIR / "libqm_cuda.so").exists():
+        return f"libqm_cuda.so is not built in {native.LIB_DIR}: install nvcc and run `python native/build.py`"
+    return None
+
+
+class CudaPackedMatrix:
+    """A packed weight on the GPU, bound to ``libqm_cuda.so`` (or, in tests, to the library
+    compiled for the host, with ``device_type = "cpu"``): the small-batch kernel, and the
+    dequantizer that feeds a GEMM for large batches. Activations in fp32, bf16 or fp16."""
+
+    device_type = "cuda"
+
+    def __init__(self, data: torch.Tensor, kind: str, k: int, lib=None) -> None:
+        self._type = _check(data, kind, k, self.device_type)
+        self.data, self.kind, self.k = data, kind, k
+        self._lib = lib if lib is not None else cuda_library()
+        self._ffi = _ffi()
+        self._ptr = self._ffi.cast("void *", data.data_ptr())
+        self._n = data.shape[0]
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` for ``x`` ``[M, K]`` on the weight's device."""
+        self._check_x(x)
+        out = torch.empty(x.shape[0], self._n, dtype=x.dtype, device=x.device)
+        rc = self._lib.qm_cuda_linear(self._type, self._ptr, self._n, self.k, self._pointer(x), x.shape[0],
+                                      self._pointer(out), native.DTYPE_CODES[x.dtype], self._stream(x))
+        self._rc(rc, "packed linear (cuda)")
+        return out
+
+    def dequantize(self, begin: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``[begin, end)`` of the weight as ``dtype``, ``[end - begin, K]``, on its device."""
+        if not 0 <= begin <= end <= self._n:
+            raise ValueError(f"row range [{begin}, {end}) outside [0, {self._n}]")
+        if dtype not in native.DTYPE_CODES:
+            raise ValueError(f"cannot dequantize to {dtype}")
+        out = torch.empty(end - begin, self.k, dtype=dtype, device=self.data.device)
+        rc = self._lib.qm_cuda_dequantize(self._type, self._ptr, self.k, begin, end, self._pointer(out),
+                                          native.DTYPE_CODES[dtype], self._stream(out))
+        self._rc(rc, "packed dequantize (cuda)")
+        return out
+
+    def _check_x(self, x: torch.Tensor) -> None:
+        if (x.dtype not in native.DTYPE_CODES or x.dim() != 2 or x.shape[1] != self.k or not x.is_contiguous()
+                or x.device != self.data.device):
+            raise ValueError(f"x must be a contiguous float32/bfloat16/float16 [M, {self.k}] tensor on "
+                             f"{self.data.device}; got {x.dtype} {tuple(x.shape)} on {x.device}")
+
+    def _pointer(self, t: torch.Tensor):
+        return self._ffi.cast("void *", t.data_ptr())
+
+    def _stream(self, t: torch.Tensor):
+        return self._ffi.cast("void *", torch.cuda.current_stream(t.device).cuda_stream)
+
+    def _rc(self, rc: int, what: str) -> None:
+        if rc != 0:
+            message = self._ffi.string(self._lib.qm_cuda_last_error()).decode()
+            raise native.NativeKernelError(f"{what} failed: {message}")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with an NVIDIA GPU (an H200, say), in under 8 minutes,
+# One prepared check for a machine with an NVIDIA GPU (an H200, say), in under 10 minutes,
 # needing only the project and, if that machine lacks them, wheels in .whl/ (cffi,
 # pycparser: see bench/README.md). Builds the CUDA library, runs the cuda and triton
-# backend tests on the GPU, the kernel benchmark (with a device-copy bandwidth baseline
+# backend tests on the GPU, the packed-weight kernels (tests, then bench/packed.py --cuda),
+# the kernel benchmark (with a device-copy bandwidth baseline
 # measured in the same run), the engine on dummy weights, and last a compute-sanitizer
 # memcheck of the CUDA kernels; prints every figure.
 set -uo pipefail
@@ -32,6 +33,11 @@ timeout 180 $PY native/build.py || exit 1
 step "cuda and triton backends against the torch reference, kernels and whole engine (on the GPU)"
 timeout 240 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_backends.py -k "(cuda or triton) and not emulated" 2>&1 \
   | tee "$OUT/backend_tests.log" | tail -15 || status=1
+
+step "packed weights (GGUF blocks) on the GPU: the CUDA library against the reference, then its speed"
+timeout 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_packed_cuda.py -k gpu 2>&1 \
+  | tee "$OUT/packed_tests.log" | tail -8 || status=1
+timeout 150 $PY bench/packed.py --cuda 2>&1 | tee "$OUT/packed_kernels.log" || status=1
 
 step "kernel benchmark: bfloat16 (copy bandwidth measured in the same run)"
 for shape in smollm2-135m llama-3-8b; do

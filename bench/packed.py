@@ -10,6 +10,7 @@
    alternated, the lowest of ``--repeat`` runs each.
 
     python bench/packed.py [--repeat 3] [--skip-8b] [--skip-engine]
+    python bench/packed.py --cuda     # the CUDA library on a GPU (bench/gpu_check.sh runs it)
 """
 
 from __future__ import annotations
@@ -93,6 +94,48 @@ def kernels(shapes, label: str, bandwidth: float, rows=(1, 8, 32, 128)) -> None:
             del weight
 
 
+def cuda_time(fn, repeat: int = 20) -> float:
+    """Seconds per call of ``fn`` on the GPU (CUDA events around ``repeat`` calls, after a warm-up)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeat
+
+
+def cuda_kernels(shapes, label: str, rows=(1, 8, 32, 128)) -> None:
+    """The CUDA library (bf16 activations): kernel and dequantize + cuBLAS against bf16 F.linear."""
+    from engine.models.linear import CUDA_PACKED_MAX_ROWS, CudaPackedLinear
+
+    src = torch.ones(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    bandwidth = src.numel() / cuda_time(lambda: dst.copy_(src))
+    print(f"\n{torch.cuda.get_device_name()}: device copy bandwidth {bandwidth / 1e9:.0f} GB/s (bytes read); "
+          f"CUDA_PACKED_MAX_ROWS {CUDA_PACKED_MAX_ROWS}")
+    print(f"{label}: packed kernel / dequantize + GEMM / bf16 F.linear (ms), and bf16 time / packed-path time")
+    for kind in packed.TYPES:
+        for name, n, k in shapes:
+            data = random_packed(kind, n, k).cuda()
+            layer = CudaPackedLinear(data, kind, k)
+            weight = layer.dequantize().to(torch.bfloat16)
+            cells = []
+            for m in rows:
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                kernel = cuda_time(lambda: layer._matrix.linear(x))
+                tiled = cuda_time(lambda: F.linear(x, layer._matrix.dequantize(0, n, torch.bfloat16)))
+                dense = cuda_time(lambda: F.linear(x, weight))
+                chosen = kernel if m <= CUDA_PACKED_MAX_ROWS else tiled
+                cells.append(f"M={m}: {kernel * 1e3:.3f}/{tiled * 1e3:.3f}/{dense * 1e3:.3f} ({dense / chosen:.2f}x)")
+                if m == 1:
+                    rate = data.numel() / kernel
+                    cells[-1] += f" {rate / 1e9:.0f} GB/s = {100 * rate / bandwidth:.0f}% of copy"
+            print(f"  {kind} {name:8s} {n:6d}x{k:<6d} " + "; ".join(cells), flush=True)
+            del weight, layer
+
+
 def engine_decode(repeat: int, tokens: int = 128) -> None:
     from engine.api import LLM, SamplingParams
 
@@ -120,7 +163,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--cuda", action="store_true", help="the CUDA library's kernels instead (needs a GPU)")
     args = parser.parse_args()
+    if args.cuda:
+        cuda_kernels(SMOLLM, "SmolLM2-135M shapes")
+        cuda_kernels(LLAMA_8B, "Llama-3-8B shapes")
+        return
     bandwidth = copy_bandwidth()
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, packed kernels: {packed.isa()}; "
           f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; PACKED_MAX_ROWS {PACKED_MAX_ROWS}")

@@ -1,11 +1,11 @@
-"""Compile the native libraries: paged attention (CPU, CUDA) and packed-weight matrix products (CPU).
+"""Compile the native libraries: paged attention and packed-weight matrix products, CPU and CUDA.
 
     python native/build.py [--out DIR] [--no-cuda]
 
-The CPU library is always built (system C++ compiler, OpenMP); the CUDA library when
+The CPU libraries are always built (system C++ compiler, OpenMP); the CUDA ones when
 ``nvcc`` is found (sm_80 and sm_90). ``setup.py`` runs this on install; run it by hand
-after editing the sources. Outputs: ``libpa_cpu.so``, ``libqm_cpu.so`` and ``libpa_cuda.so`` in
-``backends/lib``.
+after editing the sources. Outputs: ``libpa_cpu.so``, ``libqm_cpu.so``, ``libpa_cuda.so`` and
+``libqm_cuda.so`` in ``backends/lib``.
 """
 
 from __future__ import annotations
@@ -89,29 +89,33 @@ def find_nvcc() -> str | None:
     return None
 
 
-def build_cuda(out: Path) -> Path | None:
+# The CUDA libraries: name -> source in cuda/.
+CUDA_LIBRARIES = {"pa_cuda": "paged_attention.cu", "qm_cuda": "quant_matmul.cu"}
+
+
+def build_cuda(out: Path, name: str = "pa_cuda") -> Path | None:
     nvcc = find_nvcc()
     if nvcc is None:
-        print("nvcc not found: skipping the CUDA attention library", flush=True)
+        print(f"nvcc not found: skipping the CUDA library {name}", flush=True)
         return None
-    target = out / "libpa_cuda.so"
+    target = out / f"lib{name}.so"
     gencode = [arg for arch in CUDA_ARCHS for arg in ("-gencode", f"arch=compute_{arch},code=sm_{arch}")]
     # --threads 0: one compiler process per architecture, in parallel.
     _run([nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", "--threads", "0", *gencode,
-          f"-I{ROOT / 'include'}", str(ROOT / "cuda" / "paged_attention.cu"), "-o", str(target)])
+          f"-I{ROOT / 'include'}", str(ROOT / "cuda" / CUDA_LIBRARIES[name]), "-o", str(target)])
     return target
 
 
-def build_cuda_host_emulation(out: Path) -> Path:
-    """The CUDA library's source compiled for the host (see cuda/host_emulation.h): for tests
+def build_cuda_host_emulation(out: Path, name: str = "pa_cuda") -> Path:
+    """A CUDA library's source compiled for the host (see cuda/host_emulation.h): for tests
     of its kernels on machines without a GPU. Its pointers are host pointers."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX)")
     out.mkdir(parents=True, exist_ok=True)
-    target = out / "libpa_cuda_emulated.so"
+    target = out / f"lib{name}_emulated.so"
     _run([cxx, "-O2", "-std=c++17", "-fPIC", "-shared", "-x", "c++", "-DPA_CUDA_HOST_EMULATION", "-Wno-unknown-pragmas",
-          f"-I{ROOT / 'include'}", f"-I{ROOT / 'cuda'}", str(ROOT / "cuda" / "paged_attention.cu"), "-o", str(target)])
+          f"-I{ROOT / 'include'}", f"-I{ROOT / 'cuda'}", str(ROOT / "cuda" / CUDA_LIBRARIES[name]), "-o", str(target)])
     return target
 
 
@@ -119,9 +123,7 @@ def build_all(out: Path = DEFAULT_OUT, cuda: bool = True) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     built = [build_cpu(out), build_quant_cpu(out)]
     if cuda:
-        lib = build_cuda(out)
-        if lib is not None:
-            built.append(lib)
+        built += [lib for name in CUDA_LIBRARIES if (lib := build_cuda(out, name)) is not None]
     return built
 
 

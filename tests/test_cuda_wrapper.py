@@ -99,3 +99,12 @@ def test_write_kv_arguments_are_checked():
         with pytest.raises(ValueError, match=words):
             backend.write_kv(*args)
     assert lib.calls == []
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed here")
+def test_packed_cuda_library_is_built_and_exports_the_abi():
+    from backends import packed
+
+    lib = native.load_library("qm_cuda", "cuda", packed.HEADER, "packed-weight kernels")
+    for symbol in ("qm_cuda_linear", "qm_cuda_dequantize", "qm_cuda_last_error"):
+        assert getattr(lib, symbol) is not None

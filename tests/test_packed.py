@@ -136,6 +136,71 @@ def test_the_loader_keeps_packed_types_packed_and_names_a_truncated_tensor(tmp_p
         list(gguf_weights(path, config, keep_packed=True))
 
 
+def random_q4_k(n: int, k: int, seed: int = 0, d: float = 0.01, dmin: float = 0.003) -> np.ndarray:
+    """Random Q4_K rows (super-blocks of 256 values: fp16 d and dmin, 12 bytes of 6-bit scales
+    and minimums, 128 bytes of nibbles); gguf can read Q4_K but not write it."""
+    raw = np.random.default_rng(seed).integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    raw[..., 0:2] = np.full((n, k // 256, 1), d, np.float16).view(np.uint8)
+    raw[..., 2:4] = np.full((n, k // 256, 1), dmin, np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def test_q4_k_converts_to_q4_1_with_its_levels():
+    from engine.models.linear import q4_k_to_q4_1
+
+    n, k = 6, 512
+    # Scales that are powers of two: every d * sc and dmin * m is exact in fp16, so the
+    # conversion must give GGUF's values exactly (any reordering mistake shows).
+    raw = random_q4_k(n, k, d=2**-7, dmin=2**-8)
+    reference = torch.from_numpy(np.array(dequantize(raw, GGMLQuantizationType.Q4_K), dtype=np.float32).reshape(n, k))
+    converted = q4_k_to_q4_1(raw, n, k)
+    assert converted.kind == "Q4_1" and converted.data.shape == (n, k // 32 * 20)
+    assert torch.equal(converted.dequantize(), reference)
+    # Other scales and minimums round to fp16 (half an ulp each, 2^-11 relative): within 2^-10
+    # of each sub-block's largest value.
+    raw = random_q4_k(n, k, seed=1)
+    reference = torch.from_numpy(np.array(dequantize(raw, GGMLQuantizationType.Q4_K), dtype=np.float32).reshape(n, k))
+    error = (q4_k_to_q4_1(raw, n, k).dequantize() - reference).abs().reshape(-1, 32)
+    assert (error <= reference.abs().reshape(-1, 32).amax(dim=1, keepdim=True) * 2**-10).all()
+
+
+def test_the_loader_converts_other_quantized_types_and_says_so(tmp_path, caplog):
+    from engine.models.linear import PackedWeight
+    from engine.models.llama import LlamaConfig
+    from engine.models.loader import gguf_weights
+
+    path = tmp_path / "kquants.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", random_q4_k(8, 256), raw_dtype=GGMLQuantizationType.Q4_K)
+    w = np.random.default_rng(2).standard_normal((256, 64), dtype=np.float32)
+    writer.add_tensor("blk.0.ffn_down.weight", quantize(w, GGMLQuantizationType.Q5_0),
+                      raw_dtype=GGMLQuantizationType.Q5_0)
+    writer.add_tensor("blk.0.ffn_gate.weight", w.T.astype(np.float16).copy())
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+    config = LlamaConfig(vocab_size=8, hidden_size=256, intermediate_size=8, num_layers=1, num_heads=4,
+                         num_kv_heads=4, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    dense = dict(gguf_weights(path, config))
+    with caplog.at_level("WARNING"):
+        weights = dict(gguf_weights(path, config, keep_packed=True))
+    up, down = weights["model.layers.0.mlp.up_proj.weight"], weights["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(up, PackedWeight) and up.kind == "Q4_1" and up.shape == (8, 256)
+    assert isinstance(down, PackedWeight) and down.kind == "Q8_M" and down.shape == (256, 64)
+    for weight, name, steps in ((up, "up", 0), (down, "down", 255)):
+        blocks = dense[f"model.layers.0.mlp.{name}_proj.weight"].reshape(-1, 32)
+        error = (weight.dequantize().reshape(-1, 32) - blocks).abs().amax(dim=1)
+        # Q4_K -> Q4_1 keeps the levels (fp16 rounding of the scales only); Q5_0 -> Q8_M lands
+        # within half of its 255 steps per block (and the same fp16 rounding).
+        half_step = (blocks.amax(dim=1) - blocks.amin(dim=1)) / steps / 2 if steps else 0
+        assert (error <= half_step + blocks.abs().amax(dim=1) * 2**-10).all(), name
+    gate = weights["model.layers.0.mlp.gate_proj.weight"]
+    assert gate.dtype == torch.float32  # a float matrix is never re-quantized
+    assert "1 Q4_K tensors have no kernel of their own: converted to Q4_1" in caplog.text
+    assert "1 Q5_0 tensors have no kernel of their own: converted to Q8_M" in caplog.text
+    assert "1 F16 tensors have no kernel of their own: converted to float32" in caplog.text
+
+
 @pytest.mark.slow
 def test_the_default_models_weights_stay_within_their_file_size(shared_llm):
     from engine.models.loader import _gguf_reader, resolve_model

@@ -11,6 +11,7 @@ import threading
 from typing import Protocol
 
 import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -69,6 +70,28 @@ def quantize_q8_m(weight: torch.Tensor) -> PackedWeight:
     values = ((blocks - low.float()) * inverse).round().clamp(0, 255).to(torch.uint8)
     data = torch.cat([scale.view(torch.uint8), low.view(torch.uint8), values], dim=1)
     return PackedWeight(data.reshape(out_features, -1).contiguous(), "Q8_M", (out_features, in_features))
+
+
+def q4_k_to_q4_1(data: np.ndarray, out_features: int, in_features: int) -> PackedWeight:
+    """GGUF Q4_K rows (super-blocks of 256 values, 144 bytes) as Q4_1 (blocks of 32): the same
+    16 levels per 32 values. Each Q4_K sub-block of 32 is ``d * sc * q - dmin * m`` with 6-bit
+    ``sc`` and ``m``; as Q4_1 its scale ``d * sc`` and minimum ``-dmin * m`` are rounded to
+    fp16 (a relative 2^-12 of a step at most), and its nibbles are reordered."""
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    s = blocks[:, 4:16].astype(np.uint8)
+    # The 8 six-bit scales and minimums (ggml's get_scale_min_k4).
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    qs = blocks[:, 16:].reshape(-1, 4, 32)
+    # Sub-block 2i holds the low nibbles of qs[i], 2i + 1 the high ones.
+    values = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+    nibbles = values[:, :, :16] | (values[:, :, 16:] << 4)  # Q4_1: byte t holds values t and t + 16
+    scale = (d * sc).astype(np.float16)
+    minimum = (-(dmin * mn)).astype(np.float16)
+    out = np.concatenate([scale[..., None].view(np.uint8), minimum[..., None].view(np.uint8), nibbles], axis=2)
+    return PackedWeight(torch.from_numpy(out.reshape(out_features, -1).copy()), "Q4_1", (out_features, in_features))
 
 
 class Linear(Protocol):
@@ -161,6 +184,54 @@ class PackedLinear:
         """Rows ``ids`` as fp32 (when the weight doubles as an embedding table)."""
         flat = packed_kernels.dequantize_rows(self.packed, self.kind, self.in_features, ids.reshape(-1))
         return flat.view(*ids.shape, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.packed) + _bytes(self.bias)
+
+
+# Up to this many rows the CUDA kernel (each block read once per 8 rows of x) is used, above
+# it a dequantized weight and cuBLAS. Not yet measured on a GPU: bench/gpu_check.sh runs
+# bench/packed.py --cuda, which prints both paths at M = 1, 8, 32, 128.
+CUDA_PACKED_MAX_ROWS = 16
+# Dequantized tiles on the GPU hold at most this many values (an LM head is never dequantized whole).
+_CUDA_TILE_VALUES = 64 * 1024 * 1024
+
+
+class CudaPackedLinear:
+    """A packed weight on the GPU (``libqm_cuda.so``): the kernel for small batches, dequantized
+    tiles and torch's GEMM for large ones; returns the dtype of ``x`` (fp32 sums)."""
+
+    def __init__(self, packed: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None,
+                 lib=None) -> None:
+        self.kind, self.bias, self.in_features, self.out_features = kind, bias, in_features, packed.shape[0]
+        self._lib = lib
+        self._matrix = packed_kernels.CudaPackedMatrix(packed.contiguous(), kind, in_features, lib)
+        self.packed = self._matrix.data
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if x2.shape[0] <= CUDA_PACKED_MAX_ROWS:
+            y = self._matrix.linear(x2)
+        else:
+            rows = max(1, min(self.out_features, _CUDA_TILE_VALUES // self.in_features))
+            y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+            for begin in range(0, self.out_features, rows):
+                end = min(self.out_features, begin + rows)
+                y[:, begin:end] = F.linear(x2, self._matrix.dequantize(begin, end, x.dtype))
+        if self.bias is not None:
+            y += self.bias.to(y.dtype)
+        return y.view(*lead, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight as fp32 ``[out, in]``."""
+        return self._matrix.dequantize(0, self.out_features, torch.float32)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` as fp32 (when the weight doubles as an embedding table)."""
+        picked = packed_kernels.CudaPackedMatrix(self.packed[ids.reshape(-1)], self.kind, self.in_features, self._lib)
+        return picked.dequantize(0, ids.numel(), torch.float32).view(*ids.shape, self.in_features)
 
     @property
     def nbytes(self) -> int:

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from backends.base import AttentionBackend, AttentionMetadata
 from backends.layer_ops import Rope
-from engine.models.linear import DenseLinear, Linear, PackedLinear, PackedWeight
+from backends import packed as packed_kernels
+from engine.models.linear import CudaPackedLinear, DenseLinear, Linear, PackedLinear, PackedWeight
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class LlamaLayer:
 class LlamaModel:
     """Weights and forward pass. Build with ``from_state_dict`` (Hugging Face parameter names)."""
 
-    def __init__(self, config: LlamaConfig, embed: DenseLinear | PackedLinear, layers: list[LlamaLayer],
+    def __init__(self, config: LlamaConfig, embed: DenseLinear | PackedLinear | CudaPackedLinear, layers: list[LlamaLayer],
                  norm: torch.Tensor, lm_head: Linear) -> None:
         self.config = config
         self.embed = embed  # [vocab, hidden]; rows() looks tokens up
@@ -122,13 +123,19 @@ class LlamaModel:
             parts = [weights[n] for n in names]
             kinds = {p.kind if isinstance(p, PackedWeight) else None for p in parts}
             b = torch.cat([w(n) for n in bias]) if bias else None
-            if device == "cpu" and len(kinds) == 1 and None not in kinds:
+            packed_here = device == "cpu" or (device == "cuda" and packed_kernels.cuda_unavailable_reason() is None)
+            if packed_here and len(kinds) == 1 and None not in kinds:
                 packed = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
+                if device == "cuda":
+                    return CudaPackedLinear(packed.to(device), parts[0].kind, parts[0].shape[1], b)
                 return PackedLinear(packed, parts[0].kind, parts[0].shape[1],
                                     None if b is None else b.to(torch.float32))
             if kinds != {None}:
-                log.warning("%s: %s weights dequantized to %s (mixed types or not on CPU)", names[0],
-                            "/".join(sorted(k or "dense" for k in kinds)), dtype)
+                reason = "mixed types" if packed_here else "no packed kernels on " + device
+                if device == "cuda":
+                    reason = packed_kernels.cuda_unavailable_reason() or reason
+                log.warning("%s: %s weights dequantized to %s (%s)", names[0],
+                            "/".join(sorted(k or "dense" for k in kinds)), dtype, reason)
             return DenseLinear(torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]), b)
 
         layers = []

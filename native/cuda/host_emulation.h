@@ -63,6 +63,14 @@ inline __nv_bfloat16 __float2bfloat16(float f) {  // round to nearest even, as t
     return {uint16_t(u >> 16)};
 }
 inline float __half2float(__half v) { return float(v.value); }
+inline float __bfloat162float(__nv_bfloat16 v) {
+    const uint32_t u = uint32_t(v.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline float __fmul_rn(float a, float b) { return a * b; }  // (host builds do not contract: no -mfma)
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline __half __float2half(float f) { return {_Float16(f)}; }
 inline float __expf(float x) { return std::exp(x); }
 inline float __uint_as_float(unsigned u) {

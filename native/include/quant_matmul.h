@@ -38,6 +38,16 @@ const char *qm_isa(void);
 int qm_isa_supported(int isa);
 const char *qm_last_error(void);
 
+/* The CUDA library (libqm_cuda.so, native/cuda/quant_matmul.cu): pointers are device pointers,
+ * stream a cudaStream_t; x, y and out in dtype 0 = float32, 1 = bfloat16, 2 = float16 (fp32 sums).
+ * qm_cuda_linear: y[m, n] = x[m, k] @ W.T, reading each block once per 8 rows of x (small m).
+ * qm_cuda_dequantize: out[r - row_begin, :] = W[r, :] for a GEMM (large m). */
+int qm_cuda_linear(int type, const void *w, int64_t n, int64_t k, const void *x, int64_t m, void *y, int dtype,
+                   void *stream);
+int qm_cuda_dequantize(int type, const void *w, int64_t k, int64_t row_begin, int64_t row_end, void *out, int dtype,
+                       void *stream);
+const char *qm_cuda_last_error(void);
+
 #ifdef __cplusplus
 }
 #endif
