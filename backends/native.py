@@ -57,8 +57,14 @@ def load_library(name: str, backend: str, header: Path = HEADER, what: str = "at
         raise BackendUnavailableError(f"the {backend} {what} could not load {path}: {exc}") from exc
 
 
+@cache
+def _attention_ffi() -> FFI:
+    return _ffi(HEADER)
+
+
 def ptr(tensor: torch.Tensor, kind: str = "void *"):
-    return ffi().cast(kind, tensor.data_ptr())
+    # (called ~10 times a layer: the FFI is looked up without hashing the header's path)
+    return _attention_ffi().cast(kind, tensor.data_ptr())
 
 
 def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, ndim: int) -> None:
