@@ -80,10 +80,19 @@ class EngineCore:
         return num_blocks
 
     def _max_model_len(self, kv_capacity: int) -> int:
-        model_max = self.model.config.max_position_embeddings
+        model_config = self.model.config
+        model_max = model_config.exact_context_length
         wanted = self.config.max_model_len
         if wanted is not None and wanted > model_max:
-            raise ConfigError("max_model_len", f"max_model_len {wanted} exceeds the model's context length {model_max}")
+            why = ("" if model_max == model_config.max_position_embeddings else
+                   " as this engine runs it (its sliding window or length-dependent rotary scaling is not "
+                   "followed past that)")
+            raise ConfigError("max_model_len", f"max_model_len {wanted} exceeds the model's context length "
+                                               f"{model_max}{why}")
+        if model_max < model_config.max_position_embeddings:
+            log.warning("max_model_len at most %d, not the model's %d: past that length transformers changes "
+                        "what it computes (sliding window, dynamic or longrope scaling) and this engine does not "
+                        "follow", model_max, model_config.max_position_embeddings)
         if wanted is not None and wanted > kv_capacity:
             raise ConfigError("max_model_len", f"max_model_len {wanted} does not fit in the KV cache "
                                                f"({kv_capacity} tokens); raise num_kv_blocks or kv_cache_memory")

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from backends.base import AttentionBackend, AttentionMetadata
-from backends.layer_ops import Rope
+from backends.layer_ops import Rope, rms_norm
 from backends import packed as packed_kernels
+from engine.models import families
 from engine.models.linear import CudaPackedLinear, DenseLinear, Linear, PackedLinear, PackedWeight
 
 log = logging.getLogger(__name__)
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 
 @attrs.frozen(kw_only=True)
 class LlamaConfig:
+    """The shape of a model of the Llama skeleton; ``model_type`` names its family
+    (``engine.models.families``: what the family changes)."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -39,16 +43,23 @@ class LlamaConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    model_type: str = "llama"
+    # Rotary scaling as transformers reads it (rope_type, factor, ...); empty: none.
+    rope_scaling: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
+    # Attention reaches back this many tokens at most (Mistral v0.1, Phi-3); None: no window.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
-        """From a Hugging Face ``config.json`` dict (llama, mistral, qwen2)."""
+        """From a Hugging Face ``config.json`` dict (see ``engine.models.families`` for the families)."""
         model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "mistral", "qwen2"):
-            raise ValueError(f"unsupported model_type {model_type!r}: this engine runs llama, mistral and qwen2")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise ValueError(f"unsupported rope scaling {rope.get('rope_type')!r}")
+        fam = families.family(model_type)
+        rope = families.rope_parameters(hf)
+        if hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError("a partial rotary embedding (partial_rotary_factor < 1) is not supported")
+        if model_type == "qwen3" and hf.get("use_sliding_window"):
+            raise ValueError("qwen3 with use_sliding_window is not supported")
+        window = hf.get("sliding_window") if model_type in ("mistral", "phi3") else None
         eos = hf.get("eos_token_id")
         return cls(
             vocab_size=hf["vocab_size"],
@@ -59,24 +70,47 @@ class LlamaConfig:
             num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
             head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta") or hf.get("rope_theta", 10000.0),
+            rope_theta=rope["rope_theta"],
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", model_type == "qwen2"),
+            attention_bias=hf.get("attention_bias", fam.qkv_bias),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            model_type=model_type,
+            rope_scaling={} if rope["rope_type"] == "default" else rope,
+            sliding_window=window,
         )
+
+    @property
+    def family(self) -> families.Family:
+        return families.family(self.model_type)
+
+    @property
+    def exact_context_length(self) -> int:
+        """The longest sequence this engine runs as transformers does: the model's context,
+        or less where transformers would change what it computes past a length this engine
+        does not follow (a sliding window; dynamic or longrope frequencies)."""
+        limit = self.max_position_embeddings
+        if self.sliding_window is not None:
+            limit = min(limit, self.sliding_window)
+        if self.rope_scaling.get("rope_type") == "longrope":
+            limit = min(limit, self.rope_scaling["original_max_position_embeddings"])
+        return limit
 
 
 class RotaryEmbedding:
     """Rotary position embedding tables (non-interleaved halves, as in transformers' Llama)."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype: torch.dtype, device: str) -> None:
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (theta**exponents)  # [head_dim / 2]
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.cos = freqs.cos().to(dtype=dtype, device=device)  # [max_positions, head_dim / 2]
-        self.sin = freqs.sin().to(dtype=dtype, device=device)
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: str) -> None:
+        rope = config.rope_scaling or {"rope_type": "default", "rope_theta": config.rope_theta}
+        inv_freq, scaling = families.rope_frequencies(rope, config.head_dim, config.max_position_embeddings,
+                                                      config.hidden_size, config.num_heads)
+        freqs = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if scaling != 1.0:  # (yarn, longrope: transformers scales cos and sin in fp32)
+            cos, sin = cos * scaling, sin * scaling
+        self.cos = cos.to(dtype=dtype, device=device)  # [max_positions, head_dim / 2]
+        self.sin = sin.to(dtype=dtype, device=device)
 
     def at(self, positions: torch.Tensor) -> Rope:
         """The angles of a flat batch's positions, shared by every layer."""
@@ -91,6 +125,8 @@ class LlamaLayer:
     post_norm: torch.Tensor  # [hidden]
     gate_up_proj: Linear  # [2 * intermediate, hidden]
     down_proj: Linear  # [hidden, intermediate]
+    q_norm: torch.Tensor | None = None  # [head_dim], Qwen3: RMSNorm of each query head before rotary
+    k_norm: torch.Tensor | None = None  # [head_dim], the same for key heads
 
 
 class LlamaModel:
@@ -103,8 +139,7 @@ class LlamaModel:
         self.layers = layers
         self.norm = norm
         self.lm_head = lm_head  # [vocab, hidden]; the same object as embed when tied
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
-                                      norm.dtype, str(norm.device))
+        self.rotary = RotaryEmbedding(config, norm.dtype, str(norm.device))
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
@@ -138,18 +173,23 @@ class LlamaModel:
                             "/".join(sorted(k or "dense" for k in kinds)), dtype, reason)
             return DenseLinear(torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]), b)
 
+        fam = config.family
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
-            attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+            # Phi-3 stores q, k, v and gate, up as single matrices; the others, one per projection.
+            attn = [p + "self_attn.qkv_proj"] if fam.fused_checkpoint else [f"{p}self_attn.{x}_proj" for x in "qkv"]
+            mlp = [p + "mlp.gate_up_proj"] if fam.fused_checkpoint else [p + "mlp.gate_proj", p + "mlp.up_proj"]
             layers.append(LlamaLayer(
                 input_norm=w(p + "input_layernorm.weight"),
                 qkv_proj=linear([a + ".weight" for a in attn], [a + ".bias" for a in attn] if config.attention_bias
                                 else None),
                 o_proj=linear([p + "self_attn.o_proj.weight"]),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up_proj=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                gate_up_proj=linear([m + ".weight" for m in mlp]),
                 down_proj=linear([p + "mlp.down_proj.weight"]),
+                q_norm=w(p + "self_attn.q_norm.weight") if fam.qk_norm else None,
+                k_norm=w(p + "self_attn.k_norm.weight") if fam.qk_norm else None,
             ))
         embed = linear(["model.embed_tokens.weight"])
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
@@ -197,11 +237,22 @@ class LlamaModel:
     def _attention(self, layer: LlamaLayer, h: torch.Tensor, rope: Rope, kv_cache: torch.Tensor,
                    meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         cfg = self.config
-        q = backend.layer_ops.rope_write_kv(backend, layer.qkv_proj(h), rope, cfg.num_heads, cfg.num_kv_heads,
-                                            kv_cache, meta.slot_mapping)
+        qkv = layer.qkv_proj(h)
+        if layer.q_norm is not None:
+            qkv = self._qk_norm(layer, qkv)
+        q = backend.layer_ops.rope_write_kv(backend, qkv, rope, cfg.num_heads, cfg.num_kv_heads, kv_cache,
+                                            meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         backend.attend(q, kv_cache, meta, self.scale, out)
         return layer.o_proj(out.view(q.shape[0], self.q_size))
+
+    def _qk_norm(self, layer: LlamaLayer, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3: each head of q and of k RMS-normalized (transformers' order of operations)."""
+        cfg, tokens = self.config, qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = rms_norm(q.reshape(tokens, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
+        k = rms_norm(k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
+        return torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v], dim=-1)
 
     def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)

@@ -16,6 +16,7 @@ import torch
 from backends.packed import TYPES as _PACKED
 from backends.packed import cuda_unavailable_reason as packed_cuda_unavailable_reason
 from engine.errors import ConfigError
+from engine.models import families
 from engine.models.linear import PackedWeight, q4_k_to_q4_1, quantize_q8_m
 from engine.models.llama import LlamaConfig, LlamaModel
 
@@ -150,12 +151,14 @@ def _field(reader, key: str, default=None):
 
 def gguf_config(reader) -> LlamaConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ConfigError("model", f"unsupported GGUF architecture {arch!r}: this engine runs llama and qwen2")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ConfigError("model", f"unsupported GGUF architecture {arch!r}: this engine runs "
+                                   f"{', '.join(GGUF_ARCHITECTURES)}")
     num_heads = _field(reader, f"{arch}.attention.head_count")
     hidden = _field(reader, f"{arch}.embedding_length")
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    theta = _field(reader, f"{arch}.rope.freq_base", 10000.0)
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -165,17 +168,42 @@ def gguf_config(reader) -> LlamaConfig:
         num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", num_heads),
         head_dim=_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
         rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=_field(reader, f"{arch}.rope.freq_base", 10000.0),
+        rope_theta=theta,
         max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        rope_scaling=_gguf_rope_scaling(reader, arch, theta),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        model_type=arch,
     )
 
 
+def _gguf_rope_scaling(reader, arch: str, theta: float) -> dict:
+    """Rotary scaling as llama.cpp writes it: ``rope_freqs.weight`` (per-frequency divisors, what
+    a Llama 3.1 conversion stores for its llama3 scaling), or ``{arch}.rope.scaling.*`` keys."""
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        return {"rope_type": "freq_factors", "rope_theta": theta,
+                "factors": np.array(freqs.data, dtype=np.float32).reshape(-1).tolist()}
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return {}
+    rope = {"rope_type": kind, "rope_theta": theta, "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if original:
+        rope["original_max_position_embeddings"] = original
+    families.rope_parameters({"rope_parameters": rope})  # refuses a type this engine does not run
+    return rope
+
+
+# GGUF general.architecture values read here (each is also the Hugging Face model_type).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
 _GGUF_NAMES = {
     "attn_norm": "input_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -220,6 +248,8 @@ def gguf_weights(path: Path, config: LlamaConfig, keep_packed: bool = False,
     arch = _field(reader, "general.architecture")
     converted: dict[str, int] = {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":  # rotary scaling, read by gguf_config
+            continue
         name = _hf_name(tensor.name)
         kind = tensor.tensor_type.name
         shape = [int(d) for d in reversed(tensor.shape)]  # (out, in) for a matrix
@@ -307,14 +337,24 @@ def dummy_weights(config: LlamaConfig, seed: int) -> Iterator[tuple[str, torch.T
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", torch.ones(hidden)
         yield p + "post_attention_layernorm.weight", torch.ones(hidden)
+        attn = {}
         for x, rows in (("q", config.num_heads * d), ("k", config.num_kv_heads * d), ("v", config.num_kv_heads * d)):
-            yield f"{p}self_attn.{x}_proj.weight", randn(rows, hidden)
+            attn[f"{x}_proj.weight"] = randn(rows, hidden)
             if config.attention_bias:
-                yield f"{p}self_attn.{x}_proj.bias", randn(rows)
-        yield p + "self_attn.o_proj.weight", randn(hidden, config.num_heads * d)
-        yield p + "mlp.gate_proj.weight", randn(inter, hidden)
-        yield p + "mlp.up_proj.weight", randn(inter, hidden)
+                attn[f"{x}_proj.bias"] = randn(rows)
+        o_proj, gate, up = randn(hidden, config.num_heads * d), randn(inter, hidden), randn(inter, hidden)
+        if config.family.fused_checkpoint:  # stored as Phi-3 stores them
+            yield p + "self_attn.qkv_proj.weight", torch.cat([attn[f"{x}_proj.weight"] for x in "qkv"])
+            yield p + "mlp.gate_up_proj.weight", torch.cat([gate, up])
+        else:
+            yield from ((f"{p}self_attn.{name}", w) for name, w in attn.items())
+            yield p + "mlp.gate_proj.weight", gate
+            yield p + "mlp.up_proj.weight", up
+        yield p + "self_attn.o_proj.weight", o_proj
         yield p + "mlp.down_proj.weight", randn(hidden, inter)
+        if config.family.qk_norm:
+            yield p + "self_attn.q_norm.weight", torch.ones(d)
+            yield p + "self_attn.k_norm.weight", torch.ones(d)
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,247 @@
+"""Each model family against transformers, with no downloads: a tiny random-weight model built
+by transformers from a config (its quirks switched on: rotary scaling with prompts past the
+original context, per-head q/k norms, fused projections), saved as safetensors, loaded by our
+loader; greedy tokens and logprobs must equal transformers' in fp32, under chunked prefill,
+prefix caching and preemption, on the torch and cpu backends.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.errors import ConfigError
+from engine.sampling_params import SamplingParams
+from tests.conftest import Reference, assert_matches_reference
+
+pytestmark = pytest.mark.slow
+
+SHAPE = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# (model_type, config fields): the original contexts of the scaled rotaries (64) are shorter
+# than the longest prompts, so the scaling changes the result.
+FAMILIES = {
+    "llama3-rope": ("llama", dict(rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                                       low_freq_factor=1.0, high_freq_factor=4.0,
+                                                       original_max_position_embeddings=64))),
+    "llama-linear": ("llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
+    "llama-yarn": ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                      original_max_position_embeddings=64))),
+    "llama-dynamic": ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
+    "mistral": ("mistral", dict(sliding_window=None)),
+    "qwen2": ("qwen2", dict()),
+    "qwen3": ("qwen3", dict()),
+    "phi3": ("phi3", dict(sliding_window=None)),
+}
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_model(request, tmp_path_factory):
+    """(directory of the saved model, the transformers model): random weights, every norm
+    weight away from 1 so that a norm applied wrongly (or not at all) shows."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, fields = FAMILIES[request.param]
+    config = AutoConfig.for_model(model_type, **{**SHAPE, **fields})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            else:
+                param.normal_(0, 0.15)
+    directory = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory, model
+
+
+@torch.inference_mode()
+def transformers_greedy(model, prompt: list[int]) -> Reference:
+    model.generation_config.eos_token_id = None  # as ignore_eos: EOS is a token like any other
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)), do_sample=False,
+                         max_new_tokens=MAX_TOKENS, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0, top_k=None, top_p=None, temperature=None)
+    return Reference(out.sequences[0, len(prompt):].tolist(), [step[0].float() for step in out.logits])
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 160, (40,), generator=gen).tolist()
+    lengths = (3, 17, 90, 150)  # 90 and 150: past the scaled rotaries' original context of 64
+    return [torch.randint(3, 160, (n,), generator=gen).tolist() for n in lengths] + [shared + [5, 6], shared + [7]]
+
+
+def run(directory, backend: str, **fields) -> tuple[dict[str, list[int]], dict[str, list[float]], EngineCore]:
+    core = EngineCore(EngineConfig(model=str(directory), backend=backend, dtype="float32", device="cpu",
+                                   **{"num_kv_blocks": 64, "max_num_batched_tokens": 32, "max_num_seqs": 4,
+                                      **fields}))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    for i, prompt in enumerate(prompts()):
+        core.add_request(str(i), prompt, params)
+    tokens = {str(i): [] for i in range(len(prompts()))}
+    logprobs = {str(i): [] for i in range(len(prompts()))}
+    while core.has_unfinished_requests:
+        for delta in core.step():
+            tokens[delta.request_id] += delta.new_token_ids
+            logprobs[delta.request_id] += [p.logprob for p in delta.new_logprobs]
+    return tokens, logprobs, core
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_greedy_tokens_and_logprobs_match_transformers(family_model, backend):
+    directory, hf = family_model
+    # 32-token steps split the long prompts (chunked prefill); the shared 40-token prefix hits
+    # the cache for the second prompt that has it.
+    tokens, logprobs, core = run(directory, backend)
+    assert core.stats().prefix_cache_hits > 0
+    for i, prompt in enumerate(prompts()):
+        reference = transformers_greedy(hf, prompt)
+        assert_matches_reference(tokens[str(i)], reference, label=f"prompt {i} ({len(prompt)} tokens)")
+        if tokens[str(i)] == reference.token_ids:  # logprobs where the tokens agree
+            expected = [torch.log_softmax(step, -1)[t].item() for step, t in zip(reference.logits, tokens[str(i)])]
+            torch.testing.assert_close(torch.tensor(logprobs[str(i)]), torch.tensor(expected), atol=2e-4, rtol=2e-4)
+
+
+def test_preemption_keeps_the_tokens(family_model):
+    """With too few KV blocks for every request at once, requests are preempted and recomputed;
+    the tokens stay those of an engine with room for all."""
+    directory, _ = family_model
+    roomy, _, _ = run(directory, "cpu")
+    tight, _, core = run(directory, "cpu", num_kv_blocks=18, enable_prefix_caching=False)
+    assert core.stats().num_preemptions > 0
+    assert tight == roomy
+
+
+# transformers' names -> GGUF's (llama.cpp's conversion), per layer and for the whole model.
+GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down"}
+GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def write_gguf(model, arch: str, path, packed: bool) -> None:
+    """The transformers model as llama.cpp's conversion writes it: its metadata, its tensor names,
+    llama's q/k rows permuted into interleaved rotary pairs; the matrices as Q8_0 if ``packed``."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    config = model.config
+    writer = GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    for name, tensor in model.state_dict().items():
+        stem, kind = name.rsplit(".", 1)
+        if stem.startswith("model.layers."):
+            _, _, layer, part = stem.split(".", 3)
+            gguf_name = f"blk.{layer}.{GGUF_LAYER_NAMES[part]}.{kind}"
+        else:
+            gguf_name = f"{GGUF_TOP_NAMES[stem]}.{kind}"
+        w = tensor.float().numpy()
+        heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+        for proj, n in heads.items():
+            if arch == "llama" and stem.endswith(proj):  # llama.cpp's permute: halves -> interleaved pairs
+                w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        if packed and w.ndim == 2:
+            writer.add_tensor(gguf_name, quantize(np.ascontiguousarray(w), GGMLQuantizationType.Q8_0),
+                              raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, np.ascontiguousarray(w))
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        step()
+
+
+@pytest.mark.parametrize("family", ["llama-linear", "qwen2", "qwen3"])
+def test_gguf_files_of_these_families_give_the_safetensors_tokens(family, tmp_path):
+    """The same random weights written as GGUF (f32, and Q8_0 kept packed) load to the same model:
+    llama's permuted q/k rows come back, qwen3's q/k norms are found."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, fields = FAMILIES[family]
+    fields = {k: v for k, v in fields.items() if k != "rope_parameters"}  # default rotary in GGUF
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**SHAPE, **fields}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1 + 0.3 * torch.randn_like(param)) if "norm" in name else param.normal_(0, 0.15)
+    model.save_pretrained(tmp_path / "hf")
+    expected, _, _ = run(tmp_path / "hf", "cpu")
+    write_gguf(model, model_type, tmp_path / "model.gguf", packed=False)
+    assert run(tmp_path / "model.gguf", "cpu")[0] == expected
+    write_gguf(model, model_type, tmp_path / "packed.gguf", packed=True)
+    core = EngineCore(EngineConfig(model=str(tmp_path / "packed.gguf"), backend="cpu", dtype="float32", device="cpu",
+                                   num_kv_blocks=64))
+    assert core.model.layers[0].qkv_proj.kind == "Q8_0"  # kept packed
+    # The packed kernels give the tokens of the same Q8_0 values dequantized to fp32.
+    assert run(tmp_path / "packed.gguf", "cpu")[0] == run(tmp_path / "packed.gguf", "cpu", quantization="none")[0]
+
+
+def test_an_unsupported_family_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
+    with pytest.raises((ConfigError, ValueError), match="unsupported model_type 'gpt2'.*llama.*qwen3.*phi3"):
+        EngineCore(EngineConfig(model=str(tmp_path), backend="torch", dtype="float32", device="cpu"))
+
+
+def hf_config(model_type: str, **fields) -> dict:
+    return {"model_type": model_type, **SHAPE, **fields}
+
+
+def test_the_context_stops_where_transformers_would_change_its_computation(tmp_path):
+    from engine.models.llama import LlamaConfig
+
+    assert LlamaConfig.from_hf(hf_config("llama")).exact_context_length == 256
+    # A sliding window (Phi-3 mini: 2047) or longrope past its original context (then long
+    # factors for every position) is not followed: the context stops there.
+    assert LlamaConfig.from_hf(hf_config("phi3", sliding_window=100)).exact_context_length == 100
+    longrope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[2.0] * 8,
+                    original_max_position_embeddings=128)
+    assert LlamaConfig.from_hf(hf_config("phi3", rope_parameters=longrope)).exact_context_length == 128
+    # Asking for more is a clear error naming the setting.
+    (tmp_path / "config.json").write_text(__import__("json").dumps(hf_config("phi3", sliding_window=100)))
+    with pytest.raises(ConfigError, match="max_model_len 200 exceeds .* 100 as this engine runs it"):
+        EngineCore(EngineConfig(model=str(tmp_path), backend="torch", dtype="float32", device="cpu",
+                                load_format="dummy", max_model_len=200))
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(rope_parameters=dict(rope_type="mrope", rope_theta=1e4)), "unsupported rope scaling 'mrope'"),
+    (dict(partial_rotary_factor=0.5), "partial rotary"),
+])
+def test_what_the_engine_does_not_run_is_refused_at_load(fields, words):
+    from engine.models.llama import LlamaConfig
+
+    with pytest.raises(ValueError, match=words):
+        LlamaConfig.from_hf(hf_config("llama", **fields))
+
+
+def test_longrope_uses_transformers_short_factors_and_attention_scaling():
+    """Phi-3's longrope below its original context: transformers' short factors, and cos/sin
+    scaled by sqrt(1 + ln(max / original) / ln(original))."""
+    import math
+
+    from engine.models.llama import LlamaConfig, RotaryEmbedding
+
+    short = [1.0 + i / 10 for i in range(8)]
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=short, long_factor=[4.0] * 8,
+                original_max_position_embeddings=64)
+    config = LlamaConfig.from_hf(hf_config("phi3", rope_parameters=rope))
+    tables = RotaryEmbedding(config, torch.float32, "cpu")
+    inv_freq = 1.0 / (torch.tensor(short) * 10000.0 ** (torch.arange(0, 16, 2).float() / 16))
+    scale = math.sqrt(1 + math.log(256 / 64) / math.log(64))
+    torch.testing.assert_close(tables.cos[5], torch.cos(5 * inv_freq) * scale)
