@@ -122,6 +122,11 @@ class EngineCore:
         if request_id in self._children:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         prompt = list(prompt_token_ids)
+        extra_eos = [t for t in self.model.config.extra_eos_token_ids if t not in params.stop_token_ids]
+        if extra_eos and not params.ignore_eos:
+            # The model's other end tokens stop the request as vLLM does: as stop tokens
+            # (the response's stop_reason names the one that ended it).
+            params = attrs.evolve(params, stop_token_ids=[*params.stop_token_ids, *extra_eos])
         max_tokens = self.validate(prompt, params, priority)
         if (params.structured_outputs is None) != (grammar is None):
             raise InvalidParameterError("structured_outputs", "structured outputs need their compiled grammar "

@@ -245,3 +245,29 @@ def test_longrope_uses_transformers_short_factors_and_attention_scaling():
     inv_freq = 1.0 / (torch.tensor(short) * 10000.0 ** (torch.arange(0, 16, 2).float() / 16))
     scale = math.sqrt(1 + math.log(256 / 64) / math.log(64))
     torch.testing.assert_close(tables.cos[5], torch.cos(5 * inv_freq) * scale)
+
+
+def test_the_models_other_end_tokens_stop_a_request(family_model, tmp_path):
+    """Llama 3.x Instruct lists several end tokens (config.json's eos_token_id list and
+    generation_config.json): each stops a request, as EOS does, unless ignore_eos."""
+    import json
+    import shutil
+
+    directory, _ = family_model
+    model_dir = tmp_path / "model"
+    shutil.copytree(directory, model_dir)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    core = EngineCore(EngineConfig(model=str(model_dir), backend="torch", dtype="float32", device="cpu",
+                                   num_kv_blocks=64))
+    assert core.model.config.extra_eos_token_ids == (7,)
+    forced = {7: 100.0}  # the model's first choice becomes token 7
+    core.add_request("stops", [5, 6, 8], SamplingParams(temperature=0, max_tokens=5, logit_bias=forced))
+    core.add_request("goes on", [5, 6, 8], SamplingParams(temperature=0, max_tokens=5, logit_bias=forced,
+                                                          ignore_eos=True))
+    finished = {}
+    while core.has_unfinished_requests:
+        for delta in core.step():
+            if delta.finished:
+                finished[delta.request_id] = delta
+    assert finished["stops"].finish_reason == "stop" and finished["stops"].stop_reason == 7
+    assert finished["goes on"].finish_reason == "length"

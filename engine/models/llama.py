@@ -48,10 +48,14 @@ class LlamaConfig:
     rope_scaling: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
     # Attention reaches back this many tokens at most (Mistral v0.1, Phi-3); None: no window.
     sliding_window: int | None = None
+    # More end-of-sequence tokens (Llama 3.x Instruct: <|eom_id|>, <|eot_id|>), from the
+    # config's eos_token_id list and generation_config.json; they stop a request as EOS does.
+    extra_eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
-        """From a Hugging Face ``config.json`` dict (see ``engine.models.families`` for the families)."""
+    def from_hf(cls, hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> LlamaConfig:
+        """From a Hugging Face ``config.json`` dict (see ``engine.models.families`` for the
+        families), and ``generation_config.json``'s if there is one."""
         model_type = hf.get("model_type", "llama")
         fam = families.family(model_type)
         rope = families.rope_parameters(hf)
@@ -60,7 +64,8 @@ class LlamaConfig:
         if model_type == "qwen3" and hf.get("use_sliding_window"):
             raise ValueError("qwen3 with use_sliding_window is not supported")
         window = hf.get("sliding_window") if model_type in ("mistral", "phi3") else None
-        eos = hf.get("eos_token_id")
+        eos = _ids(hf.get("eos_token_id"))
+        more = [t for t in eos[1:] + _ids((generation or {}).get("eos_token_id")) if t not in eos[:1]]
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -75,7 +80,8 @@ class LlamaConfig:
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", fam.qkv_bias),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            eos_token_id=eos[0] if eos else None,
+            extra_eos_token_ids=tuple(dict.fromkeys(more)),
             model_type=model_type,
             rope_scaling={} if rope["rope_type"] == "default" else rope,
             sliding_window=window,
@@ -96,6 +102,10 @@ class LlamaConfig:
         if self.rope_scaling.get("rope_type") == "longrope":
             limit = min(limit, self.rope_scaling["original_max_position_embeddings"])
         return limit
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
 class RotaryEmbedding:

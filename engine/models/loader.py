@@ -130,7 +130,9 @@ def read_config(source: ModelSource) -> LlamaConfig:
     config_file = source.path / "config.json"
     if not config_file.exists():
         raise ConfigError("model", f"{source.path} has no config.json")
-    return LlamaConfig.from_hf(json.loads(config_file.read_text()))
+    generation_file = source.path / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.exists() else None
+    return LlamaConfig.from_hf(json.loads(config_file.read_text()), generation)
 
 
 # ---- GGUF ----
