@@ -151,13 +151,22 @@ int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void
     const int threads = threads_for(p);
     const std::vector<WorkItem> items = plan(p, threads, &partial_floats);
     std::vector<float> partials(static_cast<size_t>(partial_floats));
-#pragma omp parallel num_threads(threads)
-    {
-        Scratch scratch;
+    // Each thread's scratch is kept between calls (a decode step makes one call per layer, and
+    // allocating and zeroing it each time cost more than a small attention); one thread runs
+    // without a parallel region at all.
+    auto run = [&] {
+        static thread_local Scratch scratch;
         scratch.reserve(pa::kQueryTile * s->num_heads, s->head_size, s->block_size,
                         static_cast<int64_t>(s->num_kv_heads) * s->head_size);
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) kKernels.run_item(p, items[i], scratch, partials.data());
+#pragma omp for schedule(dynamic, 1)  // (outside a parallel region: this thread runs every item)
+        for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i)
+            kKernels.run_item(p, items[i], scratch, partials.data());
+    };
+    if (threads == 1) {
+        run();
+    } else {
+#pragma omp parallel num_threads(threads)
+        run();
     }
     if (partial_floats > 0) {
         std::vector<size_t> firsts;
