@@ -19,13 +19,13 @@ from backends import packed as packed_kernels
 
 # Up to this many rows of x, the packed kernel (each block read once for every row) beats
 # dequantizing the weight and a GEMM; above it, the weight is dequantized a tile of rows at a
-# time into a scratch buffer and multiplied by torch's GEMM. Measured with bench/packed.py
-# (AMD EPYC, AVX2): from 8 rows the kernel dequantizes each block in registers and feeds 8
-# rows at once, and beats the tiled path at 32 rows on every shape of the default model and
-# of Llama-3-8B; at 64 they are even (0.8-1.3x either way). In the engine, 32 requests
-# decoding at once ran 250-268 tok/s with the kernel up to 32 rows against 205-208 with it
-# up to 16 (fp32 weights: 177-220).
-PACKED_MAX_ROWS = 32
+# time into a scratch buffer and multiplied by torch's GEMM. The kernel (AVX2): up to 15 rows,
+# each block is dequantized in registers and fed to 8 rows at once; from 16 rows, six output
+# rows at a time are dequantized into an L1 panel and multiplied as a small GEMM (16 x 6
+# blocks of y in registers). Measured with /tmp scripts on the default model's four layer
+# shapes (AMD EPYC Zen 3, 2 threads, ms for all four): M=32 kernel 1.64-1.71 / tiled 2.4-2.6 /
+# fp32 1.8-1.9; M=64 3.22-3.26 / 3.68 / 3.09; M=96 5.04 / 4.87 / 4.31; M=128 7.1 / 6.1 / 5.5.
+PACKED_MAX_ROWS = 64
 # Rows of the dequantized tile hold at most this many floats (16 MiB): the LM head of a large
 # vocabulary is never dequantized whole.
 _TILE_FLOATS = 4 * 1024 * 1024

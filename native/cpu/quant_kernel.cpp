@@ -3,9 +3,11 @@
 // -DQM_NS=qm_portable. Both compute the same sums in the same order per 8-lane group (AVX2 with
 // fused multiply-adds, so the last bits may differ).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "quant_kernel.h"
 
@@ -178,6 +180,62 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
 }
 
 #if QM_AVX2
+// Larger batches as a small GEMM: six output rows of W are dequantized into a panel (in L1,
+// once for all rows of x), and a 16 x 6 block of y is accumulated in twelve registers from x
+// transposed (16 rows of x per vector pair) times each panel value broadcast: per k, two
+// loads of x, six broadcasts, twelve fused multiply-adds, and no horizontal sums.
+template <int Type>
+void panel_rows(const Job& j, int64_t n0, int64_t n1) {
+    constexpr int kNr = 6;
+    const int64_t K = j.k, blocks = K / 32;
+    static thread_local std::vector<float> panel_storage;
+    panel_storage.resize(static_cast<size_t>(kNr * K));
+    float* panel = panel_storage.data();
+    alignas(32) float block[kNr][16];
+    for (int64_t nb = n0; nb < n1; nb += kNr) {
+        const int nn = static_cast<int>(std::min<int64_t>(kNr, n1 - nb));
+        for (int r = 0; r < kNr; ++r) {
+            float* dst = panel + r * K;
+            if (r >= nn) {  // rows past the chunk multiply as zeros and are not stored
+                std::memset(dst, 0, static_cast<size_t>(K) * sizeof(float));
+                continue;
+            }
+            const uint8_t* row = j.w + (nb + r) * j.row_bytes;
+            for (int64_t b = 0; b < blocks; ++b) {
+                __m256 w[4];
+                block_dequantized8(Type, row + b * j.block_bytes, w);
+                for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + b * 32 + 8 * i, w[i]);
+            }
+        }
+        for (int64_t m0 = 0; m0 < j.m; m0 += 16) {
+            __m256 c[kNr][2];
+#pragma GCC unroll 6
+            for (int r = 0; r < kNr; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
+            const float* xt = j.xt + m0;
+            const int64_t stride = j.m_pad;
+            for (int64_t kk = 0; kk < K; ++kk) {
+                const __m256 x0 = _mm256_loadu_ps(xt + kk * stride), x1 = _mm256_loadu_ps(xt + kk * stride + 8);
+#pragma GCC unroll 6
+                for (int r = 0; r < kNr; ++r) {
+                    const __m256 wv = _mm256_broadcast_ss(panel + r * K + kk);
+                    c[r][0] = _mm256_fmadd_ps(wv, x0, c[r][0]);
+                    c[r][1] = _mm256_fmadd_ps(wv, x1, c[r][1]);
+                }
+            }
+            // (stored with constant indexes first: a runtime index into c would make the
+            // compiler keep c in memory and store it on every k)
+#pragma GCC unroll 6
+            for (int r = 0; r < kNr; ++r) {
+                _mm256_store_ps(block[r], c[r][0]);
+                _mm256_store_ps(block[r] + 8, c[r][1]);
+            }
+            const int64_t rows = std::min<int64_t>(16, j.m - m0);
+            for (int r = 0; r < nn; ++r)
+                for (int64_t i = 0; i < rows; ++i) j.y[(m0 + i) * j.n + nb + r] = block[r][i];
+        }
+    }
+}
+
 // Larger batches: each block is dequantized in registers once (d * q + m, rounded as GGUF's
 // reference does) and multiplied into T rows of x, one accumulator per row: per block and
 // row, four fused multiply-adds and no per-block scaling or offset work.
@@ -209,6 +267,7 @@ template <int Type>
 void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
     int64_t m0 = 0;
 #if QM_AVX2
+    if (j.xt != nullptr) return panel_rows<Type>(j, n0, n1);
     for (; m0 + 8 <= j.m; m0 += 8) rows_tile_dequantized<Type, 8>(j, n0, n1, m0);
 #endif
     // Tiles of 8 rows (dequantized blocks), then 4, 2, 1 (folded offsets) share each block's
@@ -255,9 +314,9 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
 
 Kernels kernels() {
 #if QM_AVX2
-    return {linear_rows, dequantize_row, "avx2+fma"};
+    return {linear_rows, dequantize_row, "avx2+fma", true};
 #else
-    return {linear_rows, dequantize_row, "portable"};
+    return {linear_rows, dequantize_row, "portable", false};
 #endif
 }
 

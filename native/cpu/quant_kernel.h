@@ -17,12 +17,19 @@ struct Job {
     int64_t m;
     float* y;
     const float* xsum;  // [m, k / 32]: each block's sum of x
+    // x transposed, [k, m_pad] with rows past m zero (m_pad a multiple of 16), for the panel
+    // products of larger batches (AVX2); null below kPanelMinRows rows.
+    const float* xt = nullptr;
+    int64_t m_pad = 0;
 };
+
+constexpr int64_t kPanelMinRows = 16;  // from this many rows of x, the AVX2 path multiplies panels
 
 struct Kernels {
     void (*linear_rows)(const Job&, int64_t n0, int64_t n1);
     void (*dequantize_row)(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out);
     const char* name;
+    bool panels;  // multiplies larger batches in panels (Job::xt); the portable path does not
 };
 
 namespace qm_avx2 { Kernels kernels(); }

@@ -112,10 +112,19 @@ int qm_linear(int type, const void* w, int64_t n, int64_t k, const float* x, int
             for (int i = 0; i < 32; ++i) s += x[r * k + b * 32 + i];
             xsum[r * blocks + b] = s;
         }
-    const qm::Job job{type, static_cast<const uint8_t*>(w), n, k, qm_row_bytes(type, k), block_bytes(type), x, m, y,
-                      xsum.data()};
-    // Chunks of 16 output rows: enough work per chunk, and whole cache lines of y per thread.
-    const int64_t chunk = 16, chunks = (n + chunk - 1) / chunk;
+    qm::Job job{type, static_cast<const uint8_t*>(w), n, k, qm_row_bytes(type, k), block_bytes(type), x, m, y,
+                xsum.data()};
+    std::vector<float> xt;
+    if (m >= qm::kPanelMinRows && kern->panels) {  // x transposed for the panel products
+        job.m_pad = (m + 15) / 16 * 16;
+        xt.assign(static_cast<size_t>(k * job.m_pad), 0.f);
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t i = 0; i < k; ++i) xt[i * job.m_pad + r] = x[r * k + i];
+        job.xt = xt.data();
+    }
+    // Chunks of 16 output rows (48, whole panels of 6, for the panel products): enough work per
+    // chunk, and whole cache lines of y per thread.
+    const int64_t chunk = job.xt != nullptr ? 48 : 16, chunks = (n + chunk - 1) / chunk;
     const int threads = threads_for(n * blocks * m, chunks);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < chunks; ++c) kern->linear_rows(job, c * chunk, std::min(n, (c + 1) * chunk));
