@@ -12,33 +12,12 @@
 // source compiles for the host with PA_CUDA_HOST_EMULATION, which is how CI runs it.
 
 #include "paged_attention.h"
-
-#ifdef PA_CUDA_HOST_EMULATION  // tests run these kernels on the host: see host_emulation.h
-#include "host_emulation.h"
-#else
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#define PA_LAUNCH(kernel, grid, block, stream, ...) kernel<<<grid, block, 0, stream>>>(__VA_ARGS__)
-#endif
+#include "launch.h"
 
 #include <cstdint>
 #include <string>
 
 namespace {
-
-thread_local std::string g_last_error;
-
-int fail(const std::string& message) {
-    g_last_error = message;
-    return 1;
-}
-
-int check_launch(const char* what) {
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return fail(std::string(what) + ": " + cudaGetErrorString(err));
-    return 0;
-}
 
 constexpr int kNumWarps = 4;
 constexpr int kMaxGroup = 8;  // query heads per KV head handled by one CTA
