@@ -271,3 +271,12 @@ def test_the_models_other_end_tokens_stop_a_request(family_model, tmp_path):
                 finished[delta.request_id] = delta
     assert finished["stops"].finish_reason == "stop" and finished["stops"].stop_reason == 7
     assert finished["goes on"].finish_reason == "length"
+
+
+def test_a_sliding_window_counts_where_transformers_applies_it():
+    from engine.models.llama import LlamaConfig
+
+    assert LlamaConfig.from_hf(hf_config("mistral", sliding_window=64)).sliding_window == 64
+    assert LlamaConfig.from_hf(hf_config("qwen2", sliding_window=64)).sliding_window is None  # switched off
+    assert LlamaConfig.from_hf(hf_config("qwen3", sliding_window=64, use_sliding_window=True)).exact_context_length == 64
+    assert LlamaConfig.from_hf(hf_config("llama", sliding_window=64)).sliding_window is None  # llama ignores it

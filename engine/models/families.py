@@ -32,14 +32,23 @@ class Family:
     qkv_bias: bool = False  # default of config.attention_bias
     qk_norm: bool = False
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj as stored matrices (Phi-3)
+    # When transformers applies config.sliding_window: "always" (Mistral, Phi-3), "switched"
+    # (Qwen: only with use_sliding_window), "never" (Llama ignores the field).
+    sliding_window: str = "never"
+
+    def window(self, hf: Mapping[str, Any]) -> int | None:
+        """The attention window transformers applies for this config.json, or None."""
+        if self.sliding_window == "always" or (self.sliding_window == "switched" and hf.get("use_sliding_window")):
+            return hf.get("sliding_window")
+        return None
 
 
 FAMILIES = {family.model_type: family for family in (
     Family("llama"),
-    Family("mistral"),
-    Family("qwen2", qkv_bias=True),
-    Family("qwen3", qk_norm=True),
-    Family("phi3", fused_checkpoint=True),
+    Family("mistral", sliding_window="always"),
+    Family("qwen2", qkv_bias=True, sliding_window="switched"),
+    Family("qwen3", qk_norm=True, sliding_window="switched"),
+    Family("phi3", fused_checkpoint=True, sliding_window="always"),
 )}
 
 # Rotary types whose frequencies transformers computes once (exact at every length), and the

@@ -61,9 +61,6 @@ class LlamaConfig:
         rope = families.rope_parameters(hf)
         if hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
             raise ValueError("a partial rotary embedding (partial_rotary_factor < 1) is not supported")
-        if model_type == "qwen3" and hf.get("use_sliding_window"):
-            raise ValueError("qwen3 with use_sliding_window is not supported")
-        window = hf.get("sliding_window") if model_type in ("mistral", "phi3") else None
         eos = _ids(hf.get("eos_token_id"))
         more = [t for t in eos[1:] + _ids((generation or {}).get("eos_token_id")) if t not in eos[:1]]
         return cls(
@@ -84,7 +81,7 @@ class LlamaConfig:
             extra_eos_token_ids=tuple(dict.fromkeys(more)),
             model_type=model_type,
             rope_scaling={} if rope["rope_type"] == "default" else rope,
-            sliding_window=window,
+            sliding_window=fam.window(hf),
         )
 
     @property
