@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.api import LLM, SamplingParams  # noqa: E402
-from engine.models.loader import default_model_path  # noqa: E402
+from engine.models.loader import default_model_path, read_config, resolve_model  # noqa: E402
 
 
 def make_workload(num_requests: int, seed: int, vocab_size: int) -> list[tuple[list[int], int]]:
@@ -32,7 +32,8 @@ def make_workload(num_requests: int, seed: int, vocab_size: int) -> list[tuple[l
 
 
 def run_engine(args, workload) -> float:
-    llm = LLM(args.model, backend=args.backend, load_format=args.load_format, max_num_seqs=args.max_num_seqs,
+    llm = LLM(args.model, tokenizer=args.tokenizer, backend=args.backend, load_format=args.load_format,
+              max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_mixed_prefill_tokens=args.max_num_mixed_prefill_tokens)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
@@ -82,7 +83,10 @@ def run_transformers(args, workload) -> float:
     from transformers import AutoModelForCausalLM
 
     path = Path(args.model) if args.model else default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    else:  # a Hugging Face directory
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     pad = model.config.pad_token_id or 0
     start = time.perf_counter()
     for i in range(0, len(workload), args.hf_batch_size):
@@ -101,6 +105,9 @@ def run_transformers(args, workload) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--tokenizer", default=None,
+                        help="where the tokenizer is, for a model directory without one (e.g. random "
+                             "weights saved by transformers); the prompts are token ids either way")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--num-requests", type=int, default=64)
@@ -112,7 +119,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    workload = make_workload(args.num_requests, args.seed, vocab_size=49152)
+    source = resolve_model(args.model, allow_missing_default=args.load_format == "dummy")
+    workload = make_workload(args.num_requests, args.seed, vocab_size=read_config(source).vocab_size)
     output_tokens = sum(n for _, n in workload)
     print(f"{len(workload)} requests, {sum(len(p) for p, _ in workload)} prompt tokens, {output_tokens} output tokens")
     engine_s = run_engine(args, workload)

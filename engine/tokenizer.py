@@ -28,6 +28,8 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
     from transformers import AutoTokenizer
 
     if tokenizer is not None:
+        if tokenizer.endswith(".gguf"):  # a GGUF file's vocabulary, built and cached as the model's is
+            return load_tokenizer(ModelSource(Path(tokenizer), Path(tokenizer).stem))
         return AutoTokenizer.from_pretrained(tokenizer)
     if not source.is_gguf:
         return AutoTokenizer.from_pretrained(source.path)

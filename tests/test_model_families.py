@@ -280,3 +280,16 @@ def test_a_sliding_window_counts_where_transformers_applies_it():
     assert LlamaConfig.from_hf(hf_config("qwen2", sliding_window=64)).sliding_window is None  # switched off
     assert LlamaConfig.from_hf(hf_config("qwen3", sliding_window=64, use_sliding_window=True)).exact_context_length == 64
     assert LlamaConfig.from_hf(hf_config("llama", sliding_window=64)).sliding_window is None  # llama ignores it
+
+
+def test_a_model_directory_can_take_its_tokenizer_from_a_gguf_file(family_model, tokenizer):
+    """``tokenizer=`` accepts a .gguf file (its vocabulary built and cached as a GGUF model's
+    is): how bench/offline.py runs random-weight directories that have no tokenizer."""
+    from engine.api import LLM
+    from engine.models.loader import default_model_path
+
+    directory, _ = family_model
+    llm = LLM(str(directory), tokenizer=str(default_model_path()), backend="cpu", dtype="float32", num_kv_blocks=64)
+    assert llm.get_tokenizer().get_vocab() == tokenizer.get_vocab()
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
