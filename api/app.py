@@ -349,7 +349,7 @@ class _Handlers:
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                      req.chat_template_kwargs, plan)
-        params = sampling_params(req, chat=True)
+        params = sampling_params(req, chat=True, defaults=self.state.client.default_sampling)
         if plan is not None:
             params = plan.constrain(params)
         self.validate(ids, params, req.priority)
@@ -430,7 +430,7 @@ class _Handlers:
         self.check_model(req.model)
         prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
         inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p) for p in prompts]
-        params = sampling_params(req, chat=False)
+        params = sampling_params(req, chat=False, defaults=self.state.client.default_sampling)
         for _, ids in inputs:  # every prompt is checked before any is queued
             self.validate(ids, params, req.priority)
         await self.compile_constraint(req, params)

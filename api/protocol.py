@@ -9,6 +9,7 @@ by name.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Union
 
 import attrs
@@ -324,8 +325,16 @@ def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
 _API_NAMES = {"logprobs": "top_logprobs"}  # our parameter name -> the chat API's, where they differ
 
 
-def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat: bool) -> SamplingParams:
-    """The engine's parameters for a request; range errors become 400s naming the API field."""
+def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat: bool,
+                    defaults: Mapping[str, float] | None = None) -> SamplingParams:
+    """The engine's parameters for a request; range errors become 400s naming the API field.
+    ``defaults`` (the model's generation_config.json) fill the sampling values it leaves unset."""
+    defaults = defaults or {}
+
+    def value(name: str, fallback: float) -> float:
+        given = getattr(request, name)
+        return defaults.get(name, fallback) if given is None else given
+
     if chat:
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
@@ -334,10 +343,8 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat:
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's completions default
     fields = dict(
         n=request.n, presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k is None else request.top_k, min_p=0.0 if request.min_p is None else request.min_p,
-        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=value("top_k", 0),
+        min_p=value("min_p", 0.0), repetition_penalty=value("repetition_penalty", 1.0),
         seed=request.seed, stop=request.stop,
         stop_token_ids=request.stop_token_ids, include_stop_str_in_output=request.include_stop_str_in_output,
         ignore_eos=request.ignore_eos, max_tokens=max_tokens,

@@ -15,7 +15,7 @@ from hypercorn.trio import serve
 
 from api.app import Limits, ServerState, create_app
 from engine.async_engine import open_engine
-from engine.config import (BACKENDS, DTYPES, LOAD_FORMATS, QUANTIZATIONS, SCHEDULING_POLICIES,
+from engine.config import (BACKENDS, DTYPES, GENERATION_CONFIGS, LOAD_FORMATS, QUANTIZATIONS, SCHEDULING_POLICIES,
                            SERVING_CPU_MIXED_PREFILL_TOKENS, EngineConfig, resolve_device)
 from engine.errors import BackendUnavailableError, InvalidParameterError, first_leaf
 from engine.models.loader import resolve_model
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split long prompts across steps")
     p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs", help="fcfs or priority")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
+    p.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
+                   help="auto: the sampling values of the model's generation_config.json are the defaults of "
+                        "requests that do not set them (as vLLM); vllm: ignore them")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     p.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any)")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")

@@ -166,6 +166,13 @@ class EngineClient:
         return self._engine.core.max_model_len
 
     @property
+    def default_sampling(self) -> dict[str, float]:
+        """The sampling values a request gets where it sets none (``--generation-config auto``:
+        the model's generation_config.json; ``vllm``: none)."""
+        core = self._engine.core
+        return dict(core.model.config.sampling_defaults) if core.config.generation_config == "auto" else {}
+
+    @property
     def backend_name(self) -> str:
         return self._engine.core.backend.name
 

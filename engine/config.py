@@ -28,6 +28,9 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 SERVING_CPU_MIXED_PREFILL_TOKENS = 128
 
 
+GENERATION_CONFIGS = ("auto", "vllm")
+
+
 def _one_of(choices: tuple[str, ...]):
     def check(instance: Any, attribute: attrs.Attribute, value: str) -> None:
         if value not in choices:
@@ -97,6 +100,9 @@ class EngineConfig:
         structured_outputs_config: the grammar backend and its limits, as JSON text or a dict
             (``StructuredOutputsConfig``: backend, compile_timeout_s, max_concurrent_compiles,
             cache_size).
+        generation_config: ``auto`` (as vLLM): the sampling values of the model's
+            ``generation_config.json`` (temperature, top_p, top_k, min_p, repetition_penalty)
+            are the defaults of API requests that do not set them; ``vllm``: ignore them.
     """
 
     model: str | None = None
@@ -120,6 +126,7 @@ class EngineConfig:
     max_waiting_requests: int = attrs.field(default=1024, validator=_positive)
     step_timeout: float | None = attrs.field(default=300.0, validator=_positive_seconds)
     structured_outputs_config: str | dict | None = None
+    generation_config: str = attrs.field(default="auto", validator=_one_of(GENERATION_CONFIGS))
 
     def __attrs_post_init__(self) -> None:
         from engine.structured_outputs import StructuredOutputsConfig

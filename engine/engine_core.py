@@ -49,6 +49,9 @@ class EngineCore:
             load_model, source, config.load_format, resolve_dtype(config, self.device), self.device, config.seed,
             config.quantization)
         self.vocab_size = self.model.config.vocab_size
+        if config.generation_config == "auto" and self.model.config.sampling_defaults:
+            log.info("default sampling values from the model's generation_config.json: %s "
+                     "(--generation-config vllm ignores them)", dict(self.model.config.sampling_defaults))
         self.eos_token_id = self.model.config.eos_token_id
         num_blocks = self._num_kv_blocks()
         self.max_model_len = self._max_model_len(num_blocks * config.block_size)

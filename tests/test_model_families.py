@@ -293,3 +293,20 @@ def test_a_model_directory_can_take_its_tokenizer_from_a_gguf_file(family_model,
     assert llm.get_tokenizer().get_vocab() == tokenizer.get_vocab()
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_generation_config_sampling_values_are_the_defaults_of_api_requests():
+    from api.protocol import CompletionRequest, sampling_params
+    from engine.models.llama import LlamaConfig
+
+    generation = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": None, "eos_token_id": [2, 9]}
+    config = LlamaConfig.from_hf(hf_config("llama"), generation)
+    assert config.sampling_defaults == {"temperature": 0.6, "top_p": 0.9}
+    assert config.extra_eos_token_ids == (9,)
+    unset = sampling_params(CompletionRequest(prompt="hi"), chat=False, defaults=config.sampling_defaults)
+    assert (unset.temperature, unset.top_p, unset.top_k) == (0.6, 0.9, 0)
+    given = sampling_params(CompletionRequest(prompt="hi", temperature=0.0), chat=False,
+                            defaults=config.sampling_defaults)
+    assert (given.temperature, given.top_p) == (0.0, 0.9)  # what the request sets wins
+    plain = sampling_params(CompletionRequest(prompt="hi"), chat=False)  # --generation-config vllm
+    assert (plain.temperature, plain.top_p) == (1.0, 1.0)

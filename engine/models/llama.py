@@ -51,6 +51,9 @@ class LlamaConfig:
     # More end-of-sequence tokens (Llama 3.x Instruct: <|eom_id|>, <|eot_id|>), from the
     # config's eos_token_id list and generation_config.json; they stop a request as EOS does.
     extra_eos_token_ids: tuple[int, ...] = ()
+    # generation_config.json's sampling values (temperature, top_p, top_k, min_p,
+    # repetition_penalty): the API's defaults under --generation-config auto.
+    sampling_defaults: Mapping[str, float] = attrs.field(factory=dict, eq=False, hash=False)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> LlamaConfig:
@@ -79,6 +82,7 @@ class LlamaConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if eos else None,
             extra_eos_token_ids=tuple(dict.fromkeys(more)),
+            sampling_defaults={k: generation[k] for k in SAMPLING_DEFAULTS if (generation or {}).get(k) is not None},
             model_type=model_type,
             rope_scaling={} if rope["rope_type"] == "default" else rope,
             sliding_window=fam.window(hf),
@@ -99,6 +103,10 @@ class LlamaConfig:
         if self.rope_scaling.get("rope_type") == "longrope":
             limit = min(limit, self.rope_scaling["original_max_position_embeddings"])
         return limit
+
+
+# What generation_config.json may set for every request, as vLLM reads it.
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _ids(value: int | list[int] | None) -> list[int]:
