@@ -16,7 +16,7 @@ struct Job {
     const float* x;
     int64_t m;
     float* y;
-    const float* xsum;  // [m, k / 32]: each block's sum of x
+    const float* xsum;  // [m, k / 32]: each block's sum of x (the row tiles; null with xt)
     // x transposed, [k, m_pad] with rows past m zero (m_pad a multiple of 16), for the panel
     // products of larger batches (AVX2); null below kPanelMinRows rows.
     const float* xt = nullptr;

@@ -105,22 +105,24 @@ int qm_linear(int type, const void* w, int64_t n, int64_t k, const float* x, int
     if (kern == nullptr) return 1;
     if (n <= 0 || m <= 0) return n < 0 || m < 0 ? fail("negative size") : 0;
     const int64_t blocks = k / 32;
-    std::vector<float> xsum(static_cast<size_t>(m * blocks));
-    for (int64_t r = 0; r < m; ++r)
-        for (int64_t b = 0; b < blocks; ++b) {
-            float s = 0.f;
-            for (int i = 0; i < 32; ++i) s += x[r * k + b * 32 + i];
-            xsum[r * blocks + b] = s;
-        }
     qm::Job job{type, static_cast<const uint8_t*>(w), n, k, qm_row_bytes(type, k), block_bytes(type), x, m, y,
-                xsum.data()};
-    std::vector<float> xt;
+                nullptr};
+    std::vector<float> xt, xsum;
     if (m >= qm::kPanelMinRows && kern->panels) {  // x transposed for the panel products
         job.m_pad = (m + 15) / 16 * 16;
         xt.assign(static_cast<size_t>(k * job.m_pad), 0.f);
         for (int64_t r = 0; r < m; ++r)
             for (int64_t i = 0; i < k; ++i) xt[i * job.m_pad + r] = x[r * k + i];
         job.xt = xt.data();
+    } else {  // the row tiles fold the blocks' offsets through the sums of x
+        xsum.resize(static_cast<size_t>(m * blocks));
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t b = 0; b < blocks; ++b) {
+                float s = 0.f;
+                for (int i = 0; i < 32; ++i) s += x[r * k + b * 32 + i];
+                xsum[r * blocks + b] = s;
+            }
+        job.xsum = xsum.data();
     }
     // Chunks of 16 output rows (48, whole panels of 6, for the panel products): enough work per
     // chunk, and whole cache lines of y per thread.
