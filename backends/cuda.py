@@ -66,9 +66,4 @@ class CudaAttentionBackend:
 
 def unavailable_reason() -> str | None:
     """Why the cuda backend cannot run here, or None if it can."""
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible to torch (is this a CPU-only torch build, or no GPU?)"
-    if not (native.LIB_DIR / "libpa_cuda.so").exists():
-        return f"libpa_cuda.so is not built in {native.LIB_DIR}: install nvcc and run `python native/build.py`"
-    return None
-
+    return native.cuda_unavailable_reason("pa_cuda")

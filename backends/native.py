@@ -57,6 +57,15 @@ def load_library(name: str, backend: str, header: Path = HEADER, what: str = "at
         raise BackendUnavailableError(f"the {backend} {what} could not load {path}: {exc}") from exc
 
 
+def cuda_unavailable_reason(library: str) -> str | None:
+    """Why the CUDA library ``lib{library}.so`` cannot run here, or None if it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible to torch (is this a CPU-only torch build, or no GPU?)"
+    if not (LIB_DIR / f"lib{library}.so").exists():
+        return f"lib{library}.so is not built in {LIB_DIR}: install nvcc and run `python native/build.py`"
+    return None
+
+
 @cache
 def _attention_ffi() -> FFI:
     return _ffi(HEADER)

@@ -132,13 +132,14 @@ def cuda_library():
     return native.load_library("qm_cuda", "cuda", HEADER, "packed-weight kernels")
 
 
-def cuda_unavailable_reason() -> str | None:
-    """Why packed weights cannot run on the GPU here, or None if they can."""
-    if not torch.cuda.is_available():
-        return "no CUDA GPU is visible to torch"
-    if not (native.LIB_DIR / "libqm_cuda.so").exists():
-        return f"libqm_cuda.so is not built in {native.LIB_DIR}: install nvcc and run `python native/build.py`"
-    return None
+def unavailable_reason(device: str) -> str | None:
+    """Why packed weights cannot run on ``device`` here, or None if they can: they run on CPU,
+    and on a GPU where ``libqm_cuda.so`` is built."""
+    if device == "cpu":
+        return None
+    if device == "cuda":
+        return native.cuda_unavailable_reason("qm_cuda")
+    return f"no packed kernels on {device}"
 
 
 class CudaPackedMatrix:

@@ -22,7 +22,7 @@ from engine.models.linear import CudaPackedLinear
 
 KINDS = list(packed.TYPES)
 
-ON_GPU = packed.cuda_unavailable_reason() is None
+ON_GPU = packed.unavailable_reason("cuda") is None
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Relative to sum |x| |w| of each output: fp32 sums, then one rounding to the output dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}

@@ -168,24 +168,22 @@ class LlamaModel:
             value = weights[name]
             return (value.dequantize() if isinstance(value, PackedWeight) else value).to(dtype=dtype, device=device)
 
+        unpacked_reason = packed_kernels.unavailable_reason(device)  # once, not per matrix
+
         def linear(names: list[str], bias: list[str] | None = None) -> Linear:
             """One product for the weights ``names`` stacked by rows: packed if they all are, of one type."""
             parts = [weights[n] for n in names]
             kinds = {p.kind if isinstance(p, PackedWeight) else None for p in parts}
             b = torch.cat([w(n) for n in bias]) if bias else None
-            packed_here = device == "cpu" or (device == "cuda" and packed_kernels.cuda_unavailable_reason() is None)
-            if packed_here and len(kinds) == 1 and None not in kinds:
+            if unpacked_reason is None and len(kinds) == 1 and None not in kinds:
                 packed = torch.cat([p.data for p in parts]) if len(parts) > 1 else parts[0].data
                 if device == "cuda":
                     return CudaPackedLinear(packed.to(device), parts[0].kind, parts[0].shape[1], b)
                 return PackedLinear(packed, parts[0].kind, parts[0].shape[1],
                                     None if b is None else b.to(torch.float32))
             if kinds != {None}:
-                reason = "mixed types" if packed_here else "no packed kernels on " + device
-                if device == "cuda":
-                    reason = packed_kernels.cuda_unavailable_reason() or reason
                 log.warning("%s: %s weights dequantized to %s (%s)", names[0],
-                            "/".join(sorted(k or "dense" for k in kinds)), dtype, reason)
+                            "/".join(sorted(k or "dense" for k in kinds)), dtype, unpacked_reason or "mixed types")
             return DenseLinear(torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]), b)
 
         fam = config.family

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from backends.packed import TYPES as _PACKED
-from backends.packed import cuda_unavailable_reason as packed_cuda_unavailable_reason
+from backends.packed import unavailable_reason as packed_unavailable_reason
 from engine.errors import ConfigError
 from engine.models import families
 from engine.models.linear import PackedWeight, q4_k_to_q4_1, quantize_q8_m
@@ -88,9 +88,7 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     if fmt == "safetensors" and source.is_gguf:
         raise ConfigError("load_format", f"load_format safetensors needs a model directory; got {source.path}")
     config = read_config(source)
-    # Packed weights run on CPU, and on a GPU where libqm_cuda.so is built.
-    unpacked_reason = (None if device == "cpu" else packed_cuda_unavailable_reason() if device == "cuda"
-                       else f"no packed kernels on {device}")
+    unpacked_reason = packed_unavailable_reason(device)
     if quantization == "int8" and unpacked_reason:
         raise ConfigError("quantization", f"quantization int8 cannot run on {device}: {unpacked_reason}")
     if quantization == "int8" and fmt == "gguf":
