@@ -52,8 +52,11 @@ class AttentionBackend(Protocol):
         """Store new tokens' K/V (``[T, num_kv_heads, head_size]``) at their slots."""
         ...
 
-    def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention of ``query`` (``[T, num_heads, head_size]``) over the paged cache into ``out`` (same shape)."""
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Attention of ``query`` (``[T, num_heads, head_size]``) over the paged cache into ``out`` (same shape).
+
+        ``window``: a query at position p sees only the keys k with p - window < k <= p (a
+        sliding-window layer; transformers' convention). ``softcap``: each score s (after
+        ``scale``) becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
         ...

@@ -34,7 +34,7 @@ class CpuAttentionBackend:
         native.check_rc(rc, self._lib, "pa_cpu", "write_kv")
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               out: torch.Tensor) -> torch.Tensor:
+               out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         query = query.contiguous()
         # Every layer of a step passes the same metadata and shapes: the checks of the metadata
         # and its pointers are made once per step (kept in meta.scratch); each call still checks
@@ -50,7 +50,7 @@ class CpuAttentionBackend:
             native.check_rows("query", query, "out", out, kv_cache, DTYPES)
         _, shape, query_start_loc, seq_lens, block_tables = plan
         rc = self._lib.pa_cpu_attention(shape, native.ptr(out), native.ptr(query), native.ptr(kv_cache),
-                                        query_start_loc, seq_lens, block_tables, scale)
+                                        query_start_loc, seq_lens, block_tables, scale, window or 0, softcap or 0.0)
         native.check_rc(rc, self._lib, "pa_cpu", "attention")
         return out
 

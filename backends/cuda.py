@@ -31,7 +31,7 @@ class CudaAttentionBackend:
         native.check_rc(rc, self._lib, "pa_cuda", "write_kv")
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               out: torch.Tensor) -> torch.Tensor:
+               out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         query = query.contiguous()
         shape = native.attention_shape(query, kv_cache, meta, out, DTYPES)
         for name, t in (("query", query), ("kv_cache", kv_cache)):  # the kernel reads rows 16 bytes at a time
@@ -42,7 +42,8 @@ class CudaAttentionBackend:
         rc = self._lib.pa_cuda_attention(shape, native.ptr(out), native.ptr(query), native.ptr(kv_cache),
                                          native.ptr(meta.query_start_loc, "int32_t *"),
                                          native.ptr(meta.seq_lens, "int32_t *"),
-                                         native.ptr(meta.block_tables, "int32_t *"), scale,
+                                         native.ptr(meta.block_tables, "int32_t *"), scale, window or 0,
+                                         softcap or 0.0,
                                          native.ptr(workspace), workspace.numel(), self._stream(query))
         native.check_rc(rc, self._lib, "pa_cuda", "attention")
         return out

@@ -5,7 +5,8 @@ Each sequence's blocks are gathered with ``index_select`` into a contiguous
 to ``scaled_dot_product_attention`` with an explicit mask. Decode rows (one new token per
 sequence) are batched: sequences of similar length share one padded gather, so padding
 stays small. The query heads of a GQA group ride along as extra query rows of their KV
-head, so K/V is never repeated.
+head, so K/V is never repeated. A sliding-window layer narrows the masks; logit soft-capping
+(Gemma 2) computes the scores explicitly, since ``scaled_dot_product_attention`` has no cap.
 """
 
 from __future__ import annotations
@@ -41,17 +42,16 @@ class TorchAttentionBackend:
         flat[KEY].index_copy_(0, slot_mapping, key)
         flat[VALUE].index_copy_(0, slot_mapping, value)
 
-    def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
-    ) -> torch.Tensor:
-        plan = meta.scratch.get("torch")
+    def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        plan = meta.scratch.get(("torch", window))  # (a sliding-window layer has its own masks)
         if plan is None:
             group = query.shape[1] // kv_cache.shape[3]
-            plan = meta.scratch["torch"] = _plan(meta, kv_cache.shape[2], group, query.device)
+            plan = meta.scratch[("torch", window)] = _plan(meta, kv_cache.shape[2], group, query.device, window)
         for bucket in plan.decode_buckets:
-            _decode(query, kv_cache, bucket, scale, out)
+            _decode(query, kv_cache, bucket, scale, softcap, out)
         for prefill in plan.prefills:
-            _prefill(query, kv_cache, prefill, scale, out)
+            _prefill(query, kv_cache, prefill, scale, softcap, out)
         return out
 
 
@@ -59,7 +59,7 @@ class TorchAttentionBackend:
 class _DecodeBucket:
     rows: torch.Tensor  # [B] query rows
     blocks: torch.Tensor  # [B * max_blocks] block ids, row-major
-    mask: torch.Tensor  # [B, 1, 1, S] True where the key position is inside the sequence
+    mask: torch.Tensor  # [B, 1, 1, S] True where the key position is inside the sequence (and the window)
 
 
 @attrs.frozen
@@ -68,7 +68,7 @@ class _Prefill:
     row_end: int
     seq_len: int
     blocks: torch.Tensor  # [num_blocks] block ids
-    mask: torch.Tensor  # [group * L, S] causal, True where allowed (one copy per query head of a GQA group)
+    mask: torch.Tensor  # [group * L, S] causal (and windowed), True where allowed (a copy per query head of a group)
 
 
 @attrs.frozen
@@ -77,8 +77,9 @@ class _Plan:
     prefills: list[_Prefill]
 
 
-def _plan(meta: AttentionMetadata, block_size: int, group: int, device: torch.device) -> _Plan:
-    """Per-step index tensors, derived once from the metadata and reused by every layer."""
+def _plan(meta: AttentionMetadata, block_size: int, group: int, device: torch.device, window: int | None) -> _Plan:
+    """Per-step index tensors, derived once from the metadata and reused by every layer.
+    With a ``window``, a query at position p sees the keys k with p - window < k <= p."""
     starts = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     decodes, prefills = [], []
@@ -89,7 +90,10 @@ def _plan(meta: AttentionMetadata, block_size: int, group: int, device: torch.de
         elif num_queries > 1:
             num_blocks = -(-seq_len // block_size)
             positions = torch.arange(seq_len, device=device)
-            mask = positions[None, :] <= positions[seq_len - num_queries:, None]
+            queries = positions[seq_len - num_queries:, None]
+            mask = positions[None, :] <= queries
+            if window is not None:
+                mask &= positions[None, :] > queries - window
             prefills.append(_Prefill(starts[i], starts[i + 1], seq_len,
                                      meta.block_tables[i, :num_blocks].long(), mask.repeat(group, 1)))
     decodes.sort(key=lambda i: seq_lens[i], reverse=True)
@@ -97,17 +101,20 @@ def _plan(meta: AttentionMetadata, block_size: int, group: int, device: torch.de
     while decodes:
         longest = seq_lens[decodes[0]]
         size = next((n for n, i in enumerate(decodes) if seq_lens[i] < BUCKET_RATIO * longest), len(decodes))
-        buckets.append(_bucket(meta, decodes[:size], longest, block_size, starts, device))
+        buckets.append(_bucket(meta, decodes[:size], longest, block_size, starts, device, window))
         decodes = decodes[size:]
     return _Plan(buckets, prefills)
 
 
 def _bucket(meta: AttentionMetadata, seqs: list[int], longest: int, block_size: int, starts: list[int],
-            device: torch.device) -> _DecodeBucket:
+            device: torch.device, window: int | None) -> _DecodeBucket:
     index = torch.tensor(seqs, device=device)
     num_blocks = -(-longest // block_size)
     lens = meta.seq_lens[index].long()
-    mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
+    positions = torch.arange(num_blocks * block_size, device=device)[None, :]
+    mask = positions < lens[:, None]
+    if window is not None:
+        mask &= positions >= lens[:, None] - window
     rows = torch.tensor([starts[i] for i in seqs], device=device)
     blocks = meta.block_tables[index, :num_blocks].long().flatten()
     return _DecodeBucket(rows, blocks, mask[:, None, None, :])
@@ -119,19 +126,31 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.T
     return gathered.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
 
 
+def _scores_softmax_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                           softcap: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale) v over the keys ``mask`` allows; with ``softcap``, the scores
+    become softcap * tanh(score / softcap) first (Gemma 2), in transformers' order."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
+
+
 def _decode(query: torch.Tensor, kv_cache: torch.Tensor, bucket: _DecodeBucket, scale: float,
-            out: torch.Tensor) -> None:
+            softcap: float | None, out: torch.Tensor) -> None:
     num_seqs = bucket.rows.shape[0]
     num_heads, head_size = query.shape[1:]
     num_kv_heads = kv_cache.shape[3]
     q = query.index_select(0, bucket.rows).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_size)
     k = _gather(kv_cache[KEY], bucket.blocks, num_seqs)  # [B, kv_heads, S, head_size]
     v = _gather(kv_cache[VALUE], bucket.blocks, num_seqs)
-    result = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=scale)  # [B, kv_heads, group, D]
+    result = _scores_softmax_values(q, k, v, bucket.mask, scale, softcap)  # [B, kv_heads, group, D]
     out.index_copy_(0, bucket.rows, result.reshape(num_seqs, num_heads, head_size))
 
 
-def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, prefill: _Prefill, scale: float, out: torch.Tensor) -> None:
+def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, prefill: _Prefill, scale: float, softcap: float | None,
+             out: torch.Tensor) -> None:
     q = query[prefill.row_start:prefill.row_end]  # [L, heads, head_size], the last L of seq_len positions
     num_queries, num_heads, head_size = q.shape
     num_kv_heads = kv_cache.shape[3]
@@ -140,6 +159,6 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, prefill: _Prefill, sca
     v = _gather(kv_cache[VALUE], prefill.blocks, 1)[0, :, :prefill.seq_len]
     # Each KV head's group of query heads becomes group * L query rows: [kv_heads, group * L, head_size].
     q = q.view(num_queries, num_kv_heads, group, head_size).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_size)
-    result = F.scaled_dot_product_attention(q, k, v, attn_mask=prefill.mask, scale=scale)
+    result = _scores_softmax_values(q, k, v, prefill.mask, scale, softcap)
     result = result.view(num_kv_heads, group, num_queries, head_size).permute(2, 0, 1, 3)
     out[prefill.row_start:prefill.row_end] = result.reshape(num_queries, num_heads, head_size)

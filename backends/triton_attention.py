@@ -4,7 +4,8 @@ One program per (query token, KV head, key split): it holds the GQA group's quer
 the rows of a tile (padded to 16 for ``tl.dot``), walks its share of the sequence's cache
 blocks up to the causal limit, and keeps an online softmax per row. When the batch alone
 would give the GPU too few programs (a few sequences decoding long contexts), the keys are
-split and a second kernel merges the splits' (max, sum, acc) partials by log-sum-exp. CI
+split and a second kernel merges the splits' (max, sum, acc) partials by log-sum-exp. A
+sliding-window layer walks only its window's blocks (the splits then cover the window). CI
 runs it on the CPU under ``TRITON_INTERPRET=1`` (which must be set before triton is
 imported).
 """
@@ -38,16 +39,19 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, kv_half, ROW: tl.c
 
 @triton.jit
 def _attention_kernel(out_ptr, partial_ptr, q_ptr, cache_ptr, token_seq_ptr, qsl_ptr, seq_lens_ptr, tables_ptr,
-                      scale, kv_half, max_blocks, split_blocks, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                      scale, softcap, window, kv_half, max_blocks, split_blocks, NUM_HEADS: tl.constexpr,
+                      NUM_KV_HEADS: tl.constexpr,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+                      BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+                      SOFTCAP: tl.constexpr):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq = tl.load(token_seq_ptr + token)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    visible = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start) + 1  # keys [0, visible)
+    visible = tl.load(seq_lens_ptr + seq) - q_len + (token - q_start) + 1  # causal: keys [0, visible)
+    first = tl.maximum(visible - window, 0) if WINDOW else 0  # a sliding window's first key
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_SIZE)
@@ -59,11 +63,11 @@ def _attention_kernel(out_ptr, partial_ptr, q_ptr, cache_ptr, token_seq_ptr, qsl
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_SIZE], dtype=tl.float32)
-    first_block = split * split_blocks
+    first_block = first // BLOCK_SIZE + split * split_blocks
     end_block = tl.minimum(tl.cdiv(visible, BLOCK_SIZE), first_block + split_blocks)
     for b in range(first_block, end_block):
         block = tl.load(tables_ptr + seq * max_blocks + b).to(tl.int64)
-        key_mask = b * BLOCK_SIZE + offs_k < visible
+        key_mask = (b * BLOCK_SIZE + offs_k < visible) & (b * BLOCK_SIZE + offs_k >= first)
         kv_offs = ((block * BLOCK_SIZE + offs_k[:, None]) * NUM_KV_HEADS + kv_head) * HEAD_SIZE + offs_d[None, :]
         k = tl.load(cache_ptr + kv_offs, mask=key_mask[:, None], other=0.0)  # [BLOCK_SIZE, HEAD_SIZE]
         v = tl.load(cache_ptr + kv_half + kv_offs, mask=key_mask[:, None], other=0.0)
@@ -71,6 +75,8 @@ def _attention_kernel(out_ptr, partial_ptr, q_ptr, cache_ptr, token_seq_ptr, qsl
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
             s = tl.dot(q, tl.trans(k)) * scale
+        if SOFTCAP:  # softcap * tanh(s / softcap), tanh from exp (saturates to +-1, no overflow)
+            s = (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * softcap
         s = tl.where(key_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_SIZE]
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -123,7 +129,7 @@ class TritonAttentionBackend:
                                         kv_cache[0].numel(), ROW=row, ROW_PAD=triton.next_power_of_2(row))
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               out: torch.Tensor) -> torch.Tensor:
+               out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_size = query.shape
         _, _, block_size, num_kv_heads, _ = kv_cache.shape
         group = num_heads // num_kv_heads
@@ -132,19 +138,23 @@ class TritonAttentionBackend:
             lengths = (meta.query_start_loc[1:] - meta.query_start_loc[:-1]).long()
             token_seq = meta.scratch["triton_token_seq"] = torch.repeat_interleave(
                 torch.arange(meta.num_seqs, device=query.device, dtype=torch.int32), lengths)
-        num_splits, split_blocks = _splits(num_tokens * num_kv_heads, meta.max_seq_len, block_size)
+        # A window spans at most window + 1 blocks (its first one partly): split that span.
+        span = meta.max_seq_len if window is None else min(meta.max_seq_len, window + block_size)
+        num_splits, split_blocks = _splits(num_tokens * num_kv_heads, span, block_size)
         partials = out  # unused without splits
-        if num_splits > 1:  # shared by every layer of the step
-            partials = meta.scratch.get("triton_partials")
+        if num_splits > 1:  # shared by every layer of the step that splits as many times
+            partials = meta.scratch.get(("triton_partials", num_splits))
             if partials is None:
-                partials = meta.scratch["triton_partials"] = torch.empty(
+                partials = meta.scratch[("triton_partials", num_splits)] = torch.empty(
                     (num_tokens, num_heads, num_splits, head_size + 2), dtype=torch.float32, device=query.device)
         _attention_kernel[(num_tokens, num_kv_heads, num_splits)](
             out, partials, query.contiguous(), kv_cache, token_seq, meta.query_start_loc, meta.seq_lens,
-            meta.block_tables, scale, kv_cache[0].numel(), meta.block_tables.shape[1], split_blocks,
+            meta.block_tables, scale, softcap or 1.0, window or 0, kv_cache[0].numel(), meta.block_tables.shape[1],
+            split_blocks,
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
             GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)), HEAD_SIZE=head_size, BLOCK_SIZE=block_size,
-            IEEE=query.dtype == torch.float32, SPLIT=num_splits > 1)
+            IEEE=query.dtype == torch.float32, SPLIT=num_splits > 1, WINDOW=window is not None,
+            SOFTCAP=softcap is not None)
         if num_splits > 1:
             _merge_kernel[(num_tokens * num_heads,)](out, partials, num_splits, HEAD_SIZE=head_size,
                                                     SPLITS_PAD=triton.next_power_of_2(num_splits))

@@ -2,7 +2,8 @@
 
 Random, shuffled (non-contiguous) block tables; block sizes 16 and 32; head sizes 64 and
 128; GQA ratios 1, 3 and 8; pure decode, pure prefill, mixed batches, chunked prefill over
-a cached prefix; sequence lengths from 1 to 4096; padding rows with empty (-1) slots.
+a cached prefix; sequence lengths from 1 to 4096; padding rows with empty (-1) slots;
+sliding windows and logit soft-capping.
 
 Tolerances: float32 1e-4 (only summation order differs); bfloat16 and float16 2e-2 (inputs
 are rounded to 16 bits, so every product carries ~3 significant digits; the reference
@@ -155,7 +156,7 @@ def guards_intact(storage) -> bool:
     return bool(storage[0].isnan().all() and storage[-1].isnan().all())
 
 
-def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device):
+def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device, window=None, softcap=None):
     shape = backend.kv_cache_shape(batch["num_blocks"], block_size, num_kv_heads, head_size)
     cache, cache_storage = guarded(shape, dtype, device)
     for k, v, s in batch["prefix"]:
@@ -169,7 +170,7 @@ def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, devi
     query, query_storage = guarded(batch["query"].shape, dtype, device)
     query.copy_(batch["query"])
     out, out_storage = guarded(batch["query"].shape, dtype, device, fill=float("nan"))
-    backend.attend(query, cache, batch["meta"], head_size**-0.5, out)
+    backend.attend(query, cache, batch["meta"], head_size**-0.5, out, window=window, softcap=softcap)
     assert guards_intact(cache_storage) and guards_intact(query_storage) and guards_intact(out_storage)
     assert not out.isnan().any()  # every row written, nothing read from outside the tensors
     return out, cache
@@ -183,6 +184,22 @@ def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, devi
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_backend_matches_reference(request, backend_name, case, block_size, head_size, num_heads, num_kv_heads,
                                    dtype):
+    check_against_reference(request, backend_name, case, block_size, head_size, num_heads, num_kv_heads, dtype)
+
+
+# Sliding windows shorter than a block, across several blocks, and longer than every
+# sequence; soft-capping on its own and with a window (Gemma 2's layers).
+@pytest.mark.parametrize("backend_name", runnable_backends())
+@pytest.mark.parametrize("case", ["decode", "chunked", "long"])  # (decode: split key ranges within a window)
+@pytest.mark.parametrize("window, softcap", [(5, None), (70, None), (600, 0.5), (None, 0.5), (10_000, None)],
+                         ids=["window-5", "window-70", "window-600-softcap", "softcap", "window-10000"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backend_windows_and_softcap_match_reference(request, backend_name, case, window, softcap, dtype):
+    check_against_reference(request, backend_name, case, 16, 64, 9, 3, dtype, window, softcap)
+
+
+def check_against_reference(request, backend_name, case, block_size, head_size, num_heads, num_kv_heads, dtype,
+                            window=None, softcap=None):
     if dtype != torch.float32 and dtype not in HALF_PRECISION[backend_name]:
         pytest.skip(f"the {backend_name} backend has no {dtype}")
     device = device_for(backend_name)
@@ -198,14 +215,14 @@ def test_backend_matches_reference(request, backend_name, case, block_size, head
     else:
         backend = get_backend(backend_name, device)
     batch = build_batch(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, device)
-    out, cache = run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device)
+    out, cache = run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device, window, softcap)
     # The reference runs in fp32 (or bf16) on the CPU from the same, already rounded, values.
     ref_dtype = torch.float32 if dtype == torch.float16 else dtype
     ref_batch = build_batch(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, "cpu")
     ref_batch = {**ref_batch, "prefix": [(k.to(ref_dtype), v.to(ref_dtype), s) for k, v, s in ref_batch["prefix"]],
                  **{name: ref_batch[name].to(ref_dtype) for name in ("key", "value", "query")}}
     ref_out, ref_cache = run_backend(TorchAttentionBackend(), ref_batch, block_size, num_kv_heads, head_size,
-                                     ref_dtype, "cpu")
+                                     ref_dtype, "cpu", window, softcap)
     assert torch.equal(cache.cpu().to(ref_dtype), ref_cache)  # cache writes are exact copies
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.cpu().float(), ref_out.float(), atol=tol, rtol=tol)

@@ -13,22 +13,29 @@ from backends.base import AttentionMetadata
 from backends.reference import TorchAttentionBackend
 
 
-def dense_attention(q, k, v, scale):
+def dense_attention(q, k, v, scale, window=None, softcap=None):
     # q: [L, H, D] (the last L of S positions); k, v: [S, Hkv, D]
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("lhd,shd->hls", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     seq_len, num_q = k.shape[0], q.shape[0]
-    future = torch.arange(seq_len)[None, :] > torch.arange(seq_len - num_q, seq_len)[:, None]
-    scores = scores.masked_fill(future, float("-inf"))
+    keys, queries = torch.arange(seq_len)[None, :], torch.arange(seq_len - num_q, seq_len)[:, None]
+    hidden = keys > queries
+    if window is not None:
+        hidden |= keys <= queries - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
 
 
 @pytest.mark.parametrize("block_size, head_size, num_heads, num_kv_heads", [
     (16, 64, 9, 3), (32, 128, 8, 1), (16, 64, 4, 4),
 ])
-def test_matches_dense_attention(block_size, head_size, num_heads, num_kv_heads):
+@pytest.mark.parametrize("window, softcap", [(None, None), (17, None), (None, 2.0), (1, None), (40, 3.0)],
+                         ids=["causal", "window", "softcap", "window-1", "window-softcap"])
+def test_matches_dense_attention(block_size, head_size, num_heads, num_kv_heads, window, softcap):
     gen = torch.Generator().manual_seed(0)
     backend = TorchAttentionBackend()
     # (cached tokens, new tokens) per sequence: decodes, a prefill, a chunk over a prefix, a single token prompt
@@ -68,7 +75,7 @@ def test_matches_dense_attention(block_size, head_size, num_heads, num_kv_heads)
     query = torch.cat(queries)
     out = torch.empty_like(query)
     scale = head_size**-0.5
-    backend.attend(query, cache, meta, scale, out)
-    expected = torch.cat([dense_attention(q, k, v, scale) for q, k, v in zip(queries, full_k, full_v)])
+    backend.attend(query, cache, meta, scale, out, window=window, softcap=softcap)
+    expected = torch.cat([dense_attention(q, k, v, scale, window, softcap) for q, k, v in zip(queries, full_k, full_v)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert not (cache == 4096.0).any()

@@ -168,12 +168,16 @@ int64_t out_offset(const Problem& p, const WorkItem& w, int qi, int head) {
 // The online-softmax step of one row over `n` raw scores (q.k, times `scale` here): returns
 // the factor the row's accumulator must be multiplied by before this block's weighted V is
 // added, and leaves exp(score - new max) in `scores`.
-inline float softmax_step(float* scores, int n, float scale, float& m, float& l) {
+// scores[j] = softcap * tanh(scores[j] / softcap), the order transformers computes it in.
+inline void cap(float* scores, int n, float softcap) {
+    for (int j = 0; j < n; ++j) scores[j] = std::tanh(scores[j] / softcap) * softcap;
+}
+
+inline float softmax_step(float* scores, int n, float scale, float softcap, float& m, float& l) {
+    for (int j = 0; j < n; ++j) scores[j] *= scale;
+    if (softcap > 0.f) cap(scores, n, softcap);
     float block_max = kNegInf;
-    for (int j = 0; j < n; ++j) {
-        scores[j] *= scale;
-        block_max = std::max(block_max, scores[j]);
-    }
+    for (int j = 0; j < n; ++j) block_max = std::max(block_max, scores[j]);
     const float m_new = std::max(m, block_max);
     for (int j = 0; j < n; ++j) scores[j] -= m_new;
     exp_nonpositive(scores, n);
@@ -186,29 +190,31 @@ inline float softmax_step(float* scores, int n, float scale, float& m, float& l)
 }
 
 // One row at a time: scores, one rescale of the row's running sums, then the weighted V
-// accumulation (the flash-attention recurrence).
+// accumulation (the flash-attention recurrence). The rows see the block's keys [first, visible).
 void attend_rows_one_by_one(const Problem& p, Scratch& sc, const float* kh, const float* vh, int64_t stride,
-                            const int* rows, int num_rows, int visible) {
-    const int D = p.s->head_size;
+                            const int* rows, int num_rows, int first, int visible) {
+    const int D = p.s->head_size, n = visible - first;
+    kh += first * stride;
+    vh += first * stride;
     float* scores = sc.scores.data();
     for (int i = 0; i < num_rows; ++i) {
         const int r = rows[i];
-        dots(&sc.q[static_cast<size_t>(r) * D], kh, stride, visible, D, scores);
+        dots(&sc.q[static_cast<size_t>(r) * D], kh, stride, n, D, scores);
         float* acc = &sc.acc[static_cast<size_t>(r) * D];
-        const float correction = softmax_step(scores, visible, p.scale, sc.m[r], sc.l[r]);
+        const float correction = softmax_step(scores, n, p.scale, p.softcap, sc.m[r], sc.l[r]);
         if (correction != 1.f) scale(acc, correction, D);
-        weighted_sum(acc, scores, vh, stride, visible, D);
+        weighted_sum(acc, scores, vh, stride, n, D);
     }
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// R rows (R <= kRowsPerPass) that see the same `visible` keys of a block, against one KV
-// head's keys transposed into `kt` (D x kp, zero past `visible`): every K and V vector
-// loaded serves all R rows, and the scores come out one key per lane, with no horizontal
-// sums. For prefill, where a work item holds many rows per KV head.
+// R rows (R <= kRowsPerPass) that see the same keys [first, visible) of a block, against one
+// KV head's keys transposed into `kt` (D x kp, zero past the block's keys): every K and V
+// vector loaded serves all R rows, and the scores come out one key per lane, with no
+// horizontal sums. For prefill, where a work item holds many rows per KV head.
 template <int R>
 void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp, const float* vh, int64_t stride,
-                          const int* rows, int visible) {
+                          const int* rows, int first, int visible) {
     const int D = p.s->head_size;
     const float* q[R];
     float* acc[R];
@@ -236,16 +242,20 @@ void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp
             _mm256_storeu_ps(scores[i] + j0 + 8, _mm256_mul_ps(s[i][1], scale_v));
         }
     }
-    // Online softmax, eight scores at a time; keys past `visible` count as -inf.
+    if (p.softcap > 0.f)
+        for (int i = 0; i < R; ++i) cap(scores[i] + first, visible - first, p.softcap);
+    // Online softmax, eight scores at a time; keys outside [first, visible) count as -inf.
     const int padded = (visible + 15) / 16 * 16;
     const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), limit = _mm256_set1_ps(static_cast<float>(visible));
+    const __m256 lower = _mm256_set1_ps(static_cast<float>(first));
     const __m256 neg_inf = _mm256_set1_ps(kNegInf);
     alignas(32) float m_old[8] = {}, m_new[8] = {};
     float sums[R];
     for (int i = 0; i < R; ++i) {
         __m256 mx = neg_inf;
         for (int j = 0; j < padded; j += 8) {
-            const __m256 inside = _mm256_cmp_ps(_mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(j))), limit, _CMP_LT_OQ);
+            const __m256 key = _mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(j)));
+            const __m256 inside = _mm256_and_ps(_mm256_cmp_ps(key, limit, _CMP_LT_OQ), _mm256_cmp_ps(key, lower, _CMP_GE_OQ));
             const __m256 sv = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(scores[i] + j), inside);
             _mm256_storeu_ps(scores[i] + j, sv);
             mx = _mm256_max_ps(mx, sv);
@@ -275,7 +285,7 @@ void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp
             a[i][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d), c);
             a[i][1] = _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d + 8), c);
         }
-        for (int j = 0; j < visible; ++j) {
+        for (int j = first; j < visible; ++j) {
             const __m256 v0 = _mm256_loadu_ps(vh + j * stride + d);
             const __m256 v1 = _mm256_loadu_ps(vh + j * stride + d + 8);
             for (int i = 0; i < R; ++i) {
@@ -317,12 +327,12 @@ void transpose_keys(const float* k, int64_t stride, int count, int D, int kp, fl
 }
 
 void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp, const float* vh, int64_t stride,
-                          const int* rows, int num_rows, int visible) {
+                          const int* rows, int num_rows, int first, int visible) {
     switch (num_rows) {
-        case 1: return attend_rows_together<1>(p, sc, kt, kp, vh, stride, rows, visible);
-        case 2: return attend_rows_together<2>(p, sc, kt, kp, vh, stride, rows, visible);
-        case 3: return attend_rows_together<3>(p, sc, kt, kp, vh, stride, rows, visible);
-        default: return attend_rows_together<4>(p, sc, kt, kp, vh, stride, rows, visible);
+        case 1: return attend_rows_together<1>(p, sc, kt, kp, vh, stride, rows, first, visible);
+        case 2: return attend_rows_together<2>(p, sc, kt, kp, vh, stride, rows, first, visible);
+        case 3: return attend_rows_together<3>(p, sc, kt, kp, vh, stride, rows, first, visible);
+        default: return attend_rows_together<4>(p, sc, kt, kp, vh, stride, rows, first, visible);
     }
 }
 #endif
@@ -345,26 +355,30 @@ void attend_block(const Problem& p, const WorkItem& w, Scratch& sc, const float*
         if (together) transpose_keys(kh, stride, count, D, kp, sc.kt.data());
 #endif
         // Rows that see the same keys go through together: runs of up to kRowsPerPass rows
-        // of one visible count (all of them, except in the block holding the diagonal).
-        int num_rows = 0, run_visible = 0;
+        // of one key range (all of them, except in the blocks holding the diagonal or a
+        // window's edge).
+        int num_rows = 0, run_first = 0, run_visible = 0;
         auto flush = [&] {
             if (num_rows == 0) return;
 #if defined(__AVX2__) && defined(__FMA__)
             if (together) {
-                attend_rows_together(p, sc, sc.kt.data(), kp, vh, stride, rows, num_rows, run_visible);
+                attend_rows_together(p, sc, sc.kt.data(), kp, vh, stride, rows, num_rows, run_first, run_visible);
                 num_rows = 0;
                 return;
             }
 #endif
-            attend_rows_one_by_one(p, sc, kh, vh, stride, rows, num_rows, run_visible);
+            attend_rows_one_by_one(p, sc, kh, vh, stride, rows, num_rows, run_first, run_visible);
             num_rows = 0;
         };
         for (int qi = w.q_begin; qi < w.q_end; ++qi) {
             const int visible = std::min(count, ctx + qi + 1 - k0);  // causal limit within this block
-            if (visible <= 0) continue;
+            const int first = p.window > 0 ? std::max(0, ctx + qi - p.window + 1 - k0) : 0;  // the window's
+            if (visible <= first) continue;
             for (int g = 0; g < G; ++g) {
-                if (num_rows == kRowsPerPass || (num_rows > 0 && visible != run_visible)) flush();
+                if (num_rows == kRowsPerPass || (num_rows > 0 && (visible != run_visible || first != run_first)))
+                    flush();
                 rows[num_rows++] = (qi - w.q_begin) * H + kv_head * G + g;
+                run_first = first;
                 run_visible = visible;
             }
         }

@@ -31,6 +31,8 @@ struct Problem {
     const int32_t* seq_lens;
     const int32_t* block_tables;
     float scale;
+    int window;     // > 0: a query at position p sees keys p - window < k <= p only
+    float softcap;  // > 0: scores become softcap * tanh(score / softcap)
     int group;
     int64_t kv_half;  // elements in one of K or V
 };

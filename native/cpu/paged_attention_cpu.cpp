@@ -57,7 +57,8 @@ constexpr int64_t kMinWorkPerThread = 1 << 20;
 int threads_for(const Problem& p) {
     int64_t work = 0;
     for (int seq = 0; seq < p.s->num_seqs; ++seq)
-        work += static_cast<int64_t>(p.qsl[seq + 1] - p.qsl[seq]) * p.seq_lens[seq];
+        work += static_cast<int64_t>(p.qsl[seq + 1] - p.qsl[seq]) *
+                (p.window > 0 ? std::min(p.window, p.seq_lens[seq]) : p.seq_lens[seq]);
     work *= static_cast<int64_t>(p.s->num_heads) * p.s->head_size;
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), work / kMinWorkPerThread)));
 }
@@ -67,14 +68,18 @@ std::vector<WorkItem> plan(const Problem& p, int num_threads, int64_t* partial_f
     std::vector<WorkItem> tiles;
     for (int seq = 0; seq < s.num_seqs; ++seq) {
         const int q_len = p.qsl[seq + 1] - p.qsl[seq];
-        for (int q0 = 0; q0 < q_len; q0 += pa::kQueryTile)
-            tiles.push_back({seq, q0, std::min(q_len, q0 + pa::kQueryTile), 0, p.seq_lens[seq], 0, 1, 0});
+        const int ctx = p.seq_lens[seq] - q_len;
+        for (int q0 = 0; q0 < q_len; q0 += pa::kQueryTile) {
+            // keys [first, seq_len): with a window, none before the tile's first query's window
+            const int first = p.window > 0 ? std::max(0, ctx + q0 - p.window + 1) : 0;
+            tiles.push_back({seq, q0, std::min(q_len, q0 + pa::kQueryTile), first, p.seq_lens[seq], 0, 1, 0});
+        }
     }
     const int64_t wanted = 4LL * num_threads;
     std::vector<WorkItem> items;
     *partial_floats = 0;
     for (const WorkItem& t : tiles) {
-        const int keys = t.k_end;
+        const int keys = t.k_end - t.k_begin;
         int splits = 1;
         if (static_cast<int64_t>(tiles.size()) < wanted && keys >= 2 * pa::kMinSplitKeys)
             splits = static_cast<int>(std::min<int64_t>((wanted + tiles.size() - 1) / tiles.size(), keys / pa::kMinSplitKeys));
@@ -82,8 +87,8 @@ std::vector<WorkItem> plan(const Problem& p, int num_threads, int64_t* partial_f
         const int64_t part_size = static_cast<int64_t>(t.q_end - t.q_begin) * s.num_heads * (s.head_size + 2);
         for (int i = 0; i < splits; ++i) {
             WorkItem w = t;
-            w.k_begin = i * chunk;
-            w.k_end = std::min(keys, (i + 1) * chunk);
+            w.k_begin = t.k_begin + i * chunk;
+            w.k_end = std::min(t.k_end, t.k_begin + (i + 1) * chunk);
             w.split = i;
             w.num_splits = splits;
             if (splits > 1) {
@@ -137,9 +142,11 @@ int pa_cpu_write_kv(const pa_shape* s, const void* key, const void* value, void*
 }
 
 int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void* kv_cache, const int32_t* qsl,
-                     const int32_t* seq_lens, const int32_t* block_tables, float scale) {
+                     const int32_t* seq_lens, const int32_t* block_tables, float scale, int32_t window, float softcap) {
     if (int rc = check_shape(s)) return rc;
-    Problem p{s, query, kv_cache, out, qsl, seq_lens, block_tables, scale, s->num_heads / s->num_kv_heads,
+    if (window < 0 || !(softcap >= 0.f)) return fail("window and softcap must be >= 0 (0: none)");
+    Problem p{s, query, kv_cache, out, qsl, seq_lens, block_tables, scale, window, softcap,
+              s->num_heads / s->num_kv_heads,
               static_cast<int64_t>(s->num_blocks) * s->block_size * s->num_kv_heads * s->head_size};
     for (int seq = 0; seq < s->num_seqs; ++seq) {
         const int q_len = qsl[seq + 1] - qsl[seq];

@@ -6,7 +6,8 @@
 // lanes cover a row and a warp reads several rows per step (see RowSplit). Partitions are
 // 128-512 keys (more of them when the batch is small); their (max, sum, acc) partials are
 // combined by reduce_kernel. Prefill and mixed batches use the same kernel: a query token
-// sees its sequence's keys up to its own position.
+// sees its sequence's keys up to its own position (in a sliding-window layer, only the last
+// `window` of them); Gemma 2's soft-cap bends each score with tanh before the softmax.
 //
 // Every launch is on the caller's stream and is followed by cudaGetLastError. The same
 // source compiles for the host with PA_CUDA_HOST_EMULATION, which is how CI runs it.
@@ -83,6 +84,12 @@ __device__ __forceinline__ void unpack_slice(const uint4 (&raw)[RowSplit<T, HEAD
     }
 }
 
+// What a layer asks of its attention (see paged_attention.h): score scale, tanh soft-cap, window.
+struct Params {
+    float scale, softcap;  // softcap 0: none
+    int window;            // 0: none
+};
+
 struct Dims {
     int num_seqs, num_heads, num_kv_heads, block_size, max_blocks_per_seq, num_partitions, partition_size;
     int64_t kv_half;  // elements of K (== of V) in the cache
@@ -109,7 +116,7 @@ template <typename T, int HEAD_SIZE, int GROUP>
 __global__ void __launch_bounds__(kNumWarps * 32)
 attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __restrict__ kv_cache,
                  const int32_t* __restrict__ qsl, const int32_t* __restrict__ seq_lens,
-                 const int32_t* __restrict__ block_tables, float* __restrict__ workspace, float scale, Dims d) {
+                 const int32_t* __restrict__ block_tables, float* __restrict__ workspace, Params params, Dims d) {
     using S = RowSplit<T, HEAD_SIZE>;
     constexpr int NUM_STATES = kNumWarps * S::KEYS_PER_WARP;  // lane groups per CTA
     const int token = blockIdx.x, kv_head = blockIdx.y, part = blockIdx.z;
@@ -125,7 +132,9 @@ attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __re
     const int seq = lo;
     const int q_len = qsl[seq + 1] - qsl[seq];
     const int visible = seq_lens[seq] - q_len + (token - qsl[seq]) + 1;  // causal: keys [0, visible)
-    const int k_begin = part * d.partition_size;
+    // A window shifts the partitions to start at its first key (the last ones are then empty).
+    const int first = params.window > 0 ? max(0, visible - params.window) : 0;
+    const int k_begin = first + part * d.partition_size;
     const int k_end = min(visible, k_begin + d.partition_size);
 
     float q[GROUP][S::ELEMS], acc[GROUP][S::ELEMS], m[GROUP], l[GROUP];
@@ -138,7 +147,7 @@ attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __re
         l[g] = 0.f;
 #pragma unroll
         for (int e = 0; e < S::ELEMS; ++e) {
-            q[g][e] *= scale;
+            q[g][e] *= params.scale;
             acc[g][e] = 0.f;
         }
     }
@@ -176,6 +185,7 @@ attention_kernel(T* __restrict__ out, const T* __restrict__ query, const T* __re
             for (int e = 0; e < S::ELEMS; ++e) s = fmaf(q[g][e], k[e], s);
 #pragma unroll
             for (int offset = S::LANES_PER_KEY / 2; offset > 0; offset >>= 1) s += __shfl_xor_sync(kFullMask, s, offset);
+            if (params.softcap > 0.f) s = tanhf(s / params.softcap) * params.softcap;
             if (valid) {
                 const float m_new = fmaxf(m[g], s);
                 const float correction = __expf(m[g] - m_new);
@@ -271,7 +281,7 @@ int num_partitions(const pa_shape* s) {
 
 template <typename T, int HEAD_SIZE, int GROUP>
 int launch_attention(const pa_shape* s, void* out, const void* query, const void* kv_cache, const int32_t* qsl,
-                     const int32_t* seq_lens, const int32_t* block_tables, float scale, void* workspace,
+                     const int32_t* seq_lens, const int32_t* block_tables, Params params, void* workspace,
                      cudaStream_t stream) {
     const Dims d{s->num_seqs, s->num_heads, s->num_kv_heads, s->block_size, s->max_blocks_per_seq, num_partitions(s),
                  partition_size(s), (int64_t)s->num_blocks * s->block_size * s->num_kv_heads * s->head_size};
@@ -279,7 +289,7 @@ int launch_attention(const pa_shape* s, void* out, const void* query, const void
     const dim3 grid(s->num_tokens, s->num_kv_heads, d.num_partitions);
     auto attention = attention_kernel<T, HEAD_SIZE, GROUP>;
     PA_LAUNCH(attention, grid, dim3(kNumWarps * 32), stream, static_cast<T*>(out), static_cast<const T*>(query),
-              static_cast<const T*>(kv_cache), qsl, seq_lens, block_tables, static_cast<float*>(workspace), scale, d);
+              static_cast<const T*>(kv_cache), qsl, seq_lens, block_tables, static_cast<float*>(workspace), params, d);
     if (int rc = check_launch("attention_kernel")) return rc;
     if (d.num_partitions > 1) {
         auto reduce = reduce_kernel<T, HEAD_SIZE>;
@@ -292,10 +302,10 @@ int launch_attention(const pa_shape* s, void* out, const void* query, const void
 
 template <typename T, int HEAD_SIZE>
 int dispatch_group(const pa_shape* s, void* out, const void* query, const void* kv_cache, const int32_t* qsl,
-                   const int32_t* seq_lens, const int32_t* block_tables, float scale, void* workspace,
+                   const int32_t* seq_lens, const int32_t* block_tables, Params params, void* workspace,
                    cudaStream_t stream) {
 #define PA_GROUP_CASE(G) \
-    case G: return launch_attention<T, HEAD_SIZE, G>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
+    case G: return launch_attention<T, HEAD_SIZE, G>(s, out, query, kv_cache, qsl, seq_lens, block_tables, params, workspace, stream);
     switch (s->num_heads / s->num_kv_heads) {
         PA_GROUP_CASE(1) PA_GROUP_CASE(2) PA_GROUP_CASE(3) PA_GROUP_CASE(4)
         PA_GROUP_CASE(5) PA_GROUP_CASE(6) PA_GROUP_CASE(7) PA_GROUP_CASE(8)
@@ -306,12 +316,12 @@ int dispatch_group(const pa_shape* s, void* out, const void* query, const void* 
 
 template <typename T>
 int dispatch_head_size(const pa_shape* s, void* out, const void* query, const void* kv_cache, const int32_t* qsl,
-                       const int32_t* seq_lens, const int32_t* block_tables, float scale, void* workspace,
+                       const int32_t* seq_lens, const int32_t* block_tables, Params params, void* workspace,
                        cudaStream_t stream) {
     switch (s->head_size) {
-        case 64: return dispatch_group<T, 64>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
-        case 128: return dispatch_group<T, 128>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
-        case 256: return dispatch_group<T, 256>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, stream);
+        case 64: return dispatch_group<T, 64>(s, out, query, kv_cache, qsl, seq_lens, block_tables, params, workspace, stream);
+        case 128: return dispatch_group<T, 128>(s, out, query, kv_cache, qsl, seq_lens, block_tables, params, workspace, stream);
+        case 256: return dispatch_group<T, 256>(s, out, query, kv_cache, qsl, seq_lens, block_tables, params, workspace, stream);
         default: return fail("the CUDA library supports head sizes 64, 128 and 256; got " + std::to_string(s->head_size));
     }
 }
@@ -353,16 +363,18 @@ int pa_cuda_write_kv(const pa_shape* s, const void* key, const void* value, void
 }
 
 int pa_cuda_attention(const pa_shape* s, void* out, const void* query, const void* kv_cache, const int32_t* qsl,
-                      const int32_t* seq_lens, const int32_t* block_tables, float scale, void* workspace,
-                      int64_t workspace_bytes, void* stream) {
+                      const int32_t* seq_lens, const int32_t* block_tables, float scale, int32_t window, float softcap,
+                      void* workspace, int64_t workspace_bytes, void* stream) {
     if (int rc = check_shape(s)) return rc;
+    if (window < 0 || !(softcap >= 0.f)) return fail("window and softcap must be >= 0 (0: none)");
+    const Params params{scale, softcap, window};
     if (s->num_tokens == 0) return 0;
     if (workspace_bytes < pa_cuda_workspace_bytes(s)) return fail("workspace too small");
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     switch (s->dtype) {
-        case PA_FLOAT32: return dispatch_head_size<float>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, st);
-        case PA_BFLOAT16: return dispatch_head_size<__nv_bfloat16>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, st);
-        default: return dispatch_head_size<__half>(s, out, query, kv_cache, qsl, seq_lens, block_tables, scale, workspace, st);
+        case PA_FLOAT32: return dispatch_head_size<float>(s, out, query, kv_cache, qsl, seq_lens, block_tables, params, workspace, st);
+        case PA_BFLOAT16: return dispatch_head_size<__nv_bfloat16>(s, out, query, kv_cache, qsl, seq_lens, block_tables, params, workspace, st);
+        default: return dispatch_head_size<__half>(s, out, query, kv_cache, qsl, seq_lens, block_tables, params, workspace, st);
     }
 }
 

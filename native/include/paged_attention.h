@@ -15,6 +15,10 @@
  * last tokens; each attends causally to its first seq_lens[i] tokens. GQA: query head h
  * reads KV head h / (num_heads / num_kv_heads).
  *
+ * Attention parameters: scores are q.k * scale; softcap > 0 turns each into
+ * softcap * tanh(score / softcap) (Gemma 2); window > 0 lets a query at position p see only
+ * the keys at positions p - window < k <= p (a sliding-window layer). 0 turns either off.
+ *
  * Every function returns 0 on success, or a nonzero code with a message available from
  * the library's last_error function (thread-local).
  */
@@ -48,7 +52,7 @@ int pa_cpu_write_kv(const pa_shape* shape, const void* key, const void* value, v
                     const int64_t* slot_mapping);
 int pa_cpu_attention(const pa_shape* shape, void* out, const void* query, const void* kv_cache,
                      const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,
-                     float scale);
+                     float scale, int32_t window, float softcap);
 const char* pa_cpu_last_error(void);
 const char* pa_cpu_isa(void); /* "avx2+fma" or "portable": the path chosen at run time */
 
@@ -70,7 +74,8 @@ int pa_cuda_write_kv(const pa_shape* shape, const void* key, const void* value, 
                      const int64_t* slot_mapping, void* stream);
 int pa_cuda_attention(const pa_shape* shape, void* out, const void* query, const void* kv_cache,
                       const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,
-                      float scale, void* workspace, int64_t workspace_bytes, void* stream);
+                      float scale, int32_t window, float softcap, void* workspace, int64_t workspace_bytes,
+                      void* stream);
 int64_t pa_cuda_workspace_bytes(const pa_shape* shape);
 const char* pa_cuda_last_error(void);
 
