@@ -86,7 +86,8 @@ class CpuLayerOps(TorchLayerOps):
         q = torch.empty(shape.num_tokens, num_heads, shape.head_size)
         rc = self._lib.pa_cpu_rope_write_kv(shape, native.ptr(qkv, "float *"), native.ptr(rope.positions, "int64_t *"),
                                             native.ptr(rope.cos_table, "float *"), native.ptr(rope.sin_table, "float *"),
-                                            rope.cos_table.shape[0], native.ptr(q, "float *"), native.ptr(kv_cache),
+                                            rope.cos_table.shape[0], 2 * rope.cos_table.shape[1],
+                                            native.ptr(q, "float *"), native.ptr(kv_cache),
                                             native.ptr(slot_mapping, "int64_t *"))
         native.check_rc(rc, self._lib, "pa_cpu", "rope_write_kv")
         return q

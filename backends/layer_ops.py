@@ -24,15 +24,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, num_heads, head_dim], halves rotated as in transformers' Llama
+    # x: [T, num_heads, head_dim], halves rotated as in transformers' Llama; cos, sin: [T, 1,
+    # rotary_dim / 2]: a partial rotary (Phi-4-mini) turns the first rotary_dim values of a head.
+    rotary_dim = 2 * cos.shape[-1]
+    if rotary_dim != x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Rope:
-    """One step's rotary angles: the tokens' positions and the tables ``[max_positions, head_dim / 2]``.
+    """One step's rotary angles: the tokens' positions and the tables ``[max_positions, rotary_dim / 2]``.
 
-    ``cos`` and ``sin`` (``[T, 1, head_dim / 2]``, shared by every layer) are gathered on first
+    ``cos`` and ``sin`` (``[T, 1, rotary_dim / 2]``, shared by every layer) are gathered on first
     use; a fused op reads the tables by position instead.
     """
 

@@ -165,8 +165,8 @@ def rope_write_kv_shape(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
             raise ValueError(f"{name} needs one entry per token")
     for name, t in (("cos", cos), ("sin", sin)):
         _check_tensor(name, t, torch.float32, device, 2)
-        if t.shape != cos.shape or t.shape[1] != head_size // 2:
-            raise ValueError(f"rotary table {name} must be [max_positions, {head_size // 2}]")
+        if t.shape != cos.shape or not 0 < t.shape[1] <= head_size // 2:
+            raise ValueError(f"rotary table {name} must be [max_positions, rotary_dim / 2 <= {head_size // 2}]")
     return _shape(num_tokens, 0, num_heads, num_kv_heads, head_size, block_size, num_blocks, 0, 0, 0,
                   DTYPE_CODES[torch.float32])
 

@@ -41,10 +41,11 @@ def test_rms_norm_falls_back_to_torch_off_fp32(cpu):
     assert torch.equal(got, want)
 
 
-def rope_case(num_tokens=5, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, seed=0):
+def rope_case(num_tokens=5, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4, num_blocks=8, seed=0,
+              rotary_dim=16):
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
-    angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.rand(head_dim // 2, generator=gen)[None, :]
+    angles = torch.arange(64, dtype=torch.float32)[:, None] * torch.rand(rotary_dim // 2, generator=gen)[None, :]
     positions = torch.randint(0, 64, (num_tokens,), generator=gen)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     if num_tokens > 1:
@@ -54,8 +55,9 @@ def rope_case(num_tokens=5, num_heads=6, num_kv_heads=2, head_dim=16, block_size
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 700])
-def test_rope_write_kv_is_bit_equal_to_torch(cpu, num_tokens):
-    qkv, rope, cache, slots = rope_case(num_tokens, num_blocks=200)
+@pytest.mark.parametrize("rotary_dim", [16, 12], ids=["full", "partial"])  # partial: Phi-4-mini's 3/4 of a head
+def test_rope_write_kv_is_bit_equal_to_torch(cpu, num_tokens, rotary_dim):
+    qkv, rope, cache, slots = rope_case(num_tokens, num_blocks=200, rotary_dim=rotary_dim)
     want_cache = cache.clone()
     want_q = TORCH_LAYER_OPS.rope_write_kv(TorchAttentionBackend(), qkv, rope, 6, 2, want_cache, slots)
     got_q = cpu.layer_ops.rope_write_kv(cpu, qkv, Rope(rope.positions, rope.cos_table, rope.sin_table), 6, 2,

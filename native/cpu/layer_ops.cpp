@@ -41,16 +41,17 @@ void rms_norm_row(float* out, float* residual, const float* x, const float* weig
     for (int64_t i = 0; i < hidden; ++i) out[i] = weight[i] * (r[i] * inv);
 }
 
-// Rotates one head in place (non-interleaved halves, as transformers' Llama): x1' = x1 cos - x2 sin,
-// x2' = x2 cos + x1 sin.
+// Rotates one head's first 2 * half values (non-interleaved halves, as transformers' Llama):
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin; the rest of the head (a partial rotary) is copied.
 void rotate(float* __restrict dst, const float* __restrict src, const float* __restrict cos,
-            const float* __restrict sin, int half) {
+            const float* __restrict sin, int half, int head_size) {
 #pragma omp simd
     for (int i = 0; i < half; ++i) {
         const float x1 = src[i], x2 = src[i + half];
         dst[i] = x1 * cos[i] - x2 * sin[i];
         dst[i + half] = x2 * cos[i] + x1 * sin[i];
     }
+    if (2 * half < head_size) std::memcpy(dst + 2 * half, src + 2 * half, (head_size - 2 * half) * sizeof(float));
 }
 
 }  // namespace
@@ -68,11 +69,11 @@ int pa_cpu_rms_norm(float* out, float* residual, const float* x, const float* we
 }
 
 int pa_cpu_rope_write_kv(const pa_shape* s, const float* qkv, const int64_t* positions, const float* cos,
-                         const float* sin, int64_t max_positions, float* q_out, void* kv_cache,
+                         const float* sin, int64_t max_positions, int32_t rotary_dim, float* q_out, void* kv_cache,
                          const int64_t* slot_mapping) {
-    if (s->dtype != PA_FLOAT32 || s->head_size % 2 != 0)
-        return pa::report_error("rope_write_kv supports float32 and an even head_size only");
-    const int D = s->head_size, half = D / 2, H = s->num_heads, KV = s->num_kv_heads;
+    if (s->dtype != PA_FLOAT32 || rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > s->head_size)
+        return pa::report_error("rope_write_kv supports float32 and an even rotary_dim <= head_size only");
+    const int D = s->head_size, half = rotary_dim / 2, H = s->num_heads, KV = s->num_kv_heads;
     const int64_t qkv_row = static_cast<int64_t>(H + 2 * KV) * D, kv_row = static_cast<int64_t>(KV) * D;
     const int64_t num_slots = static_cast<int64_t>(s->num_blocks) * s->block_size;
     float* k_cache = static_cast<float*>(kv_cache);
@@ -89,9 +90,9 @@ int pa_cpu_rope_write_kv(const pa_shape* s, const float* qkv, const int64_t* pos
         const float* c = cos + pos * half;
         const float* sn = sin + pos * half;
         const float* row = qkv + t * qkv_row;
-        for (int h = 0; h < H; ++h) rotate(q_out + (t * H + h) * static_cast<int64_t>(D), row + h * D, c, sn, half);
+        for (int h = 0; h < H; ++h) rotate(q_out + (t * H + h) * static_cast<int64_t>(D), row + h * D, c, sn, half, D);
         if (slot < 0) continue;  // a padding token: its query is computed, its K/V not stored
-        for (int h = 0; h < KV; ++h) rotate(k_cache + slot * kv_row + h * D, row + (H + h) * D, c, sn, half);
+        for (int h = 0; h < KV; ++h) rotate(k_cache + slot * kv_row + h * D, row + (H + h) * D, c, sn, half, D);
         std::memcpy(v_cache + slot * kv_row, row + (H + KV) * static_cast<int64_t>(D), kv_row * sizeof(float));
     }
     return bad ? pa::report_error("a position is outside the rotary table or a slot outside the cache") : 0;

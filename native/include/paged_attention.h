@@ -60,14 +60,15 @@ const char* pa_cpu_isa(void); /* "avx2+fma" or "portable": the path chosen at ru
  * pa_cpu_rms_norm: with residual, residual += x first and the sum is normalized;
  *   out = weight * (r * 1 / sqrt(mean(r^2) + eps)) for each of `rows` rows of `hidden` values.
  * pa_cpu_rope_write_kv: qkv is [num_tokens, (num_heads + 2 num_kv_heads) * head_size] (q, k, v);
- *   q and k are rotated (non-interleaved halves) by the angles of positions[t], read from
- *   cos and sin [max_positions, head_size / 2]; q goes to q_out [num_tokens, num_heads, head_size],
- *   k and v to kv_cache at slot_mapping[t] (skipped for a negative slot). */
+ *   the first rotary_dim values of each q and k head are rotated (non-interleaved halves) by the
+ *   angles of positions[t], read from cos and sin [max_positions, rotary_dim / 2], the rest kept
+ *   (a partial rotary); q goes to q_out [num_tokens, num_heads, head_size], k and v to kv_cache
+ *   at slot_mapping[t] (skipped for a negative slot). */
 int pa_cpu_rms_norm(float* out, float* residual, const float* x, const float* weight, int64_t rows, int64_t hidden,
                     float eps);
 int pa_cpu_rope_write_kv(const pa_shape* shape, const float* qkv, const int64_t* positions, const float* cos,
-                         const float* sin, int64_t max_positions, float* q_out, void* kv_cache,
-                         const int64_t* slot_mapping);
+                         const float* sin, int64_t max_positions, int32_t rotary_dim, float* q_out,
+                         void* kv_cache, const int64_t* slot_mapping);
 
 /* CUDA library (libpa_cuda.so); pointers are device pointers, stream a cudaStream_t */
 int pa_cuda_write_kv(const pa_shape* shape, const void* key, const void* value, void* kv_cache,
