@@ -88,14 +88,13 @@ class EngineCore:
         wanted = self.config.max_model_len
         if wanted is not None and wanted > model_max:
             why = ("" if model_max == model_config.max_position_embeddings else
-                   " as this engine runs it (its sliding window or length-dependent rotary scaling is not "
-                   "followed past that)")
+                   " as this engine runs it (its length-dependent rotary scaling is not followed past that)")
             raise ConfigError("max_model_len", f"max_model_len {wanted} exceeds the model's context length "
                                                f"{model_max}{why}")
         if model_max < model_config.max_position_embeddings:
             log.warning("max_model_len at most %d, not the model's %d: past that length transformers changes "
-                        "what it computes (sliding window, dynamic or longrope scaling) and this engine does not "
-                        "follow", model_max, model_config.max_position_embeddings)
+                        "what it computes (dynamic or longrope scaling) and this engine does not follow",
+                        model_max, model_config.max_position_embeddings)
         if wanted is not None and wanted > kv_capacity:
             raise ConfigError("max_model_len", f"max_model_len {wanted} does not fit in the KV cache "
                                                f"({kv_capacity} tokens); raise num_kv_blocks or kv_cache_memory")

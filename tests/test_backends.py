@@ -300,10 +300,12 @@ ENGINE_BACKENDS = ["cpu", "cuda-emulated"] + (["cuda", "triton"] if torch.cuda.i
 
 
 @pytest.mark.parametrize("backend_name", ENGINE_BACKENDS)
-def test_engine_matches_the_torch_backend(request, backend_name, monkeypatch):
+@pytest.mark.parametrize("layers", ["global", "gemma2"])
+def test_engine_matches_the_torch_backend(request, backend_name, layers, monkeypatch):
     """The model runner driving each backend (fp32, random weights) gives the torch backend's
     greedy tokens and logprobs: chunked prefill, prefix-cache hits, several split-KV
-    partitions, and (cuda) the per-step workspace shared by every layer."""
+    partitions, and (cuda) the per-step workspace shared by every layer. ``gemma2``: a
+    sliding-window layer (shorter than most prompts) before a global one, scores soft-capped."""
     import engine.engine_core
     from engine.config import EngineConfig
     from engine.engine_core import EngineCore
@@ -314,7 +316,8 @@ def test_engine_matches_the_torch_backend(request, backend_name, monkeypatch):
     device = device_for(backend_name)
     config = LlamaConfig(vocab_size=512, hidden_size=192, intermediate_size=256, num_layers=2, num_heads=6,
                          num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2)
+                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2,
+                         **(dict(layer_windows=(37, None), attn_logit_softcapping=3.0) if layers == "gemma2" else {}))
     # Weights 5x the dummy std (0.1): attention is peaked and matters to the logits, so a wrong
     # kernel shows in the logprobs (at std 0.02 attention is near uniform and barely moves them).
     weights = {name: w * 5 if name.startswith("model.layers.") and "norm" not in name else w

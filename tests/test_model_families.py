@@ -1,6 +1,7 @@
 """Each model family against transformers, with no downloads: a tiny random-weight model built
 by transformers from a config (its quirks switched on: rotary scaling with prompts past the
-original context, per-head q/k norms, fused projections), saved as safetensors, loaded by our
+original context, per-head q/k norms, fused projections, sliding windows shorter than the
+prompts, soft-capping, Gemma's norms and embeddings), saved as safetensors, loaded by our
 loader; greedy tokens and logprobs must equal transformers' in fp32, under chunked prefill,
 prefix caching and preemption, on the torch and cpu backends.
 """
@@ -31,10 +32,25 @@ FAMILIES = {
     "llama-yarn": ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                       original_max_position_embeddings=64))),
     "llama-dynamic": ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
-    "mistral": ("mistral", dict(sliding_window=None)),
+    "mistral": ("mistral", dict(sliding_window=24)),
     "qwen2": ("qwen2", dict()),
+    "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1)),
     "qwen3": ("qwen3", dict()),
     "phi3": ("phi3", dict(sliding_window=None)),
+    # Phi-4-mini's shape: a rotary over 3/4 of each head, sliding window on every layer.
+    "phi3-partial-rotary": ("phi3", dict(sliding_window=40, partial_rotary_factor=0.75)),
+    "gemma": ("gemma", dict(tie_word_embeddings=True)),
+    # Gemma 2: soft-caps of its real config (50 on attention scores, 30 on logits) and every
+    # other layer a window; the scale from query_pre_attn_scalar (256, not head_dim 16).
+    "gemma2": ("gemma2", dict(sliding_window=24, num_hidden_layers=3, tie_word_embeddings=True)),
+    "gemma2-small-caps": ("gemma2", dict(sliding_window=24, attn_logit_softcapping=1.0, final_logit_softcapping=2.0,
+                                         query_pre_attn_scalar=16)),
+    # Gemma 3: windowed layers with their own rotary base; the global layer's rotary scaled.
+    "gemma3": ("gemma3_text", dict(sliding_window=24, num_hidden_layers=3, sliding_window_pattern=3,
+                                   query_pre_attn_scalar=24, tie_word_embeddings=True,
+                                   rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                                    "full_attention": dict(rope_type="linear", factor=2.0,
+                                                                           rope_theta=1e6)})),
 }
 MAX_TOKENS = 10
 
@@ -206,14 +222,15 @@ def test_the_context_stops_where_transformers_would_change_its_computation(tmp_p
     from engine.models.llama import LlamaConfig
 
     assert LlamaConfig.from_hf(hf_config("llama")).exact_context_length == 256
-    # A sliding window (Phi-3 mini: 2047) or longrope past its original context (then long
-    # factors for every position) is not followed: the context stops there.
-    assert LlamaConfig.from_hf(hf_config("phi3", sliding_window=100)).exact_context_length == 100
+    # A sliding window is followed (Phi-3 mini: 2047); longrope past its original context (then
+    # long factors for every position) is not: the context stops there.
+    assert LlamaConfig.from_hf(hf_config("phi3", sliding_window=100)).exact_context_length == 256
     longrope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[2.0] * 8,
-                    original_max_position_embeddings=128)
-    assert LlamaConfig.from_hf(hf_config("phi3", rope_parameters=longrope)).exact_context_length == 128
+                    original_max_position_embeddings=100)
+    phi3 = hf_config("phi3", rope_parameters=longrope, original_max_position_embeddings=100)
+    assert LlamaConfig.from_hf(phi3).exact_context_length == 100
     # Asking for more is a clear error naming the setting.
-    (tmp_path / "config.json").write_text(__import__("json").dumps(hf_config("phi3", sliding_window=100)))
+    (tmp_path / "config.json").write_text(__import__("json").dumps(phi3))
     with pytest.raises(ConfigError, match="max_model_len 200 exceeds .* 100 as this engine runs it"):
         EngineCore(EngineConfig(model=str(tmp_path), backend="torch", dtype="float32", device="cpu",
                                 load_format="dummy", max_model_len=200))
@@ -221,13 +238,14 @@ def test_the_context_stops_where_transformers_would_change_its_computation(tmp_p
 
 @pytest.mark.parametrize("fields, words", [
     (dict(rope_parameters=dict(rope_type="mrope", rope_theta=1e4)), "unsupported rope scaling 'mrope'"),
-    (dict(partial_rotary_factor=0.5), "partial rotary"),
+    (dict(hidden_act="relu"), "unsupported activation 'relu'"),
+    (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
 ])
 def test_what_the_engine_does_not_run_is_refused_at_load(fields, words):
     from engine.models.llama import LlamaConfig
 
     with pytest.raises(ValueError, match=words):
-        LlamaConfig.from_hf(hf_config("llama", **fields))
+        LlamaConfig.from_hf({**hf_config("llama"), **fields})
 
 
 def test_longrope_uses_transformers_short_factors_and_attention_scaling():
@@ -276,10 +294,31 @@ def test_the_models_other_end_tokens_stop_a_request(family_model, tmp_path):
 def test_a_sliding_window_counts_where_transformers_applies_it():
     from engine.models.llama import LlamaConfig
 
-    assert LlamaConfig.from_hf(hf_config("mistral", sliding_window=64)).sliding_window == 64
-    assert LlamaConfig.from_hf(hf_config("qwen2", sliding_window=64)).sliding_window is None  # switched off
-    assert LlamaConfig.from_hf(hf_config("qwen3", sliding_window=64, use_sliding_window=True)).exact_context_length == 64
-    assert LlamaConfig.from_hf(hf_config("llama", sliding_window=64)).sliding_window is None  # llama ignores it
+    def windows(model_type, **fields):
+        return LlamaConfig.from_hf(hf_config(model_type, **fields)).layer_windows
+
+    assert windows("mistral", sliding_window=64) == (64, 64)
+    assert windows("qwen2", sliding_window=64) == (None, None)  # switched off
+    # Qwen: the layers from max_window_layers on
+    assert windows("qwen3", sliding_window=64, use_sliding_window=True, max_window_layers=1) == (None, 64)
+    assert windows("llama", sliding_window=64) == (None, None)  # llama ignores it
+    assert windows("gemma2", sliding_window=64, num_hidden_layers=4) == (64, None, 64, None)  # every other layer
+    assert windows("gemma3_text", sliding_window=64, num_hidden_layers=7) == (64,) * 5 + (None, 64)  # 5 in 6
+
+
+def test_gemma3_reads_an_old_style_config_as_transformers_does():
+    """Gemma 3's published config.json: rope_theta and rope_scaling for the global layers,
+    rope_local_base_freq for the sliding ones; transformers' defaults for the rest."""
+    from engine.models.llama import LlamaConfig
+
+    config = LlamaConfig.from_hf(hf_config("gemma3_text", rope_theta=1e6, rope_local_base_freq=10000.0,
+                                           rope_scaling=dict(rope_type="linear", factor=8.0)))
+    assert (config.rope_scaling["rope_type"], config.rope_scaling["factor"], config.rope_theta) == ("linear", 8.0, 1e6)
+    assert (config.local_rope["rope_type"], config.local_rope["rope_theta"]) == ("default", 10000.0)
+    assert config.query_pre_attn_scalar == 256 and config.hidden_act == "gelu_pytorch_tanh"
+    assert config.attn_logit_softcapping is None and config.final_logit_softcapping is None
+    gemma2 = LlamaConfig.from_hf(hf_config("gemma2"))  # Gemma 2's defaults: both caps on
+    assert (gemma2.attn_logit_softcapping, gemma2.final_logit_softcapping) == (50.0, 30.0)
 
 
 def test_a_model_directory_can_take_its_tokenizer_from_a_gguf_file(family_model, tokenizer):

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2 with its qkv bias) over flat token batches.
+"""Llama-skeleton decoders (Llama, SmolLM2, Mistral, Qwen2/3, Phi-3, Gemma 1-3; what each family
+changes is stated in ``engine.models.families``) over flat token batches.
 
 There is no padding and no batch dimension: ``input_ids`` holds the new tokens of every
 scheduled sequence back to back, and the attention backend uses ``AttentionMetadata`` to
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import attrs
@@ -46,8 +48,17 @@ class LlamaConfig:
     model_type: str = "llama"
     # Rotary scaling as transformers reads it (rope_type, factor, ...); empty: none.
     rope_scaling: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
-    # Attention reaches back this many tokens at most (Mistral v0.1, Phi-3); None: no window.
-    sliding_window: int | None = None
+    # How far back each layer's attention reaches (Mistral v0.1, Phi-3: every layer; Gemma 2/3:
+    # the sliding layers between global ones); None: the whole context. Empty: no windows.
+    layer_windows: tuple[int | None, ...] = ()
+    hidden_act: str = "silu"  # the MLP's gate activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    # Attention scores scaled by query_pre_attn_scalar ** -0.5 (Gemma), else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(score / cap) before the softmax
+    final_logit_softcapping: float | None = None  # Gemma 2: the same on the logits
+    # The sliding layers' rotary where it differs from the others' (Gemma 3); empty: the same.
+    local_rope: Mapping[str, Any] = attrs.field(factory=dict, eq=False, hash=False)
+    partial_rotary_factor: float = 1.0  # the share of each head the rotary turns (Phi-4-mini: 0.75)
     # More end-of-sequence tokens (Llama 3.x Instruct: <|eom_id|>, <|eot_id|>), from the
     # config's eos_token_id list and generation_config.json; they stop a request as EOS does.
     extra_eos_token_ids: tuple[int, ...] = ()
@@ -61,9 +72,19 @@ class LlamaConfig:
         families), and ``generation_config.json``'s if there is one."""
         model_type = hf.get("model_type", "llama")
         fam = families.family(model_type)
-        rope = families.rope_parameters(hf)
-        if hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("a partial rotary embedding (partial_rotary_factor < 1) is not supported")
+        hf = {**hf, "model_type": model_type}
+        resolved = families.transformers_config(hf)  # transformers' defaults for what hf leaves out
+        per_layer_type = getattr(resolved, "rope_parameters", None) or {}
+        if "full_attention" in per_layer_type:  # Gemma 3: one rotary per kind of layer
+            rope = families.rope_parameters({"rope_parameters": per_layer_type["full_attention"]})
+            local_rope = families.rope_parameters({"rope_parameters": per_layer_type["sliding_attention"]})
+        else:
+            rope, local_rope = families.rope_parameters(hf), {}
+        if getattr(resolved, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention (an embedding model's attention) is not supported")
+        hidden_act = getattr(resolved, "hidden_activation", None) or getattr(resolved, "hidden_act", "silu")
+        if hidden_act not in families.ACTIVATIONS:
+            raise ValueError(f"unsupported activation {hidden_act!r} (supported: {', '.join(families.ACTIVATIONS)})")
         eos = _ids(hf.get("eos_token_id"))
         more = [t for t in eos[1:] + _ids((generation or {}).get("eos_token_id")) if t not in eos[:1]]
         return cls(
@@ -85,21 +106,32 @@ class LlamaConfig:
             sampling_defaults={k: generation[k] for k in SAMPLING_DEFAULTS if (generation or {}).get(k) is not None},
             model_type=model_type,
             rope_scaling={} if rope["rope_type"] == "default" else rope,
-            sliding_window=fam.window(hf),
+            local_rope=local_rope if local_rope and local_rope != rope else {},
+            layer_windows=tuple(fam.layer_windows(hf, hf["num_hidden_layers"])),
+            hidden_act=hidden_act,
+            query_pre_attn_scalar=getattr(resolved, "query_pre_attn_scalar", None),
+            attn_logit_softcapping=getattr(resolved, "attn_logit_softcapping", None),
+            final_logit_softcapping=getattr(resolved, "final_logit_softcapping", None),
+            partial_rotary_factor=hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)),
         )
 
     @property
     def family(self) -> families.Family:
         return families.family(self.model_type)
 
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     @property
     def exact_context_length(self) -> int:
         """The longest sequence this engine runs as transformers does: the model's context,
         or less where transformers would change what it computes past a length this engine
-        does not follow (a sliding window; dynamic or longrope frequencies)."""
+        does not follow (dynamic or longrope frequencies)."""
         limit = self.max_position_embeddings
-        if self.sliding_window is not None:
-            limit = min(limit, self.sliding_window)
         if self.rope_scaling.get("rope_type") == "longrope":
             limit = min(limit, self.rope_scaling["original_max_position_embeddings"])
         return limit
@@ -114,17 +146,20 @@ def _ids(value: int | list[int] | None) -> list[int]:
 
 
 class RotaryEmbedding:
-    """Rotary position embedding tables (non-interleaved halves, as in transformers' Llama)."""
+    """Rotary position embedding tables (non-interleaved halves, as in transformers' Llama), for
+    the model's rotary or, with ``rope``, another one (Gemma 3's sliding layers)."""
 
-    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: str) -> None:
-        rope = config.rope_scaling or {"rope_type": "default", "rope_theta": config.rope_theta}
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype, device: str,
+                 rope: Mapping[str, Any] | None = None) -> None:
+        rope = rope or config.rope_scaling or {"rope_type": "default", "rope_theta": config.rope_theta}
         inv_freq, scaling = families.rope_frequencies(rope, config.head_dim, config.max_position_embeddings,
-                                                      config.hidden_size, config.num_heads)
+                                                      config.hidden_size, config.num_heads,
+                                                      config.partial_rotary_factor)
         freqs = torch.arange(config.max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         if scaling != 1.0:  # (yarn, longrope: transformers scales cos and sin in fp32)
             cos, sin = cos * scaling, sin * scaling
-        self.cos = cos.to(dtype=dtype, device=device)  # [max_positions, head_dim / 2]
+        self.cos = cos.to(dtype=dtype, device=device)  # [max_positions, rotary_dim / 2]
         self.sin = sin.to(dtype=dtype, device=device)
 
     def at(self, positions: torch.Tensor) -> Rope:
@@ -134,14 +169,18 @@ class RotaryEmbedding:
 
 @attrs.define(eq=False)
 class LlamaLayer:
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor  # [hidden], before attention
     qkv_proj: Linear  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden], with the qkv bias if any
     o_proj: Linear  # [hidden, num_heads * head_dim]
-    post_norm: torch.Tensor  # [hidden]
+    mlp_norm: torch.Tensor  # [hidden], before the MLP
     gate_up_proj: Linear  # [2 * intermediate, hidden]
     down_proj: Linear  # [hidden, intermediate]
-    q_norm: torch.Tensor | None = None  # [head_dim], Qwen3: RMSNorm of each query head before rotary
+    q_norm: torch.Tensor | None = None  # [head_dim], Qwen3, Gemma 3: RMSNorm of each query head before rotary
     k_norm: torch.Tensor | None = None  # [head_dim], the same for key heads
+    attn_out_norm: torch.Tensor | None = None  # [hidden], Gemma 2/3: on the attention's output
+    mlp_out_norm: torch.Tensor | None = None  # [hidden], Gemma 2/3: on the MLP's output
+    window: int | None = None  # a sliding-window layer's reach
+    local_rope: bool = False  # turns q and k by the model's local rotary (Gemma 3's sliding layers)
 
 
 class LlamaModel:
@@ -155,9 +194,16 @@ class LlamaModel:
         self.norm = norm
         self.lm_head = lm_head  # [vocab, hidden]; the same object as embed when tied
         self.rotary = RotaryEmbedding(config, norm.dtype, str(norm.device))
+        self.local_rotary = (RotaryEmbedding(config, norm.dtype, str(norm.device), config.local_rope)
+                             if config.local_rope else None)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
+        # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype as transformers does.
+        self.embed_scale = (torch.tensor(config.hidden_size**0.5).to(norm.dtype)
+                            if config.family.scaled_embeddings else None)
+        self.act = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+                    "gelu": F.gelu}[config.hidden_act]
 
     @classmethod
     def from_state_dict(cls, config: LlamaConfig, weights: Mapping[str, torch.Tensor],
@@ -167,6 +213,14 @@ class LlamaModel:
         def w(name: str) -> torch.Tensor:
             value = weights[name]
             return (value.dequantize() if isinstance(value, PackedWeight) else value).to(dtype=dtype, device=device)
+
+        fam = config.family
+
+        def norm(name: str) -> torch.Tensor:
+            """An RMSNorm's weight as the forward multiplies by it: Gemma's 1 + w, added in fp32."""
+            value = weights[name]
+            value = value.dequantize() if isinstance(value, PackedWeight) else value
+            return (value.float() + 1.0 if fam.norm_plus_one else value).to(dtype=dtype, device=device)
 
         unpacked_reason = packed_kernels.unavailable_reason(device)  # once, not per matrix
 
@@ -186,7 +240,6 @@ class LlamaModel:
                             "/".join(sorted(k or "dense" for k in kinds)), dtype, unpacked_reason or "mixed types")
             return DenseLinear(torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0]), b)
 
-        fam = config.family
         layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -194,20 +247,21 @@ class LlamaModel:
             attn = [p + "self_attn.qkv_proj"] if fam.fused_checkpoint else [f"{p}self_attn.{x}_proj" for x in "qkv"]
             mlp = [p + "mlp.gate_up_proj"] if fam.fused_checkpoint else [p + "mlp.gate_proj", p + "mlp.up_proj"]
             layers.append(LlamaLayer(
-                input_norm=w(p + "input_layernorm.weight"),
                 qkv_proj=linear([a + ".weight" for a in attn], [a + ".bias" for a in attn] if config.attention_bias
                                 else None),
                 o_proj=linear([p + "self_attn.o_proj.weight"]),
-                post_norm=w(p + "post_attention_layernorm.weight"),
                 gate_up_proj=linear([m + ".weight" for m in mlp]),
                 down_proj=linear([p + "mlp.down_proj.weight"]),
-                q_norm=w(p + "self_attn.q_norm.weight") if fam.qk_norm else None,
-                k_norm=w(p + "self_attn.k_norm.weight") if fam.qk_norm else None,
+                q_norm=norm(p + "self_attn.q_norm.weight") if fam.qk_norm else None,
+                k_norm=norm(p + "self_attn.k_norm.weight") if fam.qk_norm else None,
+                window=config.window(i),
+                local_rope=config.window(i) is not None and bool(config.local_rope),
+                **{field: norm(f"{p}{name}.weight") for field, name in fam.layer_norms.items()},
             ))
         embed = linear(["model.embed_tokens.weight"])
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
         lm_head = embed if tied else linear(["lm_head.weight"])
-        return cls(config, embed, layers, w("model.norm.weight"), lm_head)
+        return cls(config, embed, layers, norm("model.norm.weight"), lm_head)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -226,26 +280,37 @@ class LlamaModel:
             seen.add(id(linear))
             kinds[linear.kind] = kinds.get(linear.kind, 0) + 1
             total += linear.nbytes
-        total += sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.input_norm, layer.post_norm))
-        return kinds, total + self.norm.numel() * self.norm.element_size()
+        norms = [t for layer in self.layers for t in (layer.input_norm, layer.mlp_norm, layer.q_norm, layer.k_norm,
+                                                      layer.attn_out_norm, layer.mlp_out_norm) if t is not None]
+        return kinds, total + sum(t.numel() * t.element_size() for t in norms + [self.norm])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for the flat batch ``input_ids`` ``[T]``."""
         x = self.embed.rows(input_ids).to(self.dtype)  # [T, hidden]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         rope = self.rotary.at(positions)
+        local_rope = self.local_rotary.at(positions) if self.local_rotary is not None else rope
         ops, eps = backend.layer_ops, self.config.rms_norm_eps
         residual = None  # the residual stream: x + every layer's outputs so far
         for layer, kv_cache in zip(self.layers, kv_caches):
             h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
-            x = self._attention(layer, h, rope, kv_cache, meta, backend)
-            h, residual = ops.add_rms_norm(x, residual, layer.post_norm, eps)
+            x = self._attention(layer, h, local_rope if layer.local_rope else rope, kv_cache, meta, backend)
+            if layer.attn_out_norm is not None:
+                x = ops.add_rms_norm(x, None, layer.attn_out_norm, eps)[0]
+            h, residual = ops.add_rms_norm(x, residual, layer.mlp_norm, eps)
             x = self._mlp(layer, h)
+            if layer.mlp_out_norm is not None:
+                x = ops.add_rms_norm(x, None, layer.mlp_out_norm, eps)[0]
         return ops.add_rms_norm(x, residual, self.norm, eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, vocab]`` float32 logits for ``[N, hidden]`` hidden states."""
-        return self.lm_head(hidden).float()
+        """``[N, vocab]`` float32 logits for ``[N, hidden]`` hidden states (soft-capped where the
+        model says so, as transformers does: cap * tanh(logits / cap))."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _attention(self, layer: LlamaLayer, h: torch.Tensor, rope: Rope, kv_cache: torch.Tensor,
                    meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -256,11 +321,11 @@ class LlamaModel:
         q = backend.layer_ops.rope_write_kv(backend, qkv, rope, cfg.num_heads, cfg.num_kv_heads, kv_cache,
                                             meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        backend.attend(q, kv_cache, meta, self.scale, out)
+        backend.attend(q, kv_cache, meta, self.scale, out, window=layer.window, softcap=cfg.attn_logit_softcapping)
         return layer.o_proj(out.view(q.shape[0], self.q_size))
 
     def _qk_norm(self, layer: LlamaLayer, qkv: torch.Tensor) -> torch.Tensor:
-        """Qwen3: each head of q and of k RMS-normalized (transformers' order of operations)."""
+        """Qwen3, Gemma 3: each head of q and of k RMS-normalized (transformers' order of operations)."""
         cfg, tokens = self.config, qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = rms_norm(q.reshape(tokens, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
@@ -269,4 +334,4 @@ class LlamaModel:
 
     def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)
-        return layer.down_proj(F.silu(gate) * up)
+        return layer.down_proj(self.act(gate) * up)

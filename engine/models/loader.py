@@ -335,8 +335,8 @@ def dummy_weights(config: LlamaConfig, seed: int) -> Iterator[tuple[str, torch.T
         yield "lm_head.weight", randn(config.vocab_size, hidden)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        yield p + "input_layernorm.weight", torch.ones(hidden)
-        yield p + "post_attention_layernorm.weight", torch.ones(hidden)
+        for name in config.family.layer_norms.values():
+            yield f"{p}{name}.weight", torch.ones(hidden)
         attn = {}
         for x, rows in (("q", config.num_heads * d), ("k", config.num_kv_heads * d), ("v", config.num_kv_heads * d)):
             attn[f"{x}_proj.weight"] = randn(rows, hidden)
