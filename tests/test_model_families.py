@@ -349,3 +349,27 @@ def test_generation_config_sampling_values_are_the_defaults_of_api_requests():
     assert (given.temperature, given.top_p) == (0.0, 0.9)  # what the request sets wins
     plain = sampling_params(CompletionRequest(prompt="hi"), chat=False)  # --generation-config vllm
     assert (plain.temperature, plain.top_p) == (1.0, 1.0)
+
+
+def test_a_sharded_bf16_checkpoint_loads_the_shards_its_index_names(family_model, tmp_path):
+    """save_pretrained's shards and index, in bfloat16 (the checkpoint's dtype, cast to the
+    engine's at load), beside a stray copy the index does not name (as Mistral repositories
+    keep consolidated.safetensors): the stray file is not read."""
+    from safetensors.torch import save_file
+
+    from engine.models.loader import SAFETENSORS_INDEX
+
+    _, hf = family_model
+    hf.to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="40KB")
+    hf.to(torch.float32)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / SAFETENSORS_INDEX).exists()
+    save_file({"model.embed_tokens.weight": torch.zeros(3, 3)}, tmp_path / "single-file-copy.safetensors")
+    tokens, _, _ = run(tmp_path, "cpu")
+    # the same weights rounded to bf16, unsharded
+    bf16 = tmp_path / "unsharded"
+    hf.to(torch.bfloat16).save_pretrained(bf16)
+    hf.to(torch.float32)
+    assert tokens == run(bf16, "cpu")[0]
+    (tmp_path / next(iter(sorted(tmp_path.glob("model-*.safetensors")))).name).unlink()
+    with pytest.raises(ConfigError, match=f"lacks model-.*named by {SAFETENSORS_INDEX}"):
+        run(tmp_path, "cpu")

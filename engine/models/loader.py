@@ -309,10 +309,24 @@ def _permuted(arch: str, name: str, w: np.ndarray, config: LlamaConfig) -> np.nd
 
 # ---- safetensors ----
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
 def safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a directory's safetensors files: the shards its index names when it has
+    one (a repository may also hold other copies, e.g. Mistral's consolidated.safetensors),
+    else every ``*.safetensors`` file."""
     from safetensors.torch import load_file
 
-    files = sorted(directory.glob("*.safetensors"))
+    index = directory / SAFETENSORS_INDEX
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [name for name in shards if not (directory / name).exists()]
+        if missing:
+            raise ConfigError("model", f"{directory} lacks {', '.join(missing)}, named by {SAFETENSORS_INDEX}")
+        files = [directory / name for name in shards]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError("model", f"{directory} has no .safetensors files")
     for file in files:
