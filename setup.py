@@ -40,6 +40,7 @@ BASE_REQUIREMENTS = [
     "quart-trio>=0.11",
     "hypercorn>=0.16",
     "prometheus_client>=0.20",
+    "msgspec>=0.18",  # engine.wire: msgpack frames of the attrs messages between processes (typed, no pickle)
     "xgrammar>=0.2.6",  # structured outputs: token masks for JSON schema / regex / grammar (accepts transformers 5)
 ]
 

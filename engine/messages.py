@@ -7,7 +7,7 @@ from typing import Any
 import attrs
 
 from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @attrs.frozen
@@ -104,3 +104,9 @@ class StepOutput:
     num_scheduled_tokens: int
     num_scheduled_seqs: int
     timings: StepTimings | None
+
+
+# What crosses a process boundary (engine.wire): the messages to and from the core actor, and
+# every class their fields hold (all of them part of the wire's digest).
+WIRE_MESSAGES = (AddRequest, AbortRequest, StopRequest, StepOutput, TokenDelta, RequestRejected, EngineStats,
+                 StepTimings, TokenLogprobs, SamplingParams, StructuredOutputsParams)
