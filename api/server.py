@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a place in the batch; past it new ones get 503 + Retry-After")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds one engine step may take before the watchdog declares the engine dead")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine core (scheduler, model, KV cache) in a process of its own, so that "
+                        "HTTP, tokenization and detokenization do not take the GIL from its steps; off by "
+                        "default: on a 2-core CPU the serving benchmark measured no gain (see README)")
     p.add_argument("--on-engine-failure", choices=("exit", "refuse"), default="exit",
                    help="when the engine fails: exit with status 1 (for a supervisor to restart it), or keep "
                         "running and answer 503 (/health too) until stopped")

@@ -25,6 +25,7 @@ from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutdown
 from engine.messages import AbortRequest, AddRequest, EngineStats, StepOutput
 from engine.output_channel import MergedOutputs, RequestOutputChannel, Wakeup
 from engine.output_processor import RequestState
+from engine.remote import RemoteCore, engine_process
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import IterationStats, StatLogger
@@ -72,7 +73,9 @@ class Engine:
         self._check_runnable()
         inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
         steps_send, steps_recv = trio.open_memory_channel(STEP_QUEUE_SIZE)
-        core = CoreActor(self.core, inbox_recv, steps_send)
+        # In-process, the core actor itself; with the core in an engine process, its stand-in.
+        core = (self.core.actor(inbox_recv, steps_send) if isinstance(self.core, RemoteCore) else
+                CoreActor(self.core, inbox_recv, steps_send))
         detokenizer = DetokenizerActor(steps_recv, inbox_send, self.registry, self._publish)
         self.error = None
         try:
@@ -169,12 +172,11 @@ class EngineClient:
     def default_sampling(self) -> dict[str, float]:
         """The sampling values a request gets where it sets none (``--generation-config auto``:
         the model's generation_config.json; ``vllm``: none)."""
-        core = self._engine.core
-        return dict(core.model.config.sampling_defaults) if core.config.generation_config == "auto" else {}
+        return self._engine.core.sampling_defaults
 
     @property
     def backend_name(self) -> str:
-        return self._engine.core.backend.name
+        return self._engine.core.backend_name
 
     def stats(self) -> EngineStats:
         return self._engine.core.stats()
@@ -371,7 +373,8 @@ class EngineClient:
 
 @asynccontextmanager
 async def open_engine(config=None, **fields: Any) -> AsyncIterator[EngineClient]:
-    """Load a model and run the engine for the duration of the block.
+    """Load a model and run the engine for the duration of the block (with
+    ``engine_process=True``, the engine core in a process of its own).
 
     Args:
         config: an ``EngineConfig``; or give its fields as keywords instead.
@@ -387,6 +390,12 @@ async def open_engine(config=None, **fields: Any) -> AsyncIterator[EngineClient]
         config = EngineConfig.from_kwargs(**fields)
     elif fields:
         raise InvalidParameterError(next(iter(fields)), "give a config or keyword fields, not both")
+    if config.engine_process:
+        async with engine_process(config) as core:
+            tokenizer = await trio.to_thread.run_sync(load_tokenizer, resolve_model(config.model), config.tokenizer)
+            async with Engine(core, tokenizer).serve() as client:
+                yield client
+        return
     core = await trio.to_thread.run_sync(EngineCore, config)
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, resolve_model(config.model), config.tokenizer)
     async with Engine(core, tokenizer).serve() as client:

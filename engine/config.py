@@ -103,6 +103,9 @@ class EngineConfig:
         generation_config: ``auto`` (as vLLM): the sampling values of the model's
             ``generation_config.json`` (temperature, top_p, top_k, min_p, repetition_penalty)
             are the defaults of API requests that do not set them; ``vllm``: ignore them.
+        engine_process: run the engine core (scheduler, model, KV cache) in a process of its
+            own, joined to this one by ``engine.wire``; this process keeps the client, the
+            detokenizer and the per-request channels (``engine.remote``).
     """
 
     model: str | None = None
@@ -127,6 +130,7 @@ class EngineConfig:
     step_timeout: float | None = attrs.field(default=300.0, validator=_positive_seconds)
     structured_outputs_config: str | dict | None = None
     generation_config: str = attrs.field(default="auto", validator=_one_of(GENERATION_CONFIGS))
+    engine_process: bool = False
 
     def __attrs_post_init__(self) -> None:
         from engine.structured_outputs import StructuredOutputsConfig

@@ -150,35 +150,28 @@ class EngineCore:
 
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
         """Check a prompt and its parameters against the model; return the resolved max_tokens."""
-        if not prompt:
-            raise InvalidParameterError("prompt", "the prompt is empty")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise InvalidParameterError("priority", f"priority {priority!r} needs the 'priority' scheduling policy; "
-                                                    f"this engine schedules {self.config.scheduling_policy}")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidParameterError("prompt", f"the prompt has {len(prompt)} tokens, but this model's maximum "
-                                                  f"context length is {self.max_model_len} tokens")
-        self._check_token_ids("prompt", prompt)
-        self._check_token_ids("stop_token_ids", params.stop_token_ids)
-        self._check_token_ids("logit_bias", params.logit_bias)
-        room = self.max_model_len - len(prompt)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidParameterError(
-                "max_tokens", f"this model's maximum context length is {self.max_model_len} tokens, but "
-                              f"{len(prompt) + params.max_tokens} were requested ({len(prompt)} in the prompt, "
-                              f"{params.max_tokens} for max_tokens)")
-        return params.max_tokens or room
+        return validate_request(prompt, params, priority, max_model_len=self.max_model_len,
+                                vocab_size=self.vocab_size, scheduling_policy=self.config.scheduling_policy)
 
-    def _check_token_ids(self, param: str, token_ids) -> None:
-        for t in token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise InvalidParameterError(param, f"{param} holds token id {t!r}, outside the vocabulary "
-                                                   f"[0, {self.vocab_size})")
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The sampling values a request gets where it sets none (``--generation-config auto``:
+        the model's generation_config.json; ``vllm``: none)."""
+        return dict(self.model.config.sampling_defaults) if self.config.generation_config == "auto" else {}
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[TokenDelta]:
         """Abort requests (by the caller's ids); unknown or finished ids are ignored."""
         child_ids = [c for r in request_ids for c in self._children.get(r, ())]
         return [self._delta(r, ()) for r in self.scheduler.abort_requests(child_ids)]
+
+    @property
+    def live_request_ids(self) -> tuple[str, ...]:
+        """The caller's ids of every request not yet finished."""
+        return tuple(self._children)
 
     def abort_all(self) -> list[TokenDelta]:
         """Abort every live request (after a fault, or at shutdown)."""
@@ -301,3 +294,34 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is None or index == 0:
         return params
     return attrs.evolve(params, seed=(params.seed + index - MIN_SEED) % 2**64 + MIN_SEED)
+
+
+def validate_request(prompt: list[int], params: SamplingParams, priority: int, *, max_model_len: int,
+                     vocab_size: int, scheduling_policy: str) -> int:
+    """Check a prompt and its parameters against a model's limits; return the resolved max_tokens
+    (an engine core and the front of an engine in another process both check with this)."""
+    if not prompt:
+        raise InvalidParameterError("prompt", "the prompt is empty")
+    if priority != 0 and scheduling_policy != "priority":
+        raise InvalidParameterError("priority", f"priority {priority!r} needs the 'priority' scheduling policy; "
+                                                f"this engine schedules {scheduling_policy}")
+    if len(prompt) >= max_model_len:
+        raise InvalidParameterError("prompt", f"the prompt has {len(prompt)} tokens, but this model's maximum "
+                                              f"context length is {max_model_len} tokens")
+    _check_token_ids("prompt", prompt, vocab_size)
+    _check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    _check_token_ids("logit_bias", params.logit_bias, vocab_size)
+    room = max_model_len - len(prompt)
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise InvalidParameterError(
+            "max_tokens", f"this model's maximum context length is {max_model_len} tokens, but "
+                          f"{len(prompt) + params.max_tokens} were requested ({len(prompt)} in the prompt, "
+                          f"{params.max_tokens} for max_tokens)")
+    return params.max_tokens or room
+
+
+def _check_token_ids(param: str, token_ids, vocab_size: int) -> None:
+    for t in token_ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InvalidParameterError(param, f"{param} holds token id {t!r}, outside the vocabulary "
+                                               f"[0, {vocab_size})")

@@ -56,9 +56,12 @@ def start_server(*flags: str) -> tuple[str, subprocess.Popen, list[int]]:
     pytest.fail("server did not become healthy")
 
 
-@pytest.fixture(scope="module")
-def server():
-    base, proc, health = start_server("--api-key", API_KEY)
+@pytest.fixture(scope="module", params=["one-process", "engine-process"])
+def server(request):
+    """The server as one process, and with its engine core in a process of its own: every test
+    that uses it runs against both layouts."""
+    base, proc, health = start_server("--api-key", API_KEY, *(["--engine-process"] if request.param ==
+                                                               "engine-process" else []))
     yield base, proc, health
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0, "the server must exit 0 on SIGTERM"
@@ -306,8 +309,10 @@ def test_one_bad_request_then_twenty_good_ones(server):
     assert httpx.get(server[0] + "/health").status_code == 200
 
 
-def test_sigterm_lets_in_flight_requests_finish_then_exits_0():
-    base, proc, _ = start_server()
+@pytest.mark.parametrize("layout", ["one-process", "engine-process"])
+def test_sigterm_lets_in_flight_requests_finish_then_exits_0(layout):
+    base, proc, _ = start_server(*(["--engine-process"] if layout == "engine-process" else []))
+    engines = child_pids(proc.pid) if layout == "engine-process" else []
     try:
         with ThreadPoolExecutor(max_workers=4) as pool:
             body = {"prompt": "Tell me a story.", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
@@ -321,8 +326,93 @@ def test_sigterm_lets_in_flight_requests_finish_then_exits_0():
         assert [a.status_code for a in answers] == [200] * 4
         assert all(a.json()["usage"]["completion_tokens"] == 24 for a in answers)  # finished, not cut off
         assert proc.wait(timeout=30) == 0
+        assert all(gone(pid) for pid in engines)  # the engine process exited, and was reaped
     finally:
         proc.kill()
+
+
+# ---- the engine in a process of its own: death and shutdown across processes ----
+
+def child_pids(pid: int) -> list[int]:
+    """The live children of ``pid`` (Linux /proc)."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            found += [int(c) for c in f.read().split()]
+    return found
+
+
+def gone(pid: int) -> bool:
+    """Exited and reaped: no process, not even a zombie."""
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def stream_until_it_ends(base: str, started) -> tuple[list, float]:
+    """One long streamed completion: (its data events, when it ended)."""
+    body = {"prompt": "Tell me a long story.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    events = []
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.release() if len(events) == 1 else None
+    except httpx.TransportError as exc:  # the server exited under it: also an end
+        events.append(f"transport error: {exc}")
+    return events, time.monotonic()
+
+
+@pytest.mark.parametrize("policy", ["exit", "refuse"])
+def test_sigkill_of_the_engine_process_ends_every_stream(policy):
+    """8 streams in flight, the engine process SIGKILLed: each ends within seconds with an error
+    event; /health turns 503 (refuse) or the server exits 1 (exit); no child process is left."""
+    import threading
+
+    base, proc, _ = start_server("--engine-process", "--on-engine-failure", policy)
+    try:
+        (engine,) = child_pids(proc.pid)
+        started = threading.Semaphore(0)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            futures = [pool.submit(stream_until_it_ends, base, started) for _ in range(8)]
+            for _ in range(8):
+                assert started.acquire(timeout=60)
+            os.kill(engine, signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = [f.result(timeout=30) for f in futures]
+        for events, ended in results:
+            assert ended - killed_at < 10
+            if events[-1] == "[DONE]":  # the error event, then the end of the stream
+                assert json.loads(events[-2])["error"]["code"] == "engine_dead"
+            else:  # (exit: the server may be gone before it could write that)
+                assert policy == "exit" and events[-1].startswith("transport error")
+        if policy == "refuse":
+            assert httpx.get(base + "/health", timeout=5).status_code == 503
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+        else:
+            assert proc.wait(timeout=30) == 1
+        assert gone(engine)
+    finally:
+        proc.kill()
+
+
+def test_a_dead_front_takes_its_engine_process_with_it():
+    base, proc, _ = start_server("--engine-process")
+    (engine,) = child_pids(proc.pid)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while not exited(engine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exited(engine)  # (reaping it is now the job of whatever adopted it)
+
+
+def exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "(zombie)" in f.read()
+    except FileNotFoundError:
+        return True
 
 
 # ---- the server's life cycle, in this process (faults are injected) ----

@@ -1,0 +1,102 @@
+"""``open_engine(engine_process=True)``: the engine core in a process of its own, from a trio
+program: the same tokens as in one process, aborts that free blocks in the engine, the
+engine's own start-up errors, and no process left behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+
+from engine.async_engine import open_engine
+from engine.errors import ConfigError, EngineDeadError, InvalidParameterError
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CONFIG = dict(backend="cpu", num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+PROMPTS = ["Hello, my name is", "The capital of France is", "List three colors:", "1, 2, 3,", "Once upon a time"]
+
+
+async def greedy(**fields) -> tuple[list[list[int]], object]:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY,
+                            logprobs=1)
+    async with open_engine(**CONFIG, **fields) as client:
+        results = {}
+        async for index, output in client.generate_many(PROMPTS, params):
+            results[index] = (output.outputs[0].token_ids, [next(iter(p.values())).logprob
+                                                            for p in output.outputs[0].logprobs])
+        return [results[i] for i in range(len(PROMPTS))], client.stats()
+
+
+async def test_the_split_engine_gives_the_tokens_and_logprobs_of_one_process():
+    split, split_stats = await greedy(engine_process=True)
+    local, local_stats = await greedy()
+    assert [tokens for tokens, _ in split] == [tokens for tokens, _ in local]
+    # (within float error: the requests may reach the engine in other steps, batched otherwise)
+    import torch
+
+    torch.testing.assert_close(torch.tensor([lp for _, lp in split]), torch.tensor([lp for _, lp in local]),
+                               atol=1e-5, rtol=1e-5)
+    # the stats ride on every step's output: the front sees the engine's counters
+    assert split_stats.num_generation_tokens == local_stats.num_generation_tokens == 24 * len(PROMPTS)
+    assert split_stats.kv_blocks_used == 0
+
+
+async def test_an_abandoned_stream_frees_its_blocks_in_the_engine_process():
+    async with open_engine(**CONFIG, engine_process=True) as client:
+        params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        async for output in client.generate("Tell me a long story.", params):
+            if len(output.outputs[0].token_ids) >= 3:
+                assert client.stats().kv_blocks_used > 0
+                break  # generate() aborts the request
+        with trio.fail_after(10):
+            while client.stats().kv_blocks_used or client.stats().num_running:
+                await trio.sleep(0.02)  # each step's output carries the engine's stats
+        # and the engine goes on serving
+        async for output in client.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True)):
+            pass
+        assert output.finished
+
+
+async def test_bad_requests_are_refused_in_the_front_with_the_engines_limits():
+    async with open_engine(**CONFIG, engine_process=True, max_model_len=64) as client:
+        assert client.max_model_len == 64
+        with pytest.raises(InvalidParameterError, match="maximum context length is 64"):
+            client.submit([5] * 80)
+        with pytest.raises(InvalidParameterError, match="outside the vocabulary"):
+            client.submit([10**7])
+
+
+async def test_the_engines_start_up_error_reaches_the_caller_unchanged():
+    with pytest.raises(ConfigError) as error:
+        async with open_engine(**{**CONFIG, "num_kv_blocks": 2}, engine_process=True, max_model_len=4096):
+            pass
+    assert error.value.param == "max_model_len" and "does not fit in the KV cache" in str(error.value)
+
+
+async def test_a_killed_engine_process_fails_every_stream_and_nothing_is_left():
+    import signal
+
+    async with open_engine(**CONFIG, engine_process=True) as client:
+        pid = client._engine.core.pid
+        params = SamplingParams(max_tokens=2000, ignore_eos=True)
+        ended = []
+
+        async def stream():
+            with pytest.raises(EngineDeadError, match=f"pid {pid}.*SIGKILL"):
+                async for _ in client.generate("Tell me a long story.", params):
+                    pass
+            ended.append(trio.current_time())
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(stream)
+                while client.stats().num_running < 4:
+                    await trio.sleep(0.02)
+                os.kill(pid, signal.SIGKILL)
+        assert len(ended) == 4 and client.errored
+        assert "engine process" in str(await client.wait_failed())
+    assert not os.path.exists(f"/proc/{pid}")  # reaped
