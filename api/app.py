@@ -87,7 +87,7 @@ def create_app(state: ServerState) -> QuartTrio:
     app = QuartTrio(__name__)
     app.config["MAX_CONTENT_LENGTH"] = state.limits.max_body_bytes
     app.config["BODY_TIMEOUT"] = state.limits.body_timeout
-    metrics = state.metrics = Metrics(lambda: state.client.stats() if state.client else _EMPTY_STATS,
+    metrics = state.metrics = Metrics(lambda: state.client.engine_stats() if state.client else [_EMPTY_STATS],
                                       state.model_name)
     api = _Handlers(state, metrics)
 

@@ -24,30 +24,34 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
-        self._stats = stats
+    """The engines' counters, one series per engine (the ``engine`` label, as vLLM's: "0"
+    unless data parallel)."""
+
+    def __init__(self, engine_stats: Callable[[], list[EngineStats]], model_name: str) -> None:
+        self._engine_stats = engine_stats
         self._model = model_name
 
     def collect(self) -> Iterator:
-        s = self._stats()
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
-            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).", s.kv_cache_usage),
+        engines = self._engine_stats()
+        for family, name, doc, value in (
+            (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.",
+             lambda s: s.num_running),
+            (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+             lambda s: s.num_waiting),
+            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).",
+             lambda s: s.kv_cache_usage),
+            (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens computed.", lambda s: s.num_prompt_tokens),
+            (CounterMetricFamily, "vllm:generation_tokens", "Tokens generated.", lambda s: s.num_generation_tokens),
+            (CounterMetricFamily, "vllm:num_preemptions", "Requests preempted.", lambda s: s.num_preemptions),
+            (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             lambda s: s.prefix_cache_queries),
+            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             lambda s: s.prefix_cache_hits),
         ):
-            yield self._one(GaugeMetricFamily(name, doc, labels=["model_name"]), value)
-        for name, doc, value in (
-            ("vllm:prompt_tokens", "Prompt tokens computed.", s.num_prompt_tokens),
-            ("vllm:generation_tokens", "Tokens generated.", s.num_generation_tokens),
-            ("vllm:num_preemptions", "Requests preempted.", s.num_preemptions),
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-        ):
-            yield self._one(CounterMetricFamily(name, doc, labels=["model_name"]), value)
-
-    def _one(self, family, value):
-        family.add_metric([self._model], value)
-        return family
+            metric = family(name, doc, labels=["model_name", "engine"])
+            for rank, stats in enumerate(engines):
+                metric.add_metric([self._model, str(rank)], value(stats))
+            yield metric
 
 
 class Metrics:
@@ -59,10 +63,10 @@ class Metrics:
     scrapers see them before the first request.
     """
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, engine_stats: Callable[[], list[EngineStats]], model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(engine_stats, model_name))
         labels = ["model_name"]
         success = Counter("vllm:request_success", "Requests finished, by reason.", labels + ["finished_reason"],
                           registry=self.registry)

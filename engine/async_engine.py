@@ -25,7 +25,7 @@ from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutdown
 from engine.messages import AbortRequest, AddRequest, EngineStats, StepOutput
 from engine.output_channel import MergedOutputs, RequestOutputChannel, Wakeup
 from engine.output_processor import RequestState
-from engine.remote import RemoteCore, engine_process
+from engine.remote import DataParallelCore, engine_processes
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import IterationStats, StatLogger
@@ -74,8 +74,8 @@ class Engine:
         inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
         steps_send, steps_recv = trio.open_memory_channel(STEP_QUEUE_SIZE)
         # In-process, the core actor itself; with the core in an engine process, its stand-in.
-        core = (self.core.actor(inbox_recv, steps_send) if isinstance(self.core, RemoteCore) else
-                CoreActor(self.core, inbox_recv, steps_send))
+        core = (CoreActor(self.core, inbox_recv, steps_send) if isinstance(self.core, EngineCore) else
+                self.core.actor(inbox_recv, steps_send))
         detokenizer = DetokenizerActor(steps_recv, inbox_send, self.registry, self._publish)
         self.error = None
         try:
@@ -180,6 +180,11 @@ class EngineClient:
 
     def stats(self) -> EngineStats:
         return self._engine.core.stats()
+
+    def engine_stats(self) -> list[EngineStats]:
+        """Each engine's counters (one, unless ``data_parallel_size`` > 1)."""
+        core = self._engine.core
+        return core.engine_stats() if hasattr(core, "engine_stats") else [core.stats()]
 
     @property
     def num_unfinished(self) -> int:
@@ -390,8 +395,9 @@ async def open_engine(config=None, **fields: Any) -> AsyncIterator[EngineClient]
         config = EngineConfig.from_kwargs(**fields)
     elif fields:
         raise InvalidParameterError(next(iter(fields)), "give a config or keyword fields, not both")
-    if config.engine_process:
-        async with engine_process(config) as core:
+    if config.engine_process or config.data_parallel_size > 1:
+        async with engine_processes(config, config.data_parallel_size) as cores:
+            core = cores[0] if len(cores) == 1 else DataParallelCore(cores)
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, resolve_model(config.model), config.tokenizer)
             async with Engine(core, tokenizer).serve() as client:
                 yield client

@@ -106,6 +106,8 @@ class EngineConfig:
         engine_process: run the engine core (scheduler, model, KV cache) in a process of its
             own, joined to this one by ``engine.wire``; this process keeps the client, the
             detokenizer and the per-request channels (``engine.remote``).
+        data_parallel_size: engine processes, each with its own copy of the model and its own
+            KV cache, behind this front; a new request goes to the least-loaded one.
     """
 
     model: str | None = None
@@ -131,6 +133,7 @@ class EngineConfig:
     structured_outputs_config: str | dict | None = None
     generation_config: str = attrs.field(default="auto", validator=_one_of(GENERATION_CONFIGS))
     engine_process: bool = False
+    data_parallel_size: int = attrs.field(default=1, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         from engine.structured_outputs import StructuredOutputsConfig

@@ -44,8 +44,11 @@ async def serve(fd: int, config: EngineConfig) -> int:
             log.exception("the engine could not start")
             await _send_last(send, EngineFailed(exc))
             return 1
-        await send.send(EngineReady(core.max_model_len, core.vocab_size, core.backend_name, core.sampling_defaults,
-                                    core.stats(), os.getpid()))
+        try:
+            await send.send(EngineReady(core.max_model_len, core.vocab_size, core.backend_name,
+                                        core.sampling_defaults, core.stats(), os.getpid()))
+        except trio.BrokenResourceError:  # the front went away while the model loaded
+            return 1
         inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
         steps_send, steps_recv = trio.open_memory_channel(STEP_QUEUE_SIZE)
         actor = CoreActor(core, inbox_recv, steps_send)
@@ -128,8 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fd", type=int, required=True, help="this process's end of a connected socket")
     parser.add_argument("--config", required=True, help="the EngineConfig's fields as JSON")
+    parser.add_argument("--log-level", default="INFO", help="the front's (its logging level's name)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("ENGINE_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
     config = EngineConfig.from_kwargs(**json.loads(args.config))
     sys.exit(trio.run(serve, args.fd, config))

@@ -25,19 +25,20 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import signal
 import socket
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 
 import attrs
 import trio
 
 from engine.config import EngineConfig
 from engine.engine_core import validate_request
-from engine.errors import EngineDeadError
-from engine.messages import WIRE_MESSAGES, AddRequest, EngineStats
+from engine.errors import EngineDeadError, first_leaf
+from engine.messages import WIRE_MESSAGES, AbortRequest, AddRequest, EngineStats
 from engine.sampling_params import SamplingParams
 from engine.wire import Codec, open_link
 
@@ -72,8 +73,9 @@ EXIT_TIMEOUT = 10.0
 class RemoteCore:
     """The front's stand-in for an ``EngineCore`` running in an engine process."""
 
-    def __init__(self, config: EngineConfig, ready: EngineReady, send, receive, process) -> None:
+    def __init__(self, config: EngineConfig, ready: EngineReady, send, receive, process, rank: int = 0) -> None:
         self.config = config
+        self.rank = rank  # which engine of a data-parallel group (the ``engine`` label of its metrics)
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.backend_name = ready.backend_name
@@ -93,6 +95,9 @@ class RemoteCore:
         """The engine's counters as of its latest step."""
         return self._stats
 
+    def engine_stats(self) -> list[EngineStats]:
+        return [self._stats]
+
     @property
     def num_running_requests(self) -> int:
         return self._stats.num_running
@@ -108,7 +113,7 @@ class RemoteCore:
         code = self._process.poll()
         how = (f"exited with status {code}" if code is not None and code >= 0 else
                f"was killed by {signal.Signals(-code).name}" if code is not None else "stopped answering")
-        error = EngineDeadError(f"the engine process (pid {self.pid}) {how}: {cause}")
+        error = EngineDeadError(f"the engine process (engine {self.rank}, pid {self.pid}) {how}: {cause}")
         error.__cause__ = cause
         return error
 
@@ -150,49 +155,206 @@ class RemoteCoreActor:
                 return  # the receiving side reports how the engine died
 
 
-@asynccontextmanager
-async def engine_process(config: EngineConfig) -> AsyncIterator[RemoteCore]:
-    """Start an engine process for ``config`` and yield its ``RemoteCore`` once it is ready.
+class DataParallelCore:
+    """``--data-parallel-size N``: N engine processes, each with its own KV cache, behind one
+    front. A new request goes to the least-loaded engine (waiting + running as of its latest
+    step, plus what was sent to it since); its aborts and stops follow it there. ``stats()``
+    adds the engines' counters up; ``engine_stats()`` has each one's (the ``engine`` label of
+    the metrics). One engine's death is the group's: every open stream fails."""
 
-    Leaving the block closes the link (the engine aborts what is left and exits), waits for
-    the process, and kills it if it does not exit within ``EXIT_TIMEOUT``: no child is left.
+    def __init__(self, engines: list[RemoteCore]) -> None:
+        first = engines[0]
+        self.engines = engines
+        self.config = first.config
+        self.max_model_len = min(e.max_model_len for e in engines)
+        self.vocab_size = first.vocab_size
+        self.backend_name = first.backend_name
+        self.sampling_defaults = first.sampling_defaults
+        self.fault: BaseException | None = None
+
+    def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
+        return validate_request(prompt, params, priority, max_model_len=self.max_model_len,
+                                vocab_size=self.vocab_size, scheduling_policy=self.config.scheduling_policy)
+
+    def engine_stats(self) -> list[EngineStats]:
+        return [e.stats() for e in self.engines]
+
+    def stats(self) -> EngineStats:
+        each = self.engine_stats()
+        return EngineStats(*(sum(getattr(s, f.name) for s in each) for f in attrs.fields(EngineStats)))
+
+    @property
+    def num_running_requests(self) -> int:
+        return sum(e.num_running_requests for e in self.engines)
+
+    def abort_all(self) -> list:
+        return []
+
+    def actor(self, inbox: trio.MemoryReceiveChannel, outbox: trio.MemorySendChannel) -> DataParallelActor:
+        return DataParallelActor(self, inbox, outbox)
+
+
+class DataParallelActor:
+    """The core actor's place in a data-parallel front: routes the inbox's messages to the
+    engines, and merges their step outputs into the one outbox."""
+
+    def __init__(self, group: DataParallelCore, inbox: trio.MemoryReceiveChannel,
+                 outbox: trio.MemorySendChannel) -> None:
+        self._group = group
+        self._inbox = inbox
+        self._outbox = outbox
+        self._owner: dict[str, int] = {}  # request id -> engine
+        self._open: dict[str, int] = {}  # request id -> sequences not finished yet
+        self._sent_since_step = [0] * len(group.engines)  # requests sent to an engine since its last step
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        engines = self._group.engines
+        inboxes = [trio.open_memory_channel(math.inf) for _ in engines]
+        relays = [trio.open_memory_channel(0) for _ in engines]
+        try:
+            async with self._outbox, trio.open_nursery() as nursery:
+                for engine, (send, receive), (relay_send, relay_receive) in zip(engines, inboxes, relays):
+                    nursery.start_soon(RemoteCoreActor(engine, receive, relay_send).run)
+                    nursery.start_soon(self._merge, engine.rank, relay_receive)
+                await self._route([send for send, _ in inboxes])
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:  # one engine's death: its EngineDeadError, not a group of it
+            leaf = first_leaf(group)
+            if isinstance(leaf, Exception):
+                raise leaf from None
+            raise
+
+    async def _route(self, inboxes: list[trio.MemorySendChannel]) -> None:
+        async for message in self._inbox:
+            if isinstance(message, AddRequest):
+                rank = min(range(len(inboxes)), key=self._load)
+                self._owner[message.request_id] = rank
+                self._open[message.request_id] = message.params.n
+                self._sent_since_step[rank] += 1
+                inboxes[rank].send_nowait(message)
+            elif isinstance(message, AbortRequest):
+                by_engine: dict[int, list[str]] = {}
+                for request_id in message.request_ids:
+                    if request_id in self._owner:
+                        by_engine.setdefault(self._owner[request_id], []).append(request_id)
+                for rank, ids in by_engine.items():
+                    inboxes[rank].send_nowait(AbortRequest(tuple(ids)))
+            elif message.request_id in self._owner:  # StopRequest
+                inboxes[self._owner[message.request_id]].send_nowait(message)
+
+    def _load(self, rank: int) -> int:
+        stats = self._group.engines[rank].stats()
+        return stats.num_waiting + stats.num_running + self._sent_since_step[rank]
+
+    async def _merge(self, rank: int, steps: trio.MemoryReceiveChannel) -> None:
+        async for step in steps:
+            self._sent_since_step[rank] = 0
+            for rejected in step.rejected:
+                self._forget(rejected.request_id, everything=True)
+            for delta in step.deltas:
+                if delta.finished:
+                    self._forget(delta.request_id)
+            await self._outbox.send(step)
+
+    def _forget(self, request_id: str, everything: bool = False) -> None:
+        left = self._open.get(request_id)
+        if left is None:
+            return
+        if everything or left <= 1:
+            del self._open[request_id], self._owner[request_id]
+        else:
+            self._open[request_id] = left - 1
+
+
+@asynccontextmanager
+async def engine_processes(config: EngineConfig, count: int = 1) -> AsyncIterator[list[RemoteCore]]:
+    """Start ``count`` engine processes for ``config`` (they load their models at the same time)
+    and yield their ``RemoteCore``s once all are ready.
+
+    Leaving the block closes the links (each engine aborts what is left and exits), waits for
+    the processes, and kills any that does not exit within ``EXIT_TIMEOUT``: no child is left.
 
     Raises:
-        the engine's own error (``ConfigError``...) if it could not start; ``EngineDeadError``
-        if the process died first.
+        an engine's own error (``ConfigError``...) if it could not start; ``EngineDeadError``
+        if a process died first.
     """
+    processes = []
+    startup_error: BaseException | None = None
+    try:
+        async with AsyncExitStack() as links:
+            ends = []
+            for rank in range(count):
+                process, stream = await _spawn(config)
+                processes.append(process)
+                # (the handshake runs in the link's tasks: opening one does not wait for the engine)
+                ends.append(await links.enter_async_context(open_link(stream, CODEC, role="front")))
+            cores = []
+            for rank, ((send, receive), process) in enumerate(zip(ends, processes)):
+                first = await _first_message(receive, process)
+                if isinstance(first, EngineFailed):
+                    startup_error = first.error  # raised below, outside the links' nurseries: as in one process
+                    break
+                log.info("engine process %d (engine %d) ready", first.pid, rank)
+                cores.append(RemoteCore(config, first, send, receive, process, rank))
+            if startup_error is None:
+                try:
+                    yield cores
+                finally:
+                    with trio.CancelScope(shield=True):
+                        for core in cores:
+                            await core._send.aclose()  # orderly: each engine sees the end of its inbox...
+                        with trio.move_on_after(EXIT_TIMEOUT):
+                            for core in cores:
+                                await _drain(core._receive)  # ...and ends its side before the link closes
+    finally:
+        with trio.CancelScope(shield=True):
+            for process in processes:
+                await _reap(process, EXIT_TIMEOUT)
+    if startup_error is not None:
+        raise startup_error
+
+
+@asynccontextmanager
+async def engine_process(config: EngineConfig) -> AsyncIterator[RemoteCore]:
+    """One engine process (``engine_processes``)."""
+    async with engine_processes(config, 1) as (core,):
+        yield core
+
+
+async def _spawn(config: EngineConfig):
+    """An engine process and the front's end of its socket."""
     front_socket, engine_socket = socket.socketpair()
     argv = [sys.executable, "-m", "engine.core_process", "--fd", str(engine_socket.fileno()),
-            "--config", json.dumps(attrs.asdict(config))]
+            "--config", json.dumps(attrs.asdict(config)),
+            "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
     try:
         # A session of its own: a terminal's Ctrl-C goes to the front, which ends the engine in order.
         process = await trio.lowlevel.open_process(argv, pass_fds=(engine_socket.fileno(),),
                                                    start_new_session=True)
+    except BaseException:
+        front_socket.close()
+        raise
     finally:
         engine_socket.close()
-    startup_error: BaseException | None = None
+    return process, trio.SocketStream(trio.socket.from_stdlib_socket(front_socket))
+
+
+async def _drain(receive) -> None:
     try:
-        stream = trio.SocketStream(trio.socket.from_stdlib_socket(front_socket))
-        async with open_link(stream, CODEC, role="front") as (send, receive):
-            try:
-                first = await receive.receive()
-            except (trio.BrokenResourceError, trio.EndOfChannel) as exc:
-                await _reap(process, 1.0)
-                first = EngineFailed(EngineDeadError(f"the engine process exited ({_status(process)}) before it "
-                                                     f"was ready: {exc}"))
-            if isinstance(first, EngineFailed):
-                startup_error = first.error  # raised below, outside the link's nursery: as in one process
-            else:
-                log.info("engine process %d ready", first.pid)
-                try:
-                    yield RemoteCore(config, first, send, receive, process)
-                finally:
-                    await send.aclose()  # orderly: the engine sees the end of its inbox
-    finally:
-        with trio.CancelScope(shield=True):
-            await _reap(process, EXIT_TIMEOUT)
-    if startup_error is not None:
-        raise startup_error
+        async for _ in receive:
+            pass
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+
+
+async def _first_message(receive, process) -> EngineReady | EngineFailed:
+    try:
+        return await receive.receive()
+    except (trio.BrokenResourceError, trio.EndOfChannel) as exc:
+        await _reap(process, 1.0)
+        return EngineFailed(EngineDeadError(f"the engine process exited ({_status(process)}) before it was ready: "
+                                            f"{exc}"))
 
 
 async def _reap(process, timeout: float) -> None:

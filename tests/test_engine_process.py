@@ -100,3 +100,25 @@ async def test_a_killed_engine_process_fails_every_stream_and_nothing_is_left():
         assert len(ended) == 4 and client.errored
         assert "engine process" in str(await client.wait_failed())
     assert not os.path.exists(f"/proc/{pid}")  # reaped
+
+
+async def test_two_data_parallel_engines_share_the_requests_and_give_the_same_tokens():
+    dp, dp_stats = await greedy(data_parallel_size=2)
+    local, _ = await greedy()
+    assert [tokens for tokens, _ in dp] == [tokens for tokens, _ in local]
+    assert dp_stats.num_generation_tokens == 24 * len(PROMPTS)  # the engines' counters, added up
+
+
+async def test_data_parallel_routes_to_the_least_loaded_engine_and_aborts_follow():
+    async with open_engine(**CONFIG, data_parallel_size=2) as client:
+        params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        streams = [client.submit(f"Story number {i}:", params) for i in range(4)]
+        with trio.fail_after(30):
+            while sum(s.num_running for s in client.engine_stats()) < 4:
+                await trio.sleep(0.02)
+        assert [s.num_running for s in client.engine_stats()] == [2, 2]  # least loaded first
+        for stream in streams:
+            client.abort(stream.state.request_id)  # each abort must reach the engine that has it
+        with trio.fail_after(10):
+            while any(s.kv_blocks_used or s.num_running for s in client.engine_stats()):
+                await trio.sleep(0.02)

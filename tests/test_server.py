@@ -415,6 +415,44 @@ def exited(pid: int) -> bool:
         return True
 
 
+def metric_by_engine(base: str, name: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            engine = line.split('engine="', 1)[1].split('"', 1)[0]
+            values[engine] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def test_data_parallel_serves_32_streams_as_one_engine_does():
+    """--data-parallel-size 2: 32 concurrent streamed chats give one engine's greedy output,
+    both engines take a share, and /metrics' per-engine counters add up."""
+    def run(base):
+        def one(i):
+            body = {"messages": [{"role": "user", "content": f"Say something about the number {i}."}],
+                    "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as response:
+                return "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_events(response)
+                               if e != "[DONE]" and e["choices"])
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            return list(pool.map(one, range(32)))
+
+    outputs = {}
+    for layout, flags in (("data parallel", ["--data-parallel-size", "2"]), ("one engine", [])):
+        base, proc, _ = start_server(*flags)
+        try:
+            outputs[layout] = run(base)
+            if layout == "data parallel":
+                generated = metric_by_engine(base, "vllm:generation_tokens_total")
+                assert set(generated) == {"0", "1"} and all(v > 0 for v in generated.values())
+                assert sum(generated.values()) == 32 * 12
+                assert len(child_pids(proc.pid)) == 2
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+    assert outputs["data parallel"] == outputs["one engine"]
+
+
 # ---- the server's life cycle, in this process (faults are injected) ----
 
 def server_args(*flags: str):
