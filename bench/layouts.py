@@ -18,16 +18,12 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
+from local_server import ROOT, start_server
 LAYOUTS = {"one process": [], "engine process": ["--engine-process"]}
 # (name, bench/serve.py arguments): many short chat requests, then long prompts
 WORKLOADS = {
@@ -50,27 +46,10 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def start(flags: list[str], port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "engine.api", "--port", str(port), "--log-level", "warning", *flags],
-                            cwd=ROOT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit("the server exited during start-up")
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the server did not become healthy")
-
-
-def run_workload(port: int, workload: list[str], num_prompts: int) -> dict:
+def run_workload(url: str, workload: list[str], num_prompts: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--base-url", f"http://127.0.0.1:{port}",
+        subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--base-url", url,
                         "--num-prompts", str(num_prompts), "--ignore-eos", "--disable-tqdm", "--save-result",
                         "--result-filename", str(out), "--percentile-metrics", "ttft,tpot,itl", *workload],
                        check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
@@ -89,15 +68,12 @@ def main() -> None:
         best: dict[str, dict] = {}
         for _ in range(args.rounds):
             for layout, flags in LAYOUTS.items():
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-                proc = start([*flags, *args.server_flags.split()], port)
+                proc, url = start_server([*flags, *args.server_flags.split()])
                 try:
-                    run_workload(port, workload, 8)  # warm-up: compile paths, fill caches
+                    run_workload(url, workload, 8)  # warm-up: compile paths, fill caches
                     pids = [proc.pid, *children(proc.pid)]
                     before = [cpu_seconds(p) for p in pids]
-                    result = run_workload(port, workload, args.num_prompts)
+                    result = run_workload(url, workload, args.num_prompts)
                     used = [cpu_seconds(p) - b for p, b in zip(pids, before)]
                 finally:
                     proc.send_signal(signal.SIGTERM)
