@@ -122,10 +122,10 @@ def _decode_extra(kind: type, value: Any) -> Any:
         cls = getattr(errors, name, None)
         if isinstance(cls, type) and issubclass(cls, errors.InvalidParameterError):
             return cls(param, message)
-        if isinstance(cls, type) and issubclass(cls, Exception) and cls is not errors.EngineOverloadedError:
+        if isinstance(cls, type) and issubclass(cls, Exception):
             return cls(message)
         return RuntimeError(f"{name}: {message}")
-    raise NotImplementedError(f"cannot decode {kind}")
+    raise TypeError(f"cannot decode {kind}")
 
 
 class _Link:
