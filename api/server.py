@@ -78,6 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine processes, each with its own copy of the model and KV cache, behind this "
                         "server; each new request goes to the least-loaded one (waiting + running)")
+    p.add_argument("--data-parallel-size-local", type=int, default=None,
+                   help="how many of the --data-parallel-size engines this machine starts (default: all); the "
+                        "others join over TCP, started on their machines with --headless")
+    p.add_argument("--data-parallel-address", default="127.0.0.1",
+                   help="where the server listens for engines of other machines, and where --headless "
+                        "engines connect (the link is not authenticated: keep it on a private network)")
+    p.add_argument("--data-parallel-rpc-port", type=int, default=29550, help="the port of --data-parallel-address")
+    p.add_argument("--headless", action="store_true",
+                   help="serve no HTTP: start --data-parallel-size-local engines that join the server at "
+                        "--data-parallel-address:--data-parallel-rpc-port, and exit when it ends them")
     p.add_argument("--on-engine-failure", choices=("exit", "refuse"), default="exit",
                    help="when the engine fails: exit with status 1 (for a supervisor to restart it), or keep "
                         "running and answer 503 (/health too) until stopped")
@@ -206,6 +216,13 @@ async def _stop_on_signals(shutdown: trio.Event, grace: float) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.headless:
+        from engine.remote import run_headless
+
+        try:
+            raise SystemExit(trio.run(run_headless, engine_config(args)))
+        except InvalidParameterError as exc:
+            raise SystemExit(f"error: {exc}") from None
     try:
         engine_failed = trio.run(run_server, args)
     except BaseException as exc:  # configuration mistakes end the process with one clear line

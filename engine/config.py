@@ -46,6 +46,16 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: int | None) -> N
         raise ConfigError(attribute.name, f"{attribute.name} must be a positive integer; got {value!r}")
 
 
+def _count(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ConfigError(attribute.name, f"{attribute.name} must be a whole number >= 0; got {value!r}")
+
+
+def _port(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ConfigError(attribute.name, f"{attribute.name} must be a TCP port (1-65535); got {value!r}")
+
+
 def _positive_seconds(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
     if value is None:
         return
@@ -108,6 +118,11 @@ class EngineConfig:
             detokenizer and the per-request channels (``engine.remote``).
         data_parallel_size: engine processes, each with its own copy of the model and its own
             KV cache, behind this front; a new request goes to the least-loaded one.
+        data_parallel_size_local: how many of them this machine starts (default: all; 0: none); the
+            others join over TCP at ``data_parallel_address:data_parallel_rpc_port``, started
+            elsewhere by ``python -m engine.api --headless`` (as in vLLM).
+        data_parallel_address, data_parallel_rpc_port: where the front listens for engines
+            of other machines (and where headless engines connect).
     """
 
     model: str | None = None
@@ -134,11 +149,17 @@ class EngineConfig:
     generation_config: str = attrs.field(default="auto", validator=_one_of(GENERATION_CONFIGS))
     engine_process: bool = False
     data_parallel_size: int = attrs.field(default=1, validator=_positive)
+    data_parallel_size_local: int | None = attrs.field(default=None, validator=_count)
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = attrs.field(default=29550, validator=_port)
 
     def __attrs_post_init__(self) -> None:
         from engine.structured_outputs import StructuredOutputsConfig
 
         StructuredOutputsConfig.from_json(self.structured_outputs_config)  # a bad one fails here, not per request
+        if self.data_parallel_size_local is not None and self.data_parallel_size_local > self.data_parallel_size:
+            raise ConfigError("data_parallel_size_local", f"data_parallel_size_local ({self.data_parallel_size_local}) "
+                                                          f"exceeds data_parallel_size ({self.data_parallel_size})")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ConfigError("num_kv_blocks", "set num_kv_blocks or kv_cache_memory, not both")
         if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:

@@ -28,6 +28,7 @@ from engine.core_actor import CoreActor
 from engine.engine_core import EngineCore
 from engine.async_engine import STEP_QUEUE_SIZE
 from engine.messages import AbortRequest, AddRequest
+from engine.models.loader import resolve_model
 from engine.remote import CODEC, EngineFailed, EngineReady
 from engine.wire import open_link
 
@@ -45,8 +46,8 @@ async def serve(fd: int, config: EngineConfig) -> int:
             await _send_last(send, EngineFailed(exc))
             return 1
         try:
-            await send.send(EngineReady(core.max_model_len, core.vocab_size, core.backend_name,
-                                        core.sampling_defaults, core.stats(), os.getpid()))
+            await send.send(EngineReady(resolve_model(config.model).name, core.max_model_len, core.vocab_size,
+                                        core.backend_name, core.sampling_defaults, core.stats(), os.getpid()))
         except trio.BrokenResourceError:  # the front went away while the model loaded
             return 1
         inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
@@ -118,7 +119,6 @@ async def _inlet(receive, inbox: trio.MemorySendChannel, core: EngineCore) -> No
 
 
 def _structured_outputs(core: EngineCore):
-    from engine.models.loader import resolve_model
     from engine.structured_outputs import StructuredOutputManager, StructuredOutputsConfig
     from engine.tokenizer import load_tokenizer
 

@@ -37,7 +37,7 @@ import trio
 
 from engine.config import EngineConfig
 from engine.engine_core import validate_request
-from engine.errors import EngineDeadError, first_leaf
+from engine.errors import ConfigError, EngineDeadError, first_leaf
 from engine.messages import WIRE_MESSAGES, AbortRequest, AddRequest, EngineStats
 from engine.sampling_params import SamplingParams
 from engine.wire import Codec, open_link
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 class EngineReady:
     """The engine process's first message: what the front needs to know of its core."""
 
+    model: str  # what it serves: every engine of a data-parallel group must serve the same
     max_model_len: int
     vocab_size: int
     backend_name: str
@@ -76,6 +77,7 @@ class RemoteCore:
     def __init__(self, config: EngineConfig, ready: EngineReady, send, receive, process, rank: int = 0) -> None:
         self.config = config
         self.rank = rank  # which engine of a data-parallel group (the ``engine`` label of its metrics)
+        self.model = ready.model
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
         self.backend_name = ready.backend_name
@@ -110,7 +112,7 @@ class RemoteCore:
         return RemoteCoreActor(self, inbox, outbox)
 
     def _died(self, cause: BaseException) -> EngineDeadError:
-        code = self._process.poll()
+        code = self._process.poll() if self._process is not None else None
         how = (f"exited with status {code}" if code is not None and code >= 0 else
                f"was killed by {signal.Signals(-code).name}" if code is not None else "stopped answering")
         error = EngineDeadError(f"the engine process (engine {self.rank}, pid {self.pid}) {how}: {cause}")
@@ -279,23 +281,33 @@ async def engine_processes(config: EngineConfig, count: int = 1) -> AsyncIterato
         an engine's own error (``ConfigError``...) if it could not start; ``EngineDeadError``
         if a process died first.
     """
+    local = count if config.data_parallel_size_local is None else min(count, config.data_parallel_size_local)
     processes = []
     startup_error: BaseException | None = None
     try:
         async with AsyncExitStack() as links:
-            ends = []
-            for rank in range(count):
+            streams = []
+            for _ in range(local):
                 process, stream = await _spawn(config)
                 processes.append(process)
-                # (the handshake runs in the link's tasks: opening one does not wait for the engine)
-                ends.append(await links.enter_async_context(open_link(stream, CODEC, role="front")))
+                streams.append(stream)
+            if count > local:  # the others join over TCP (python -m engine.api --headless, elsewhere)
+                streams += await _accept_engines(config, count - local)
+            # (the handshake runs in the link's tasks: opening one does not wait for its engine)
+            ends = [await links.enter_async_context(open_link(stream, CODEC, role="front")) for stream in streams]
             cores = []
-            for rank, ((send, receive), process) in enumerate(zip(ends, processes)):
+            for rank, (send, receive) in enumerate(ends):
+                process = processes[rank] if rank < local else None
                 first = await _first_message(receive, process)
+                if isinstance(first, EngineReady) and cores and (first.model, first.vocab_size) != (
+                        cores[0].model, cores[0].vocab_size):
+                    first = EngineFailed(ConfigError("data_parallel_size", (
+                        f"engine {rank} serves {first.model} ({first.vocab_size} tokens), engine 0 "
+                        f"{cores[0].model} ({cores[0].vocab_size}): every engine must serve the same model")))
                 if isinstance(first, EngineFailed):
                     startup_error = first.error  # raised below, outside the links' nurseries: as in one process
                     break
-                log.info("engine process %d (engine %d) ready", first.pid, rank)
+                log.info("engine process %d (engine %d%s) ready", first.pid, rank, "" if process else ", remote")
                 cores.append(RemoteCore(config, first, send, receive, process, rank))
             if startup_error is None:
                 try:
@@ -325,19 +337,69 @@ async def engine_process(config: EngineConfig) -> AsyncIterator[RemoteCore]:
 async def _spawn(config: EngineConfig):
     """An engine process and the front's end of its socket."""
     front_socket, engine_socket = socket.socketpair()
+    try:
+        process = await _start_engine(config, engine_socket)
+    except BaseException:
+        front_socket.close()
+        raise
+    return process, trio.SocketStream(trio.socket.from_stdlib_socket(front_socket))
+
+
+async def _start_engine(config: EngineConfig, engine_socket: socket.socket):
+    """An engine process serving over ``engine_socket`` (handed to it, and closed here)."""
     argv = [sys.executable, "-m", "engine.core_process", "--fd", str(engine_socket.fileno()),
             "--config", json.dumps(attrs.asdict(config)),
             "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
     try:
         # A session of its own: a terminal's Ctrl-C goes to the front, which ends the engine in order.
-        process = await trio.lowlevel.open_process(argv, pass_fds=(engine_socket.fileno(),),
-                                                   start_new_session=True)
-    except BaseException:
-        front_socket.close()
-        raise
+        return await trio.lowlevel.open_process(argv, pass_fds=(engine_socket.fileno(),), start_new_session=True)
     finally:
         engine_socket.close()
-    return process, trio.SocketStream(trio.socket.from_stdlib_socket(front_socket))
+
+
+async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> int:
+    """``python -m engine.api --headless``: this machine's share of a data-parallel group
+    (``data_parallel_size_local`` engines), each joining the front at
+    ``data_parallel_address:data_parallel_rpc_port`` over TCP. Returns once they have all
+    exited (when the front ends their links, or dies): 0 if every one exited cleanly.
+
+    SIGTERM / SIGINT stop the engines (the front sees them die)."""
+    local = config.data_parallel_size if config.data_parallel_size_local is None else config.data_parallel_size_local
+    if local < 1:
+        raise ConfigError("data_parallel_size_local", "--headless needs at least one local engine")
+    address, port = config.data_parallel_address, config.data_parallel_rpc_port
+    processes = []
+    try:
+        for _ in range(local):
+            with trio.fail_after(connect_timeout):
+                while True:  # the front may not be listening yet
+                    try:
+                        stream = await trio.open_tcp_stream(address, port)
+                        break
+                    except OSError:
+                        await trio.sleep(0.5)
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            processes.append(await _start_engine(config, socket.socket(fileno=stream.socket.detach())))
+            log.info("engine process %d joining %s:%d", processes[-1].pid, address, port)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signals, processes)
+            for process in processes:
+                await process.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            for process in processes:
+                await _reap(process, EXIT_TIMEOUT)
+    return 0 if all(p.returncode == 0 for p in processes) else 1
+
+
+async def _stop_on_signals(processes) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for sig in signals:
+            log.info("received %s: stopping the engines", signal.Signals(sig).name)
+            for process in processes:
+                if process.returncode is None:
+                    process.terminate()
 
 
 async def _drain(receive) -> None:
@@ -352,9 +414,29 @@ async def _first_message(receive, process) -> EngineReady | EngineFailed:
     try:
         return await receive.receive()
     except (trio.BrokenResourceError, trio.EndOfChannel) as exc:
+        if process is None:
+            return EngineFailed(EngineDeadError(f"a remote engine left before it was ready: {exc}"))
         await _reap(process, 1.0)
         return EngineFailed(EngineDeadError(f"the engine process exited ({_status(process)}) before it was ready: "
                                             f"{exc}"))
+
+
+async def _accept_engines(config: EngineConfig, count: int) -> list[trio.SocketStream]:
+    """Wait for ``count`` headless engines to connect to ``data_parallel_address:rpc_port``."""
+    address, port = config.data_parallel_address, config.data_parallel_rpc_port
+    listeners = await trio.open_tcp_listeners(port, host=address)
+    streams = []
+    try:
+        log.info("waiting for %d engine(s) to join at %s:%d (python -m engine.api --headless ...)", count, address, port)
+        while len(streams) < count:
+            stream = await listeners[0].accept()
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            streams.append(stream)
+            log.info("engine %d of %d joined from %s", len(streams), count, stream.socket.getpeername())
+    finally:
+        for listener in listeners:
+            await listener.aclose()
+    return streams
 
 
 async def _reap(process, timeout: float) -> None:

@@ -87,11 +87,15 @@ def sse_data(lines: list[str]) -> list:
 
 
 def metric(text: str, name: str, **labels) -> float:
-    selector = ",".join(f'{k}="{v}"' for k, v in sorted({"model_name": "tiny", **labels}.items()))
+    """The value of the series ``name`` whose labels include ``labels`` (and model_name="tiny")."""
+    wanted = {"model_name": "tiny", **labels}
     for line in text.splitlines():
-        if line.startswith(f"{name}{{{selector}}} "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name}{{{selector}}} missing from /metrics")
+        if line.startswith(name + "{"):
+            series, value = line.rsplit(" ", 1)
+            have = dict(pair.split("=", 1) for pair in series[len(name) + 1:-1].split(","))
+            if all(have.get(k) == f'"{v}"' for k, v in wanted.items()):
+                return float(value)
+    raise AssertionError(f"{name}{wanted} missing from /metrics")
 
 
 async def wait_idle(client, timeout: float = 10) -> None:

@@ -122,3 +122,17 @@ async def test_data_parallel_routes_to_the_least_loaded_engine_and_aborts_follow
         with trio.fail_after(10):
             while any(s.kv_blocks_used or s.num_running for s in client.engine_stats()):
                 await trio.sleep(0.02)
+
+
+@pytest.mark.parametrize("fields, param", [
+    (dict(data_parallel_size=0), "data_parallel_size"),
+    (dict(data_parallel_size=2, data_parallel_size_local=3), "data_parallel_size_local"),
+    (dict(data_parallel_size_local=-1), "data_parallel_size_local"),
+    (dict(data_parallel_rpc_port=70000), "data_parallel_rpc_port"),
+])
+def test_wrong_sizes_are_refused_at_start_naming_the_setting(fields, param):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ConfigError) as error:
+        EngineConfig(**fields)
+    assert error.value.param == param

@@ -453,6 +453,33 @@ def test_data_parallel_serves_32_streams_as_one_engine_does():
     assert outputs["data parallel"] == outputs["one engine"]
 
 
+def test_a_headless_engine_joins_the_server_over_tcp():
+    """--data-parallel-size 2 with one local engine: the other is started apart with --headless
+    (as on another machine) and joins over TCP; both serve, and both processes end cleanly."""
+    port = free_port()
+    group = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(port)]
+    headless = subprocess.Popen([sys.executable, "-m", "engine.api", "--headless", "--backend", "torch",
+                                 "--num-kv-blocks", "512", "--log-level", "warning", *group],
+                                cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        base, proc, _ = start_server(*group)
+        try:
+            body = {"prompt": "Count with me: one, two,", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                answers = list(pool.map(lambda _: httpx.post(base + "/v1/completions", json=body, timeout=120),
+                                        range(8)))
+            assert [a.status_code for a in answers] == [200] * 8
+            assert len({a.json()["choices"][0]["text"] for a in answers}) == 1  # greedy: the same on both engines
+            generated = metric_by_engine(base, "vllm:generation_tokens_total")
+            assert set(generated) == {"0", "1"} and all(v > 0 for v in generated.values())
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+        assert headless.wait(timeout=30) == 0  # its engine ended when the server closed its link
+    finally:
+        headless.kill()
+
+
 # ---- the server's life cycle, in this process (faults are injected) ----
 
 def server_args(*flags: str):
