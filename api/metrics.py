@@ -7,9 +7,11 @@ stat-logger hook as requests produce tokens and end.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -66,7 +68,8 @@ class Metrics:
     def __init__(self, engine_stats: Callable[[], list[EngineStats]], model_name: str) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine_stats, model_name))
+        self._engines = _EngineCollector(engine_stats, model_name)
+        self.registry.register(self._engines)
         labels = ["model_name"]
         success = Counter("vllm:request_success", "Requests finished, by reason.", labels + ["finished_reason"],
                           registry=self.registry)
@@ -93,4 +96,13 @@ class Metrics:
                 self.request_success[reason].inc()
 
     def exposition(self) -> bytes:
+        """The metrics text. Under ``--api-server-count`` (PROMETHEUS_MULTIPROC_DIR set for
+        every front) the request counters and histograms are every front's, added up by
+        prometheus_client's multiprocess collector; the engine series are the engines' own
+        (every front sees their stats)."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            registry.register(self._engines)
+            return generate_latest(registry)
         return generate_latest(self.registry)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import attrs
@@ -85,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the server listens for engines of other machines, and where --headless "
                         "engines connect (the link is not authenticated: keep it on a private network)")
     p.add_argument("--data-parallel-rpc-port", type=int, default=29550, help="the port of --data-parallel-address")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP front processes accepting on the one listening socket, each linked to every "
+                        "engine process (which then runs apart from them); /metrics covers them all")
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # (a front of the launcher)
+    p.add_argument("--engine-fd", type=int, action="append", default=None, help=argparse.SUPPRESS)
     p.add_argument("--headless", action="store_true",
                    help="serve no HTTP: start --data-parallel-size-local engines that join the server at "
                         "--data-parallel-address:--data-parallel-rpc-port, and exit when it ends them")
@@ -143,7 +149,7 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
                         chat_template=template, limits=limits)
     app = create_app(state)
     hc = HypercornConfig()
-    hc.bind = [f"{args.host}:{args.port}"]
+    hc.bind = [f"fd://{args.listen_fd}" if args.listen_fd is not None else f"{args.host}:{args.port}"]
     hc.graceful_timeout = _RESPONSE_FLUSH_S  # requests are drained before hypercorn is told to stop
     hc.accesslog = None
     shutdown, stop_http = trio.Event(), trio.Event()
@@ -154,10 +160,17 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
             await serve(app, hc, shutdown_trigger=stop_http.wait)
             nursery.cancel_scope.cancel()  # the engine goes down with the HTTP server
 
-        nursery.start_soon(http)
+        # One server alone listens at once (/health says 503 while the model loads). A front of
+        # --api-server-count accepts on the shared socket only once ready: until then the
+        # fronts that are ready take every connection.
+        shared_socket = args.listen_fd is not None
+        if not shared_socket:
+            nursery.start_soon(http)
         log.info("loading %s (backend %s)...", source.path, config.backend)
-        async with open_engine(config) as client:
+        async with open_engine(config, engine_fds=args.engine_fd) as client:
             state.attach(client)
+            if shared_socket:
+                nursery.start_soon(http)
             _log_ready(app, state, client, args, config)
             task_status.started()
             failed = await _wait_for_shutdown(shutdown, client, args.on_engine_failure)
@@ -216,6 +229,10 @@ async def _stop_on_signals(shutdown: trio.Event, grace: float) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.api_server_count > 1 and args.listen_fd is None:
+        from api.launcher import run_launcher
+
+        raise SystemExit(trio.run(run_launcher, args, list(sys.argv[1:] if argv is None else argv)))
     if args.headless:
         from engine.remote import run_headless
 

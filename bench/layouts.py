@@ -1,10 +1,12 @@
-"""The server's process layouts against each other: one process, and the engine core in a
-process of its own (``--engine-process``), under the same serving workloads, in one run.
+"""The server's process layouts against each other: one process, the engine core in a process
+of its own (``--engine-process``), and two HTTP fronts over it (``--api-server-count 2``),
+under the same serving workloads, in one run.
 
 For each layout and workload it starts ``python -m engine.api``, runs ``bench/serve.py``
 (the ``vllm bench serve`` clone) against it, and reads each server process's CPU time from
-/proc: the front's share is what HTTP, tokenization and detokenization cost, the work that
-the split moves off the engine's GIL. Layouts alternate (A B A B) so that drift in a shared
+/proc: the fronts' share (every process but the engine's; with one process, all of it) is
+what HTTP, tokenization and detokenization cost, the work that the split moves off the
+engine's GIL. Layouts alternate (A B A B) so that drift in a shared
 machine's speed lands on both.
 
     python bench/layouts.py                      # short chats, then long prompts
@@ -24,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from local_server import ROOT, start_server
-LAYOUTS = {"one process": [], "engine process": ["--engine-process"]}
+LAYOUTS = {"one process": [], "engine process": ["--engine-process"], "2 API servers": ["--api-server-count", "2"]}
 # (name, bench/serve.py arguments): many short chat requests, then long prompts
 WORKLOADS = {
     "short chats": ["--endpoint", "/v1/chat/completions", "--random-input-len", "32", "--random-output-len", "32",
@@ -37,6 +39,10 @@ WORKLOADS = {
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def is_engine(pid: int) -> bool:
+    return b"engine.core_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def children(pid: int) -> list[int]:
@@ -72,13 +78,15 @@ def main() -> None:
                 try:
                     run_workload(url, workload, 8)  # warm-up: compile paths, fill caches
                     pids = [proc.pid, *children(proc.pid)]
+                    engines = [is_engine(p) for p in pids]
                     before = [cpu_seconds(p) for p in pids]
                     result = run_workload(url, workload, args.num_prompts)
                     used = [cpu_seconds(p) - b for p, b in zip(pids, before)]
                 finally:
                     proc.send_signal(signal.SIGTERM)
                     proc.wait(timeout=60)
-                result["front_cpu_s"], result["engine_cpu_s"] = used[0], sum(used[1:])
+                result["front_cpu_s"] = sum(u for u, engine in zip(used, engines) if not engine)
+                result["engine_cpu_s"] = sum(u for u, engine in zip(used, engines) if engine)
                 if layout not in best or result["output_throughput"] > best[layout]["output_throughput"]:
                     best[layout] = result
         for layout, r in best.items():

@@ -25,7 +25,7 @@ from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutdown
 from engine.messages import AbortRequest, AddRequest, EngineStats, StepOutput
 from engine.output_channel import MergedOutputs, RequestOutputChannel, Wakeup
 from engine.output_processor import RequestState
-from engine.remote import DataParallelCore, engine_processes
+from engine.remote import DataParallelCore, attached_engines, engine_processes
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import IterationStats, StatLogger
@@ -377,12 +377,15 @@ class EngineClient:
 
 
 @asynccontextmanager
-async def open_engine(config=None, **fields: Any) -> AsyncIterator[EngineClient]:
+async def open_engine(config=None, *, engine_fds: Sequence[int] | None = None,
+                      **fields: Any) -> AsyncIterator[EngineClient]:
     """Load a model and run the engine for the duration of the block (with
     ``engine_process=True``, the engine core in a process of its own).
 
     Args:
         config: an ``EngineConfig``; or give its fields as keywords instead.
+        engine_fds: sockets to engine processes another process started (a front of
+            ``--api-server-count``): this front links to them instead of starting its own.
 
     Yields:
         the ``EngineClient``.
@@ -395,8 +398,10 @@ async def open_engine(config=None, **fields: Any) -> AsyncIterator[EngineClient]
         config = EngineConfig.from_kwargs(**fields)
     elif fields:
         raise InvalidParameterError(next(iter(fields)), "give a config or keyword fields, not both")
-    if config.engine_process or config.data_parallel_size > 1:
-        async with engine_processes(config, config.data_parallel_size) as cores:
+    if engine_fds or config.engine_process or config.data_parallel_size > 1:
+        engines = attached_engines(config, engine_fds) if engine_fds else engine_processes(
+            config, config.data_parallel_size)
+        async with engines as cores:
             core = cores[0] if len(cores) == 1 else DataParallelCore(cores)
             tokenizer = await trio.to_thread.run_sync(load_tokenizer, resolve_model(config.model), config.tokenizer)
             async with Engine(core, tokenizer).serve() as client:

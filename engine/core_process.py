@@ -1,26 +1,30 @@
 """The engine process: an ``EngineCore`` and its core actor, joined to a front by ``engine.wire``.
 
-Started by ``engine.remote.engine_process`` (never by hand): ``python -m engine.core_process
---fd N --config JSON``, where N is its end of a connected socket. It sends ``EngineReady``
-(or ``EngineFailed`` if the core cannot start), then runs:
+Started by ``engine.remote`` (never by hand): ``python -m engine.core_process --fd N
+[--fd M ...] --config JSON``, each fd its end of a connected socket to a front (several with
+``--api-server-count``). It sends each front ``EngineReady`` (or ``EngineFailed`` if the core
+cannot start), then runs:
 
-    link --> inlet (compiles structured-output grammars) --> inbox --> core actor --> link
+    links --> inlets (compile structured-output grammars) --> inbox --> core actor
+    core actor --> outlet (each front its own requests' deltas, and the stats) --> links
 
-It exits when its front goes away: the link's orderly end (the core aborts what is left and
-stops), or the link breaking (a dead front's socket is closed by the kernel). A failed step sends
-``EngineFailed`` and exits with status 1.
+A front that goes away (the link's orderly end, or its breaking: a dead front's socket is
+closed by the kernel) has its requests aborted; the engine exits when every front has
+gone. A failed step sends ``EngineFailed`` to every front and exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from contextlib import AsyncExitStack
 import logging
 import math
 import os
 import socket
 import sys
 
+import attrs
 import trio
 
 from engine.config import EngineConfig
@@ -35,29 +39,39 @@ from engine.wire import open_link
 log = logging.getLogger("engine.core_process")
 
 
-async def serve(fd: int, config: EngineConfig) -> int:
-    """Run the engine over the socket ``fd`` until its front goes away; the exit status."""
-    stream = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
-    async with open_link(stream, CODEC, role="engine") as (send, receive):
+async def serve(fds: list[int], config: EngineConfig) -> int:
+    """Run the engine for the fronts at the sockets ``fds`` until they have all gone away;
+    the exit status."""
+    async with AsyncExitStack() as stack:
+        links = []
+        for fd in fds:
+            stream = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
+            links.append(await stack.enter_async_context(open_link(stream, CODEC, role="engine")))
         try:
             core = await trio.to_thread.run_sync(EngineCore, config)
         except Exception as exc:
             log.exception("the engine could not start")
-            await _send_last(send, EngineFailed(exc))
+            for send, _ in links:
+                await _send_last(send, EngineFailed(exc))
             return 1
-        try:
-            await send.send(EngineReady(resolve_model(config.model).name, core.max_model_len, core.vocab_size,
-                                        core.backend_name, core.sampling_defaults, core.stats(), os.getpid()))
-        except trio.BrokenResourceError:  # the front went away while the model loaded
-            return 1
+        ready = EngineReady(resolve_model(config.model).name, core.max_model_len, core.vocab_size, core.backend_name,
+                            core.sampling_defaults, core.stats(), os.getpid())
+        fronts = Fronts(core, [send for send, _ in links])
+        for front, (send, _) in enumerate(links):
+            try:
+                await send.send(ready)
+            except trio.BrokenResourceError:  # that front went away while the model loaded
+                fronts.gone(front)
         inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
         steps_send, steps_recv = trio.open_memory_channel(STEP_QUEUE_SIZE)
         actor = CoreActor(core, inbox_recv, steps_send)
         failure = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_inlet, receive, inbox_send, core)
+            for front, (_, receive) in enumerate(links):
+                nursery.start_soon(fronts.inlet, front, receive, inbox_send.clone())
+            inbox_send.close()  # the core's inbox ends when every front's inlet has
             sent = trio.Event()
-            nursery.start_soon(_outlet, steps_recv, send, sent)
+            nursery.start_soon(fronts.outlet, steps_recv, sent)
             try:
                 await actor.run()
             except Exception as exc:
@@ -67,8 +81,83 @@ async def serve(fd: int, config: EngineConfig) -> int:
                 await sent.wait()
             nursery.cancel_scope.cancel()
         core.abort_all()
-        await _send_last(send, None if failure is None else EngineFailed(failure))
+        for front, (send, _) in enumerate(links):
+            await _send_last(send, None if failure is None else EngineFailed(failure))
     return 0 if failure is None else 1
+
+
+class Fronts:
+    """The engine's fronts (one, or ``--api-server-count`` of them): whose request is whose,
+    and each front's share of a step's output."""
+
+    def __init__(self, core: EngineCore, sends: list) -> None:
+        self._core = core
+        self._sends = sends
+        self._live = [True] * len(sends)
+        self._owner: dict[str, int] = {}  # request id -> front
+        self._open: dict[str, int] = {}  # request id -> sequences not finished yet
+        self._structured = None
+
+    def gone(self, front: int) -> None:
+        self._live[front] = False
+
+    async def inlet(self, front: int, receive, inbox: trio.MemorySendChannel) -> None:
+        """One front's messages to the core actor, in order. A request with structured outputs
+        gets its grammar compiled here (the front's compiled grammar stays in the front)."""
+        async with inbox:
+            try:
+                async for message in receive:
+                    if isinstance(message, AddRequest):
+                        self._owner[message.request_id] = front
+                        self._open[message.request_id] = message.params.n
+                        if message.params.structured_outputs is not None:
+                            message = await self._with_grammar(message)
+                    inbox.send_nowait(message)
+            except trio.BrokenResourceError as exc:
+                log.warning("the link to front %d broke (%s)", front, exc.__cause__ or exc)
+            # This front is gone: nothing will read what its requests produce.
+            self.gone(front)
+            inbox.send_nowait(AbortRequest(tuple(r for r, f in self._owner.items() if f == front)))
+
+    async def _with_grammar(self, message: AddRequest) -> AddRequest:
+        if self._structured is None:
+            self._structured = await trio.to_thread.run_sync(_structured_outputs, self._core)
+        try:
+            grammar = await self._structured.compile_async(message.params.structured_outputs)
+        except Exception as exc:  # the front compiled it: only a bug or a time-out gets here
+            log.warning("request %s: its grammar did not compile here: %s", message.request_id, exc)
+            grammar = None
+        return AddRequest(message.request_id, message.prompt_token_ids, message.params, message.priority, grammar)
+
+    async def outlet(self, steps: trio.MemoryReceiveChannel, sent: trio.Event) -> None:
+        """Each step output up the links: to every front its own requests' deltas and
+        rejections, and the engine's stats. A front that is gone gets nothing (the core
+        must not block on it while it finishes the aborts)."""
+        try:
+            async for step in steps:
+                for front, send in enumerate(self._sends):
+                    if not self._live[front]:
+                        continue
+                    share = step if len(self._sends) == 1 else attrs.evolve(
+                        step, deltas=tuple(d for d in step.deltas if self._owner.get(d.request_id) == front),
+                        rejected=tuple(r for r in step.rejected if self._owner.get(r.request_id) == front))
+                    try:
+                        await send.send(share)
+                    except trio.BrokenResourceError:
+                        self.gone(front)
+                self._forget_finished(step)
+        finally:
+            sent.set()
+
+    def _forget_finished(self, step) -> None:
+        for rejected in step.rejected:
+            self._open.pop(rejected.request_id, None)
+            self._owner.pop(rejected.request_id, None)
+        for delta in step.deltas:
+            if delta.finished and delta.request_id in self._open:
+                self._open[delta.request_id] -= 1
+                if self._open[delta.request_id] <= 0:
+                    del self._open[delta.request_id], self._owner[delta.request_id]
 
 
 async def _send_last(send, message) -> None:
@@ -79,43 +168,6 @@ async def _send_last(send, message) -> None:
         await send.aclose()
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass
-
-
-async def _outlet(steps: trio.MemoryReceiveChannel, send, sent: trio.Event) -> None:
-    """Step outputs up the link. Once the link is broken they are dropped (the core must not
-    block on a front that is gone while it finishes the aborts)."""
-    try:
-        async for step in steps:
-            await send.send(step)
-    except trio.BrokenResourceError:
-        async for _ in steps:
-            pass
-    finally:
-        sent.set()
-
-
-async def _inlet(receive, inbox: trio.MemorySendChannel, core: EngineCore) -> None:
-    """Messages from the front to the core actor, in order. A request with structured outputs
-    gets its grammar compiled here (the front's compiled grammar stays in the front)."""
-    structured = None
-    async with inbox:
-        try:
-            async for message in receive:
-                if isinstance(message, AddRequest) and message.params.structured_outputs is not None:
-                    if structured is None:
-                        structured = await trio.to_thread.run_sync(_structured_outputs, core)
-                    try:
-                        grammar = await structured.compile_async(message.params.structured_outputs)
-                    except Exception as exc:  # the front compiled it: only a bug or a time-out gets here
-                        log.warning("request %s: its grammar did not compile here: %s", message.request_id, exc)
-                        grammar = None
-                    message = AddRequest(message.request_id, message.prompt_token_ids, message.params,
-                                         message.priority, grammar)
-                inbox.send_nowait(message)
-        except trio.BrokenResourceError as exc:
-            log.warning("the link to the front broke (%s): stopping", exc.__cause__ or exc)
-        # The front is gone: nothing will read what its requests produce.
-        inbox.send_nowait(AbortRequest(core.live_request_ids))
 
 
 def _structured_outputs(core: EngineCore):
@@ -129,7 +181,8 @@ def _structured_outputs(core: EngineCore):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--fd", type=int, required=True, help="this process's end of a connected socket")
+    parser.add_argument("--fd", type=int, action="append", required=True,
+                        help="this process's end of a connected socket to a front (once per front)")
     parser.add_argument("--config", required=True, help="the EngineConfig's fields as JSON")
     parser.add_argument("--log-level", default="INFO", help="the front's (its logging level's name)")
     args = parser.parse_args(argv)

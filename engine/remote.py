@@ -272,59 +272,36 @@ class DataParallelActor:
 @asynccontextmanager
 async def engine_processes(config: EngineConfig, count: int = 1) -> AsyncIterator[list[RemoteCore]]:
     """Start ``count`` engine processes for ``config`` (they load their models at the same time)
-    and yield their ``RemoteCore``s once all are ready.
+    and yield their ``RemoteCore``s once all are ready. With ``data_parallel_size_local`` below
+    ``count``, the others join over TCP (``run_headless`` on their machines).
 
-    Leaving the block closes the links (each engine aborts what is left and exits), waits for
-    the processes, and kills any that does not exit within ``EXIT_TIMEOUT``: no child is left.
+    Leaving the block ends the links in order (each engine aborts what is left and exits),
+    waits for the processes, and kills any that does not exit within ``EXIT_TIMEOUT``: no
+    child is left.
 
     Raises:
         an engine's own error (``ConfigError``...) if it could not start; ``EngineDeadError``
         if a process died first.
     """
     local = count if config.data_parallel_size_local is None else min(count, config.data_parallel_size_local)
-    processes = []
-    startup_error: BaseException | None = None
+    processes, streams = [], []
     try:
-        async with AsyncExitStack() as links:
-            streams = []
-            for _ in range(local):
-                process, stream = await _spawn(config)
-                processes.append(process)
-                streams.append(stream)
-            if count > local:  # the others join over TCP (python -m engine.api --headless, elsewhere)
-                streams += await _accept_engines(config, count - local)
-            # (the handshake runs in the link's tasks: opening one does not wait for its engine)
-            ends = [await links.enter_async_context(open_link(stream, CODEC, role="front")) for stream in streams]
-            cores = []
-            for rank, (send, receive) in enumerate(ends):
-                process = processes[rank] if rank < local else None
-                first = await _first_message(receive, process)
-                if isinstance(first, EngineReady) and cores and (first.model, first.vocab_size) != (
-                        cores[0].model, cores[0].vocab_size):
-                    first = EngineFailed(ConfigError("data_parallel_size", (
-                        f"engine {rank} serves {first.model} ({first.vocab_size} tokens), engine 0 "
-                        f"{cores[0].model} ({cores[0].vocab_size}): every engine must serve the same model")))
-                if isinstance(first, EngineFailed):
-                    startup_error = first.error  # raised below, outside the links' nurseries: as in one process
-                    break
-                log.info("engine process %d (engine %d%s) ready", first.pid, rank, "" if process else ", remote")
-                cores.append(RemoteCore(config, first, send, receive, process, rank))
-            if startup_error is None:
-                try:
-                    yield cores
-                finally:
-                    with trio.CancelScope(shield=True):
-                        for core in cores:
-                            await core._send.aclose()  # orderly: each engine sees the end of its inbox...
-                        with trio.move_on_after(EXIT_TIMEOUT):
-                            for core in cores:
-                                await _drain(core._receive)  # ...and ends its side before the link closes
+        for _ in range(local):
+            front_socket, engine_socket = socket.socketpair()
+            try:
+                processes.append(await _start_engine(config, [engine_socket]))
+            except BaseException:
+                front_socket.close()
+                raise
+            streams.append(trio.SocketStream(trio.socket.from_stdlib_socket(front_socket)))
+        if count > local:  # the others join over TCP (python -m engine.api --headless, elsewhere)
+            streams += await _accept_engines(config, count - local)
+        async with _engines(config, streams, processes) as cores:
+            yield cores
     finally:
         with trio.CancelScope(shield=True):
             for process in processes:
                 await _reap(process, EXIT_TIMEOUT)
-    if startup_error is not None:
-        raise startup_error
 
 
 @asynccontextmanager
@@ -334,27 +311,79 @@ async def engine_process(config: EngineConfig) -> AsyncIterator[RemoteCore]:
         yield core
 
 
-async def _spawn(config: EngineConfig):
-    """An engine process and the front's end of its socket."""
-    front_socket, engine_socket = socket.socketpair()
-    try:
-        process = await _start_engine(config, engine_socket)
-    except BaseException:
-        front_socket.close()
-        raise
-    return process, trio.SocketStream(trio.socket.from_stdlib_socket(front_socket))
+@asynccontextmanager
+async def attached_engines(config: EngineConfig, fds: list[int]) -> AsyncIterator[list[RemoteCore]]:
+    """The engines another process started (``--api-server-count``'s launcher), one socket each:
+    this front's ``RemoteCore``s for them. Leaving the block ends this front's links."""
+    streams = [trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=fd))) for fd in fds]
+    async with _engines(config, streams, []) as cores:
+        yield cores
 
 
-async def _start_engine(config: EngineConfig, engine_socket: socket.socket):
-    """An engine process serving over ``engine_socket`` (handed to it, and closed here)."""
-    argv = [sys.executable, "-m", "engine.core_process", "--fd", str(engine_socket.fileno()),
-            "--config", json.dumps(attrs.asdict(config)),
+@asynccontextmanager
+async def _engines(config: EngineConfig, streams: list[trio.SocketStream],
+                   processes: list) -> AsyncIterator[list[RemoteCore]]:
+    """Links over ``streams`` (the first ones to ``processes``), each engine's EngineReady, and
+    an orderly end of every link when the block is left."""
+    startup_error: BaseException | None = None
+    async with AsyncExitStack() as links:
+        # (the handshake runs in the link's tasks: opening one does not wait for its engine)
+        ends = [await links.enter_async_context(open_link(stream, CODEC, role="front")) for stream in streams]
+        cores = []
+        for rank, (send, receive) in enumerate(ends):
+            process = processes[rank] if rank < len(processes) else None
+            first = await _first_message(receive, process)
+            if isinstance(first, EngineReady) and cores and (first.model, first.vocab_size) != (
+                    cores[0].model, cores[0].vocab_size):
+                first = EngineFailed(ConfigError("data_parallel_size", (
+                    f"engine {rank} serves {first.model} ({first.vocab_size} tokens), engine 0 "
+                    f"{cores[0].model} ({cores[0].vocab_size}): every engine must serve the same model")))
+            if isinstance(first, EngineFailed):
+                startup_error = first.error  # raised below, outside the links' nurseries: as in one process
+                break
+            log.info("engine process %d (engine %d%s) ready", first.pid, rank, "" if process else ", not a child")
+            cores.append(RemoteCore(config, first, send, receive, process, rank))
+        if startup_error is None:
+            try:
+                yield cores
+            finally:
+                with trio.CancelScope(shield=True):
+                    for core in cores:
+                        await core._send.aclose()  # orderly: each engine sees the end of its inbox...
+                    with trio.move_on_after(EXIT_TIMEOUT):
+                        for core in cores:
+                            await _drain(core._receive)  # ...and ends its side before the link closes
+    if startup_error is not None:
+        raise startup_error
+
+
+async def start_engines_for_fronts(config: EngineConfig, count: int,
+                                   fronts: int) -> tuple[list, list[list[socket.socket]]]:
+    """``--api-server-count``: ``count`` engine processes, each linked to ``fronts`` fronts;
+    returns the processes, and for each front its sockets (one per engine) to hand it."""
+    processes, per_front = [], [[] for _ in range(fronts)]
+    for _ in range(count):
+        pairs = [socket.socketpair() for _ in range(fronts)]
+        processes.append(await _start_engine(config, [engine for _, engine in pairs]))
+        for front, (front_socket, _) in enumerate(pairs):
+            per_front[front].append(front_socket)
+    return processes, per_front
+
+
+async def _start_engine(config: EngineConfig, engine_sockets: list[socket.socket]):
+    """An engine process serving over ``engine_sockets`` (one per front; handed to it, and
+    closed here)."""
+    argv = [sys.executable, "-m", "engine.core_process", "--config", json.dumps(attrs.asdict(config)),
             "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
+    for engine_socket in engine_sockets:
+        argv += ["--fd", str(engine_socket.fileno())]
     try:
         # A session of its own: a terminal's Ctrl-C goes to the front, which ends the engine in order.
-        return await trio.lowlevel.open_process(argv, pass_fds=(engine_socket.fileno(),), start_new_session=True)
+        return await trio.lowlevel.open_process(argv, pass_fds=tuple(s.fileno() for s in engine_sockets),
+                                                start_new_session=True)
     finally:
-        engine_socket.close()
+        for engine_socket in engine_sockets:
+            engine_socket.close()
 
 
 async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> int:
@@ -379,7 +408,7 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
                     except OSError:
                         await trio.sleep(0.5)
             stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            processes.append(await _start_engine(config, socket.socket(fileno=stream.socket.detach())))
+            processes.append(await _start_engine(config, [socket.socket(fileno=stream.socket.detach())]))
             log.info("engine process %d joining %s:%d", processes[-1].pid, address, port)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signals, processes)

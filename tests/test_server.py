@@ -311,7 +311,9 @@ def test_one_bad_request_then_twenty_good_ones(server):
 
 @pytest.mark.parametrize("layout", ["one-process", "engine-process"])
 def test_sigterm_lets_in_flight_requests_finish_then_exits_0(layout):
-    base, proc, _ = start_server(*(["--engine-process"] if layout == "engine-process" else []))
+    # (a grace period no loaded CI machine runs out of: the test is about draining, not speed)
+    base, proc, _ = start_server("--shutdown-timeout", "120", *(["--engine-process"] if layout == "engine-process"
+                                                                else []))
     engines = child_pids(proc.pid) if layout == "engine-process" else []
     try:
         with ThreadPoolExecutor(max_workers=4) as pool:
@@ -424,33 +426,57 @@ def metric_by_engine(base: str, name: str) -> dict[str, float]:
     return values
 
 
-def test_data_parallel_serves_32_streams_as_one_engine_does():
-    """--data-parallel-size 2: 32 concurrent streamed chats give one engine's greedy output,
-    both engines take a share, and /metrics' per-engine counters add up."""
+def metric_total(base: str, name: str) -> float:
+    """A metric's value added up over all its series (engines, finish reasons...)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(base + "/metrics").text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_does():
+    """--data-parallel-size 2 and --api-server-count 2: 32 concurrent streamed chats give one
+    engine's greedy text; /metrics adds up (each engine's counters; every front's requests);
+    SIGTERM ends every process of the server."""
     def run(base):
         def one(i):
             body = {"messages": [{"role": "user", "content": f"Say something about the number {i}."}],
                     "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
             with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=120) as response:
-                return "".join(e["choices"][0]["delta"].get("content") or "" for e in sse_events(response)
-                               if e != "[DONE]" and e["choices"])
+                events = [e for e in sse_events(response) if e != "[DONE]"]
+            text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e.get("choices"))
+            return text, [e["choices"][0].get("finish_reason") or e.get("error") for e in events
+                          if e.get("error") or (e.get("choices") and e["choices"][0].get("finish_reason"))]
         with ThreadPoolExecutor(max_workers=32) as pool:
-            return list(pool.map(one, range(32)))
+            answers = list(pool.map(one, range(32)))
+        assert [ends for _, ends in answers] == [["length"]] * 32, [ends for _, ends in answers]
+        return [text for text, _ in answers]
 
     outputs = {}
-    for layout, flags in (("data parallel", ["--data-parallel-size", "2"]), ("one engine", [])):
+    layouts = {"one engine": [], "data parallel": ["--data-parallel-size", "2"],
+               "two API servers": ["--api-server-count", "2"]}
+    for layout, flags in layouts.items():
         base, proc, _ = start_server(*flags)
+        children = child_pids(proc.pid)
         try:
             outputs[layout] = run(base)
+            # (a front reads the engines' counters from each step's output: the last may still be on its way)
+            deadline = time.monotonic() + 10
+            while metric_total(base, "vllm:generation_tokens_total") < 32 * 12 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert metric_total(base, "vllm:generation_tokens_total") == 32 * 12, (layout, httpx.get(
+                base + "/metrics").text)
             if layout == "data parallel":
                 generated = metric_by_engine(base, "vllm:generation_tokens_total")
                 assert set(generated) == {"0", "1"} and all(v > 0 for v in generated.values())
-                assert sum(generated.values()) == 32 * 12
-                assert len(child_pids(proc.pid)) == 2
+                assert len(children) == 2  # two engine processes
+            if layout == "two API servers":
+                assert len(children) == 3  # two fronts and the engine
+                # whichever front answers, the request counter is the whole server's
+                assert all(metric_total(base, "vllm:request_success_total") == 32 for _ in range(4))
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0
-    assert outputs["data parallel"] == outputs["one engine"]
+        assert all(exited(pid) for pid in children)
+    assert outputs["data parallel"] == outputs["one engine"] == outputs["two API servers"]
 
 
 def test_a_headless_engine_joins_the_server_over_tcp():

@@ -1,0 +1,99 @@
+"""``--api-server-count N``: N HTTP front processes over shared engine processes.
+
+The launcher binds the listening socket once and hands it to every front (each accepts on
+it; the kernel spreads the connections). It starts the engine processes
+(``--data-parallel-size`` of them) with one link per front, so each engine sends each front
+only its own requests' outputs (``engine.core_process.Fronts``). The fronts share one
+prometheus_client multiprocess directory, so any front's ``/metrics`` shows the whole server.
+
+    launcher --(listening socket, one engine link each)--> front 1 .. front N
+    launcher --(N links each)--> engine 1 .. engine D
+
+Shutdown: SIGTERM / SIGINT go to every front, which drain as one server does; the engines
+exit when their last front has ended its link; the launcher exits with the worst status.
+A front that exits on its own (its engine died: --on-engine-failure exit) stops the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+
+import trio
+
+from engine.remote import EXIT_TIMEOUT, _reap, start_engines_for_fronts
+
+log = logging.getLogger("api.launcher")
+
+
+async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
+    from api.server import engine_config
+
+    config = engine_config(args)
+    if config.data_parallel_size_local is not None and config.data_parallel_size_local < config.data_parallel_size:
+        raise SystemExit("error: --api-server-count does not combine with engines on other machines "
+                         "(--data-parallel-size-local) yet")
+    listener = socket.create_server((args.host, args.port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
+    engines, per_front = await start_engines_for_fronts(config, config.data_parallel_size, args.api_server_count)
+    fronts = []
+    with tempfile.TemporaryDirectory(prefix="engine-metrics-") as metrics_dir:
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+        try:
+            for sockets in per_front:
+                front_argv = [sys.executable, "-m", "engine.api", *argv, "--api-server-count", "1",
+                              "--listen-fd", str(listener.fileno())]
+                for s in sockets:
+                    front_argv += ["--engine-fd", str(s.fileno())]
+                fronts.append(await trio.lowlevel.open_process(
+                    front_argv, pass_fds=(listener.fileno(), *(s.fileno() for s in sockets)), env=env))
+                for s in sockets:
+                    s.close()
+            listener.close()
+            log.info("%d API servers on %s:%d, %d engine process(es)", len(fronts), args.host, args.port,
+                     len(engines))
+            stopping = _Stop(fronts)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stopping.on_signals)
+                async with trio.open_nursery() as watchers:
+                    for front in fronts:
+                        watchers.start_soon(stopping.when_exits, front)
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                for process in fronts + engines:
+                    await _reap(process, EXIT_TIMEOUT)
+    codes = [p.returncode for p in fronts]
+    log.info("API servers exited with %s; engine processes with %s", codes, [p.returncode for p in engines])
+    return max((c if c >= 0 else 1) for c in codes) if codes else 1
+
+
+class _Stop:
+    """Stops every front once: on SIGTERM / SIGINT, or when one front exits on its own (its
+    engine died: --on-engine-failure exit; or a crash). Never twice: a front that has left its
+    signal handling behind while it drains would die of a second SIGTERM."""
+
+    def __init__(self, fronts) -> None:
+        self._fronts = fronts
+        self._stopped = False
+
+    def stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            for front in self._fronts:
+                if front.returncode is None:
+                    front.send_signal(signal.SIGTERM)
+
+    async def when_exits(self, front) -> None:
+        await front.wait()
+        self.stop()
+
+    async def on_signals(self) -> None:
+        """(A terminal's Ctrl-C reaches the fronts as well, being in this process group.)"""
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                self.stop()
