@@ -99,8 +99,11 @@ class Engine:
         except Exception as exc:
             log.exception("engine step failed; the engine is dead")
             self.core.fault = exc  # its state is unknown now: it must not run again
-            self.error = EngineDeadError(f"the engine failed: {exc!r}")
-            self.error.__cause__ = exc
+            if isinstance(exc, EngineDeadError):  # (an engine process's death, already said as such)
+                self.error = exc
+            else:
+                self.error = EngineDeadError(f"the engine failed: {exc!r}")
+                self.error.__cause__ = exc
             self._fail_all(self.error)
             self.failed.set()
 

@@ -130,21 +130,30 @@ class RemoteCoreActor:
         self._outbox = outbox
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        core = self._core
         task_status.started()
-        async with self._outbox, trio.open_nursery() as nursery:
-            nursery.start_soon(self._forward)
-            try:
-                async for message in core._receive:
-                    if isinstance(message, EngineFailed):
-                        raise EngineDeadError(f"the engine failed: {message.error!r}") from message.error
-                    core._stats = message.stats
-                    await self._outbox.send(message)
-            except trio.BrokenResourceError as exc:
-                await trio.sleep(0.05)  # the process's exit status, if it is exiting
-                raise core._died(exc) from None
-            # Only the front ends the link in order; an engine that ends it has stopped.
-            raise core._died(EngineDeadError("the engine process closed the link"))
+        try:
+            async with self._outbox, trio.open_nursery() as nursery:
+                nursery.start_soon(self._forward)
+                await self._receive()
+        except BaseExceptionGroup as group:  # the engine's death as itself, not in the nursery's group
+            leaf = first_leaf(group)
+            if isinstance(leaf, Exception):
+                raise leaf from None
+            raise
+
+    async def _receive(self) -> None:
+        core = self._core
+        try:
+            async for message in core._receive:
+                if isinstance(message, EngineFailed):
+                    raise EngineDeadError(f"the engine failed: {message.error!r}") from message.error
+                core._stats = message.stats
+                await self._outbox.send(message)
+        except trio.BrokenResourceError as exc:
+            await trio.sleep(0.05)  # the process's exit status, if it is exiting
+            raise core._died(exc) from None
+        # Only the front ends the link in order; an engine that ends it has stopped.
+        raise core._died(EngineDeadError("the engine process closed the link"))
 
     async def _forward(self) -> None:
         async for message in self._inbox:
