@@ -33,7 +33,7 @@ from engine.engine_core import EngineCore
 from engine.async_engine import STEP_QUEUE_SIZE
 from engine.messages import AbortRequest, AddRequest
 from engine.models.loader import resolve_model
-from engine.remote import CODEC, EngineFailed, EngineReady
+from engine.remote import CODEC, EngineFailed, EngineReady, RequestOwners
 from engine.wire import open_link
 
 log = logging.getLogger("engine.core_process")
@@ -94,8 +94,7 @@ class Fronts:
         self._core = core
         self._sends = sends
         self._live = [True] * len(sends)
-        self._owner: dict[str, int] = {}  # request id -> front
-        self._open: dict[str, int] = {}  # request id -> sequences not finished yet
+        self._owners = RequestOwners()  # request id -> front
         self._structured = None
 
     def gone(self, front: int) -> None:
@@ -108,8 +107,7 @@ class Fronts:
             try:
                 async for message in receive:
                     if isinstance(message, AddRequest):
-                        self._owner[message.request_id] = front
-                        self._open[message.request_id] = message.params.n
+                        self._owners.add(message, front)
                         if message.params.structured_outputs is not None:
                             message = await self._with_grammar(message)
                     inbox.send_nowait(message)
@@ -117,7 +115,7 @@ class Fronts:
                 log.warning("the link to front %d broke (%s)", front, exc.__cause__ or exc)
             # This front is gone: nothing will read what its requests produce.
             self.gone(front)
-            inbox.send_nowait(AbortRequest(tuple(r for r, f in self._owner.items() if f == front)))
+            inbox.send_nowait(AbortRequest(self._owners.of(front)))
 
     async def _with_grammar(self, message: AddRequest) -> AddRequest:
         if self._structured is None:
@@ -139,25 +137,15 @@ class Fronts:
                     if not self._live[front]:
                         continue
                     share = step if len(self._sends) == 1 else attrs.evolve(
-                        step, deltas=tuple(d for d in step.deltas if self._owner.get(d.request_id) == front),
-                        rejected=tuple(r for r in step.rejected if self._owner.get(r.request_id) == front))
+                        step, deltas=tuple(d for d in step.deltas if self._owners.get(d.request_id) == front),
+                        rejected=tuple(r for r in step.rejected if self._owners.get(r.request_id) == front))
                     try:
                         await send.send(share)
                     except trio.BrokenResourceError:
                         self.gone(front)
-                self._forget_finished(step)
+                self._owners.forget_finished(step)
         finally:
             sent.set()
-
-    def _forget_finished(self, step) -> None:
-        for rejected in step.rejected:
-            self._open.pop(rejected.request_id, None)
-            self._owner.pop(rejected.request_id, None)
-        for delta in step.deltas:
-            if delta.finished and delta.request_id in self._open:
-                self._open[delta.request_id] -= 1
-                if self._open[delta.request_id] <= 0:
-                    del self._open[delta.request_id], self._owner[delta.request_id]
 
 
 async def _send_last(send, message) -> None:

@@ -38,7 +38,7 @@ import trio
 from engine.config import EngineConfig
 from engine.engine_core import validate_request
 from engine.errors import ConfigError, EngineDeadError, first_leaf
-from engine.messages import WIRE_MESSAGES, AbortRequest, AddRequest, EngineStats
+from engine.messages import WIRE_MESSAGES, AbortRequest, AddRequest, EngineStats, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.wire import Codec, open_link
 
@@ -166,6 +166,35 @@ class RemoteCoreActor:
                 return  # the receiving side reports how the engine died
 
 
+class RequestOwners:
+    """Which of several places (an engine of a data-parallel group, a front of an engine) each
+    live request belongs to, until the step outputs show all its sequences finished."""
+
+    def __init__(self) -> None:
+        self._owner: dict[str, int] = {}  # request id -> place
+        self._open: dict[str, int] = {}  # request id -> sequences not finished yet
+
+    def add(self, message: AddRequest, place: int) -> None:
+        self._owner[message.request_id] = place
+        self._open[message.request_id] = message.params.n
+
+    def get(self, request_id: str) -> int | None:
+        return self._owner.get(request_id)
+
+    def of(self, place: int) -> tuple[str, ...]:
+        return tuple(r for r, p in self._owner.items() if p == place)
+
+    def forget_finished(self, step: StepOutput) -> None:
+        for rejected in step.rejected:
+            self._open.pop(rejected.request_id, None)
+            self._owner.pop(rejected.request_id, None)
+        for delta in step.deltas:
+            if delta.finished and delta.request_id in self._open:
+                self._open[delta.request_id] -= 1
+                if self._open[delta.request_id] <= 0:
+                    del self._open[delta.request_id], self._owner[delta.request_id]
+
+
 class DataParallelCore:
     """``--data-parallel-size N``: N engine processes, each with its own KV cache, behind one
     front. A new request goes to the least-loaded engine (waiting + running as of its latest
@@ -183,9 +212,7 @@ class DataParallelCore:
         self.sampling_defaults = first.sampling_defaults
         self.fault: BaseException | None = None
 
-    def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
-        return validate_request(prompt, params, priority, max_model_len=self.max_model_len,
-                                vocab_size=self.vocab_size, scheduling_policy=self.config.scheduling_policy)
+    validate = RemoteCore.validate  # (the group's limits: the smallest max_model_len)
 
     def engine_stats(self) -> list[EngineStats]:
         return [e.stats() for e in self.engines]
@@ -214,8 +241,7 @@ class DataParallelActor:
         self._group = group
         self._inbox = inbox
         self._outbox = outbox
-        self._owner: dict[str, int] = {}  # request id -> engine
-        self._open: dict[str, int] = {}  # request id -> sequences not finished yet
+        self._owners = RequestOwners()  # request id -> engine
         self._sent_since_step = [0] * len(group.engines)  # requests sent to an engine since its last step
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -240,19 +266,18 @@ class DataParallelActor:
         async for message in self._inbox:
             if isinstance(message, AddRequest):
                 rank = min(range(len(inboxes)), key=self._load)
-                self._owner[message.request_id] = rank
-                self._open[message.request_id] = message.params.n
+                self._owners.add(message, rank)
                 self._sent_since_step[rank] += 1
                 inboxes[rank].send_nowait(message)
             elif isinstance(message, AbortRequest):
                 by_engine: dict[int, list[str]] = {}
                 for request_id in message.request_ids:
-                    if request_id in self._owner:
-                        by_engine.setdefault(self._owner[request_id], []).append(request_id)
+                    if (rank := self._owners.get(request_id)) is not None:
+                        by_engine.setdefault(rank, []).append(request_id)
                 for rank, ids in by_engine.items():
                     inboxes[rank].send_nowait(AbortRequest(tuple(ids)))
-            elif message.request_id in self._owner:  # StopRequest
-                inboxes[self._owner[message.request_id]].send_nowait(message)
+            elif (rank := self._owners.get(message.request_id)) is not None:  # StopRequest
+                inboxes[rank].send_nowait(message)
 
     def _load(self, rank: int) -> int:
         stats = self._group.engines[rank].stats()
@@ -261,21 +286,8 @@ class DataParallelActor:
     async def _merge(self, rank: int, steps: trio.MemoryReceiveChannel) -> None:
         async for step in steps:
             self._sent_since_step[rank] = 0
-            for rejected in step.rejected:
-                self._forget(rejected.request_id, everything=True)
-            for delta in step.deltas:
-                if delta.finished:
-                    self._forget(delta.request_id)
+            self._owners.forget_finished(step)
             await self._outbox.send(step)
-
-    def _forget(self, request_id: str, everything: bool = False) -> None:
-        left = self._open.get(request_id)
-        if left is None:
-            return
-        if everything or left <= 1:
-            del self._open[request_id], self._owner[request_id]
-        else:
-            self._open[request_id] = left - 1
 
 
 @asynccontextmanager
