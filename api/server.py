@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                    help="run the engine core (scheduler, model, KV cache) in a process of its own, so that "
                         "HTTP, tokenization and detokenization do not take the GIL from its steps. Off by "
-                        "default: on a 2-core CPU the front used 2%% of the CPU, and the split's 7-9%% in "
-                        "bench/layouts.py was within run-to-run noise (README, 'Process layout')")
+                        "default: on a 2-core CPU the front used 1-2%% of the CPU, and the splits' -4%% to +6%% in "
+                        "bench/layouts.py were within run-to-run noise (README, 'Process layout')")
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine processes, each with its own copy of the model and KV cache, behind this "
                         "server; each new request goes to the least-loaded one (waiting + running)")
