@@ -136,6 +136,24 @@ def test_the_loader_keeps_packed_types_packed_and_names_a_truncated_tensor(tmp_p
         list(gguf_weights(path, config, keep_packed=True))
 
 
+def test_the_loaders_gguf_reader_reads_what_ggufs_own_reader_reads():
+    """The loader's reader (gguf's, slicing a plain view of the memmap: 3x faster to open) gives
+    every field and tensor of the default model file exactly as gguf's stock reader does."""
+    from gguf import GGUFReader
+
+    from engine.models.loader import _gguf_reader, resolve_model
+
+    path = resolve_model(None).path
+    ours, stock = _gguf_reader(path), GGUFReader(path)
+    assert type(ours) is not GGUFReader  # (this gguf's _get is the one the override was written for)
+    assert list(ours.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        assert ours.fields[key].types == field.types and ours.fields[key].contents() == field.contents(), key
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in stock.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, stock.tensors))
+
+
 def random_q4_k(n: int, k: int, seed: int = 0, d: float = 0.01, dmin: float = 0.003) -> np.ndarray:
     """Random Q4_K rows (super-blocks of 256 values: fp16 d and dmin, 12 bytes of 6-bit scales
     and minimums, 128 bytes of nibbles); gguf can read Q4_K but not write it."""
