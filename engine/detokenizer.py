@@ -46,6 +46,9 @@ class _TextBuffer:
         end = self.length if end is None else end
         if start >= end:
             return ""
+        if self._starts and start >= self._starts[-1]:  # a stream's next delta: within the last chunk
+            last = self._starts[-1]
+            return self._chunks[-1][start - last:end - last]
         first = bisect.bisect_right(self._starts, start) - 1
         last = bisect.bisect_left(self._starts, end)
         joined = "".join(self._chunks[first:last])
