@@ -275,7 +275,7 @@ def gguf_weights(path: Path, config: LlamaConfig, keep_packed: bool = False, rea
     """
     from gguf.quants import dequantize
 
-    reader = reader or _gguf_reader(path)
+    reader = _gguf_reader(path) if reader is None else reader
     arch = _field(reader, "general.architecture")
     converted: dict[str, int] = {}
     for tensor in reader.tensors:
