@@ -12,8 +12,8 @@ from engine.engine_core import EngineCore
 from engine.model_runner import RunnerOutput
 from engine.scheduler import SchedulerOutput
 from engine.errors import InvalidParameterError, RequestFailedError, StepTimeoutError
-from engine.messages import (AbortRequest, AddRequest, RequestRejected, StepOutput, StepTimings, StopRequest,
-                             TokenDelta)
+from engine.messages import (AbortRequest, AddRequest, Decodes, RequestRejected, StepOutput, StepTimings,
+                             StopRequest, TokenDelta)
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +66,10 @@ class CoreActor:
         t1 = time.perf_counter()
         result = await self._execute(plan)
         t2 = time.perf_counter()
-        deltas = self.core.update(plan, result)
+        deltas, decodes = self.core.update(plan, result)
         t3 = time.perf_counter()
         await self._send(self._step_output(deltas, plan.num_batched_tokens, len(plan.chunks),
-                                           StepTimings(t1 - t0, t2 - t1, t3 - t2)))
+                                           StepTimings(t1 - t0, t2 - t1, t3 - t2), decodes))
 
     async def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
         """The step's device work on the core's device thread, under the watchdog.
@@ -84,10 +84,10 @@ class CoreActor:
         raise StepTimeoutError(f"an engine step ran for more than {timeout} s (step_timeout): a hung kernel?")
 
     def _step_output(self, deltas: list[TokenDelta], num_tokens: int, num_seqs: int,
-                     timings: StepTimings | None) -> StepOutput:
+                     timings: StepTimings | None, decodes: Decodes = Decodes()) -> StepOutput:
         extra, self._extra_deltas = self._extra_deltas, []
         rejected, self._rejected = tuple(self._rejected), []
-        return StepOutput(tuple(extra + deltas), rejected, self.core.stats(), num_tokens, num_seqs, timings)
+        return StepOutput(tuple(extra + deltas), rejected, self.core.stats(), num_tokens, num_seqs, timings, decodes)
 
     async def _send(self, step: StepOutput) -> None:
         await self._outbox.send(step)

@@ -138,7 +138,8 @@ class Fronts:
                         continue
                     share = step if len(self._sends) == 1 else attrs.evolve(
                         step, deltas=tuple(d for d in step.deltas if self._owners.get(d.request_id) == front),
-                        rejected=tuple(r for r in step.rejected if self._owners.get(r.request_id) == front))
+                        rejected=tuple(r for r in step.rejected if self._owners.get(r.request_id) == front),
+                        decodes=step.decodes.select(lambda request_id: self._owners.get(request_id) == front))
                     try:
                         await send.send(share)
                     except trio.BrokenResourceError:

@@ -188,25 +188,33 @@ class DetokenizerActor:
             channel = self._registry.pop(rejected.request_id, None)
             if channel is not None:
                 channel.fail(rejected.error)
+        registry = self._registry
         for delta in step.deltas:
-            channel = self._registry.get(delta.request_id)
+            channel = registry.get(delta.request_id)
             if channel is not None:  # else the consumer's abort is on the way
-                self._apply(channel, delta, stats)
+                self._apply(channel, delta.request_id, stats, delta=delta)
+                if delta.finished and channel.state.engine_finished:
+                    del registry[delta.request_id]
+        decodes = step.decodes
+        for request_id, index, token in zip(decodes.request_ids, decodes.indices, decodes.token_ids):
+            channel = registry.get(request_id)
+            if channel is not None:
+                self._apply(channel, request_id, stats, index, token)
         self._on_step(step, stats)
 
-    def _apply(self, channel: RequestOutputChannel, delta: TokenDelta, stats: IterationStats) -> None:
+    def _apply(self, channel: RequestOutputChannel, request_id: str, stats: IterationStats, index: int = 0,
+               token: int = 0, delta: TokenDelta | None = None) -> None:
+        """Apply ``delta``, or else one plain new ``token`` of completion ``index``, and wake the stream."""
         state = channel.state
         try:
-            hit = state.apply(delta, stats)
+            hit = state.add_token(index, token, stats) if delta is None else state.apply(delta, stats)
         except Exception as exc:  # this request's own output processing failed; the rest go on
-            log.exception("processing the output of request %s failed", delta.request_id)
+            log.exception("processing the output of request %s failed", request_id)
             state.fail(stats, f"{type(exc).__name__}: {exc}")
-            self._core_inbox.send_nowait(AbortRequest((delta.request_id,)))
+            self._core_inbox.send_nowait(AbortRequest((request_id,)))
             hit = None
         if hit is not None:
-            self._core_inbox.send_nowait(StopRequest(delta.request_id, hit.index, hit.stop))
+            self._core_inbox.send_nowait(StopRequest(request_id, hit.index, hit.stop))
         if state.error is not None:
-            channel.fail(RequestFailedError(f"request {delta.request_id} failed: {state.error}"))
+            channel.fail(RequestFailedError(f"request {request_id} failed: {state.error}"))
         channel.notify()
-        if delta.finished and state.engine_finished:
-            del self._registry[delta.request_id]

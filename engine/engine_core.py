@@ -18,7 +18,7 @@ from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, default_gpu
 from engine.device_thread import DeviceThread
 from engine.errors import ConfigError, InvalidParameterError
 from engine.kv_cache import BlockManager
-from engine.messages import EngineStats, TokenDelta
+from engine.messages import Decodes, EngineStats, TokenDelta
 from engine.model_runner import ModelRunner, RunnerOutput
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model, resolve_model
@@ -198,8 +198,10 @@ class EngineCore:
     # ---- the step ----
 
     def step(self) -> list[TokenDelta]:
+        """One whole step; its deltas, each a ``TokenDelta``."""
         plan = self.schedule()
-        return self.update(plan, self.execute(plan))
+        deltas, decodes = self.update(plan, self.execute(plan))
+        return deltas + decodes.as_deltas()
 
     def schedule(self) -> SchedulerOutput:
         return self.scheduler.schedule()
@@ -213,19 +215,31 @@ class EngineCore:
         tables = {c.request.request_id: self.block_manager.owned_blocks(c.request.request_id) for c in plan.chunks}
         return self.runner.execute(plan, tables)
 
-    def update(self, plan: SchedulerOutput, result: RunnerOutput) -> list[TokenDelta]:
+    def update(self, plan: SchedulerOutput, result: RunnerOutput) -> tuple[list[TokenDelta], Decodes]:
+        """Account for a finished step. Returns what it added to each completion: the common case
+        (a next token, no logprobs, not finished) as columns, the rest as ``TokenDelta``s."""
         deltas, failed_parents = self._fail_requests(result.failed)
         self.scheduler.update(plan, result.sampled, result.grammar_finished)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled)
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
+        ids, indices, tokens = [], [], []
+        running = RequestStatus.RUNNING
         for chunk in plan.chunks:
             request = chunk.request
-            if chunk.start < request.num_prompt_tokens:
-                self._num_prompt_tokens += min(chunk.end, request.num_prompt_tokens) - chunk.start
-            if request.parent_id in failed_parents:
+            num_prompt = len(request.prompt_token_ids)
+            if chunk.start < num_prompt:
+                self._num_prompt_tokens += min(chunk.end, num_prompt) - chunk.start
+            if failed_parents and request.parent_id in failed_parents:
                 continue
             token = sampled.get(request.request_id)
+            if (token is not None and request.status is running and not prompt_logprobs
+                    and (not logprobs or request.request_id not in logprobs)
+                    and len(request.token_ids) > num_prompt + 1):  # not its first token
+                ids.append(request.parent_id)
+                indices.append(request.index)
+                tokens.append(token)
+                continue
             prompt_lps = prompt_logprobs.get(request.request_id, ()) if prompt_logprobs else ()
             request.num_prompt_logprobs += len(prompt_lps)
             if token is None and not prompt_lps and not request.finished:
@@ -233,7 +247,7 @@ class EngineCore:
             new_lp = logprobs.get(request.request_id) if logprobs else None
             deltas.append(self._delta(request, () if token is None else (token,),
                                       () if new_lp is None else (new_lp,), tuple(prompt_lps)))
-        return deltas
+        return deltas, Decodes(tuple(ids), tuple(indices), tuple(tokens))
 
     def _fail_requests(self, errors: dict[str, Exception]) -> tuple[list[TokenDelta], set[str]]:
         """Finish the sequences whose own part of the step raised, as 'error', and abort their

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -28,6 +29,32 @@ class TokenDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@attrs.frozen
+class Decodes:
+    """The step's common delta, as columns: one new token for each of many completions (entry
+    ``i``: completion ``indices[i]`` of request ``request_ids[i]``) that already have output, ask
+    for no logprobs and did not finish. A step of many streams builds three tuples rather than a
+    ``TokenDelta`` each; every other delta (a first token, logprobs, a finish, an error) is one."""
+
+    request_ids: tuple[str, ...] = ()
+    indices: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def select(self, keep: Callable[[str], bool]) -> Decodes:
+        """The entries whose request id ``keep`` accepts."""
+        rows = [i for i, request_id in enumerate(self.request_ids) if keep(request_id)]
+        if len(rows) == len(self.request_ids):
+            return self
+        return Decodes(tuple(self.request_ids[i] for i in rows), tuple(self.indices[i] for i in rows),
+                       tuple(self.token_ids[i] for i in rows))
+
+    def as_deltas(self) -> list[TokenDelta]:
+        return [TokenDelta(r, i, (t,)) for r, i, t in zip(self.request_ids, self.indices, self.token_ids)]
 
 
 @attrs.frozen
@@ -96,7 +123,9 @@ class StepTimings:
 
 @attrs.frozen
 class StepOutput:
-    """One engine step's results, from the core actor to the detokenizer and step subscribers."""
+    """One engine step's results, from the core actor to the detokenizer and step subscribers:
+    what it added to each completion is in ``deltas`` and ``decodes`` (each completion in one of
+    them)."""
 
     deltas: tuple[TokenDelta, ...]
     rejected: tuple[RequestRejected, ...]
@@ -104,9 +133,14 @@ class StepOutput:
     num_scheduled_tokens: int
     num_scheduled_seqs: int
     timings: StepTimings | None
+    decodes: Decodes = Decodes()
+
+    def all_deltas(self) -> list[TokenDelta]:
+        """Every delta of the step as a ``TokenDelta`` (for readers that want one form)."""
+        return [*self.deltas, *self.decodes.as_deltas()]
 
 
 # What crosses a process boundary (engine.wire): the messages to and from the core actor, and
 # every class their fields hold (all of them part of the wire's digest).
-WIRE_MESSAGES = (AddRequest, AbortRequest, StopRequest, StepOutput, TokenDelta, RequestRejected, EngineStats,
-                 StepTimings, TokenLogprobs, SamplingParams, StructuredOutputsParams)
+WIRE_MESSAGES = (AddRequest, AbortRequest, StopRequest, StepOutput, TokenDelta, Decodes, RequestRejected,
+                 EngineStats, StepTimings, TokenLogprobs, SamplingParams, StructuredOutputsParams)

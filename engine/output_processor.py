@@ -85,18 +85,33 @@ class RequestState:
             times.first_scheduled = delta.first_scheduled_at
         if delta.new_token_ids:
             times.on_tokens(stats)
-            detokenizer = completion.detokenizer
             for i, token in enumerate(delta.new_token_ids):
-                completion.token_ids.append(token)
                 if delta.new_logprobs:
                     completion.logprobs.append(delta.new_logprobs[i])
-                stop = detokenizer.add_token(token)
-                if stop is not None:
-                    self._finish(completion, "stop", stop, stats)
-                    return StopStringHit(delta.index, stop)
+                hit = self._append(completion, delta.index, token, stats)
+                if hit is not None:
+                    return hit
         if delta.finished:
             self._finish(completion, delta.finish_reason, delta.stop_reason, stats)
         return None
+
+    def add_token(self, index: int, token: int, stats: IterationStats) -> StopStringHit | None:
+        """The common delta (``Decodes``): one more token of completion ``index``, which has
+        output already and no logprobs; the engine has not finished it."""
+        completion = self.completions[index]
+        if completion.finish_reason is not None:
+            return None
+        self.times.on_tokens(stats)
+        return self._append(completion, index, token, stats)
+
+    def _append(self, completion: CompletionState, index: int, token: int,
+                stats: IterationStats) -> StopStringHit | None:
+        completion.token_ids.append(token)
+        stop = completion.detokenizer.add_token(token)
+        if stop is None:
+            return None
+        self._finish(completion, "stop", stop, stats)
+        return StopStringHit(index, stop)
 
     def fail(self, stats: IterationStats, error: str = "the engine failed") -> None:
         """End every unfinished completion as 'error' (this request, or the engine, failed)."""

@@ -18,6 +18,10 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()  # this request's own part of a step failed (the engine is fine)
 
+    # Members are singletons compared by identity: hash them so too (C) rather than by name
+    # (Enum.__hash__, Python), since every request asks ``finished`` several times a step.
+    __hash__ = object.__hash__
+
     @property
     def finished(self) -> bool:
         return self in _FINISHED

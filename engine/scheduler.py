@@ -11,6 +11,7 @@ import bisect
 import math
 import time
 from collections.abc import Collection, Iterable
+from typing import NamedTuple
 
 import attrs
 
@@ -19,9 +20,11 @@ from engine.kv_cache import BlockManager
 from engine.request import Request, RequestStatus
 
 
-@attrs.frozen
-class ScheduledChunk:
-    """``num_new_tokens`` tokens of ``request`` to compute this step, from ``start``."""
+class ScheduledChunk(NamedTuple):
+    """``num_new_tokens`` tokens of ``request`` to compute this step, from ``start``.
+
+    A named tuple: one is made per running request per step, and a tuple is built in a
+    third of the time of a frozen attrs class, as immutable."""
 
     request: Request
     start: int  # == request.num_computed_tokens when scheduled
@@ -31,7 +34,7 @@ class ScheduledChunk:
 
     @classmethod
     def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledChunk:
-        return cls(request, start, num_new_tokens, start + num_new_tokens == request.num_tokens)
+        return cls(request, start, num_new_tokens, start + num_new_tokens == len(request.token_ids))
 
     @property
     def end(self) -> int:
@@ -177,9 +180,9 @@ class Scheduler:
         for request in list(self.running):
             if budget.tokens == 0:
                 break
-            if request.status != RequestStatus.RUNNING:  # preempted earlier in this loop
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = budget.grant(request.num_tokens - request.num_computed_tokens)
+            num_new = budget.grant(len(request.token_ids) - request.num_computed_tokens)
             if num_new == 0:  # a prefill chunk, and this step's prefill budget is spent
                 continue
             while not self.kv.allocate(request, num_new):
@@ -264,11 +267,13 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
+        num_tokens = len(request.token_ids)
+        num_output = num_tokens - len(request.prompt_token_ids)
+        if num_output >= params.min_tokens:
             if token == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED, None
             if token in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= request.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH, None
         return None, None

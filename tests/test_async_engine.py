@@ -227,7 +227,8 @@ async def test_steps_subscriber_sees_every_step(tiny_core, tokenizer):
                 await trio.testing.wait_all_tasks_blocked()  # let the watcher drain its queue
                 nursery.cancel_scope.cancel()
     model_steps = [s for s in seen if s.num_scheduled_seqs]
-    assert sum(len(d.new_token_ids) for s in seen for d in s.deltas) == 12
+    assert sum(len(d.new_token_ids) for s in seen for d in s.all_deltas()) == 12
+    assert sum(len(s.decodes) for s in seen) == 10  # every token but the first and the last: columns
     assert len(model_steps) == 12  # one prefill step that samples, then 11 decode steps
     assert all(s.timings.execute_s > 0 for s in model_steps)
     assert [s.stats.num_steps for s in model_steps] == list(range(1, 13))
@@ -374,7 +375,7 @@ async def test_a_stop_string_finishes_every_completion_in_the_core(tiny_core, to
 
     async def watch(client):
         async for step in client.steps():
-            for d in step.deltas:
+            for d in step.all_deltas():
                 if d.request_id == "s":
                     core_tokens[d.index] += len(d.new_token_ids)
 

@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from engine.errors import ConfigError, InvalidParameterError
-from engine.messages import (WIRE_MESSAGES, AbortRequest, AddRequest, EngineStats, RequestRejected, StepOutput,
-                             StepTimings, StopRequest, TokenDelta)
+from engine.messages import (WIRE_MESSAGES, AbortRequest, AddRequest, Decodes, EngineStats, RequestRejected,
+                             StepOutput, StepTimings, StopRequest, TokenDelta)
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.wire import Codec, WireProtocolError, open_link
@@ -46,7 +46,19 @@ def samples():
         StopRequest("req-1", 1, "###"),
         StepOutput((delta, TokenDelta("r2", 0, ())), (), stats, 64, 2, StepTimings(0.001, 0.02, 0.003)),
         StepOutput((), (), stats, 0, 0, None),
+        StepOutput((delta,), (), stats, 4, 4, None, Decodes(("a", "b", "b"), (0, 0, 1), (11, 12, 13))),
     ]
+
+
+def test_decodes_are_columns_of_one_token_deltas():
+    decodes = Decodes(("a", "b", "c", "b"), (0, 0, 0, 1), (11, 12, 13, 14))
+    assert decodes.select(lambda request_id: request_id == "b") == Decodes(("b", "b"), (0, 1), (12, 14))
+    assert decodes.select(lambda request_id: True) is decodes and len(decodes) == 4
+    step = StepOutput((TokenDelta("d", 0, (1, 2), finish_reason="length"),), (), samples()[3].stats, 5, 5, None,
+                      decodes)
+    assert [(d.request_id, d.index, d.new_token_ids, d.finished) for d in step.all_deltas()] == [
+        ("d", 0, (1, 2), True), ("a", 0, (11,), False), ("b", 0, (12,), False), ("c", 0, (13,), False),
+        ("b", 1, (14,), False)]
 
 
 async def test_every_message_round_trips_equal():
