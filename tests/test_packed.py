@@ -73,7 +73,7 @@ def test_the_vector_paths_agree(monkeypatch):
 def test_packed_linear_small_and_tiled_paths_bias_and_dtype(kind, monkeypatch):
     data, reference = packed_weight(kind, 50, 64)
     bias = torch.randn(50)
-    layer = PackedLinear(data, kind, 64, bias)
+    layer = PackedLinear(data, kind, 64, bias, max_kernel_rows=linear_module.PACKED_MAX_ROWS)
     monkeypatch.setattr(linear_module, "_TILE_FLOATS", 64 * 16)  # tiles of 16 rows: four of them
     for m in (1, linear_module.PACKED_MAX_ROWS, linear_module.PACKED_MAX_ROWS + 1, 100):
         x = torch.randn(2, m, 64)
@@ -81,6 +81,21 @@ def test_packed_linear_small_and_tiled_paths_bias_and_dtype(kind, monkeypatch):
     assert layer(torch.randn(3, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
     assert torch.equal(layer.rows(torch.tensor([[3, 1]])), reference[[3, 1]][None])
     assert layer.nbytes == data.numel() + bias.numel() * 4
+
+
+def test_the_kernels_row_crossover_is_measured_once_or_set(monkeypatch):
+    linear_module.packed_max_rows.cache_clear()
+    try:
+        measured = linear_module.packed_max_rows()
+        assert measured in (linear_module.PACKED_MAX_ROWS, *linear_module._CROSSOVER_CANDIDATES)
+        assert linear_module.packed_max_rows() == measured  # once per process
+        data, _ = packed_weight("Q4_0", 8, 64)
+        assert PackedLinear(data, "Q4_0", 64).max_kernel_rows == measured
+        linear_module.packed_max_rows.cache_clear()
+        monkeypatch.setenv("QM_PACKED_MAX_ROWS", "96")
+        assert linear_module.packed_max_rows() == 96
+    finally:
+        linear_module.packed_max_rows.cache_clear()
 
 
 def test_bad_arguments_are_clear_errors():

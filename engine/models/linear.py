@@ -7,7 +7,10 @@ picks the kind per tensor.
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
+import time
 from typing import Protocol
 
 import attrs
@@ -17,15 +20,19 @@ import torch.nn.functional as F
 
 from backends import packed as packed_kernels
 
-# Up to this many rows of x, the packed kernel (each block read once for every row) beats
+# Up to a crossover in rows of x, the packed kernel (each block read once for every row) beats
 # dequantizing the weight and a GEMM; above it, the weight is dequantized a tile of rows at a
 # time into a scratch buffer and multiplied by torch's GEMM. The kernel (AVX2): up to 15 rows,
 # each block is dequantized in registers and fed to 8 rows at once; from 16 rows, six output
 # rows at a time are dequantized into an L1 panel and multiplied as a small GEMM (16 x 6
-# blocks of y in registers). Measured with /tmp scripts on the default model's four layer
-# shapes (AMD EPYC Zen 3, 2 threads, ms for all four): M=32 kernel 1.64-1.71 / tiled 2.4-2.6 /
-# fp32 1.8-1.9; M=64 3.22-3.26 / 3.68 / 3.09; M=96 5.04 / 4.87 / 4.31; M=128 7.1 / 6.1 / 5.5.
-PACKED_MAX_ROWS = 64
+# blocks of y in registers). The crossover differs by machine, so it is measured once per
+# process (packed_max_rows). Measured on the default model's layer shapes (2 threads):
+# AMD EPYC Zen 3, ms for four layers: M=64 kernel 3.22-3.26 / tiled 3.68 / fp32 3.09; M=96
+# 5.04 / 4.87 / 4.31; M=128 7.1 / 6.1 / 5.5 (crossover ~90). AMD EPYC family 23, the seven
+# layers of a block: M=64 8.30 / 11.78 / 9.35; M=128 16.6 / 20.7 / 18.8; M=256 33.5 / 34.3 /
+# 31.9 (the kernel ahead up to 256).
+PACKED_MAX_ROWS = 64  # the least crossover: what packed_max_rows starts from
+_CROSSOVER_CANDIDATES = (128, 256)
 # Rows of the dequantized tile hold at most this many floats (16 MiB): the LM head of a large
 # vocabulary is never dequantized whole.
 _TILE_FLOATS = 4 * 1024 * 1024
@@ -136,7 +143,8 @@ class PackedLinear:
     to), and returns the dtype of ``x``.
     """
 
-    def __init__(self, packed: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, packed: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None, *,
+                 max_kernel_rows: int | None = None) -> None:
         if packed.shape[1] != packed_kernels.row_bytes(kind, in_features):
             raise ValueError(f"{kind} rows of {packed.shape[1]} bytes do not hold {in_features} values")
         self.packed, self.kind, self.bias = packed.contiguous(), kind, bias
@@ -145,7 +153,9 @@ class PackedLinear:
         # A weight larger than one tile (the LM head) would be dequantized through many tiles
         # per call: the kernel stays ahead of that up to 4x as many rows (bench/packed.py).
         large = self.out_features * in_features > _TILE_FLOATS
-        self.max_kernel_rows = PACKED_MAX_ROWS * (4 if large else 1)
+        if max_kernel_rows is None:
+            max_kernel_rows = packed_max_rows() * (4 if large else 1)
+        self.max_kernel_rows = max_kernel_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == self.in_features and x.is_contiguous():
@@ -188,6 +198,41 @@ class PackedLinear:
     @property
     def nbytes(self) -> int:
         return _bytes(self.packed) + _bytes(self.bias)
+
+
+@functools.cache
+def packed_max_rows() -> int:
+    """The most rows of x for which the packed kernel is used on this machine: ``PACKED_MAX_ROWS``,
+    or a larger candidate at which the kernel still runs clearly faster than dequantize + GEMM, timed
+    once per process on a layer of the default model's largest shape (1536 x 576, Q4_1; about
+    0.2 s). ``QM_PACKED_MAX_ROWS`` in the environment sets it instead."""
+    override = os.environ.get("QM_PACKED_MAX_ROWS")
+    if override:
+        return max(1, int(override))
+    out_features, in_features = 1536, 576
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (out_features, packed_kernels.row_bytes("Q4_1", in_features)), dtype=torch.uint8,
+                         generator=generator)
+    data.view(-1, 20)[:, :4] = torch.tensor([0x00, 0x2c, 0x00, 0xac], dtype=torch.uint8)  # d = 1/16, m = -1/16
+    probe = PackedLinear(data, "Q4_1", in_features, max_kernel_rows=0)
+    best = PACKED_MAX_ROWS
+    for rows in _CROSSOVER_CANDIDATES:
+        x = torch.randn(rows, in_features, generator=generator)
+        # A clear margin, so that a near tie does not flip the choice (and the order of sums) between runs.
+        if _best_of(lambda: probe._matrix.linear(x)) > 0.9 * _best_of(lambda: probe._tiled(x)):
+            break
+        best = rows
+    return best
+
+
+def _best_of(run, repeat: int = 3) -> float:
+    run()  # warm: caches, the scratch tile, the thread pool
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 # Up to this many rows the CUDA kernel (each block read once per 8 rows of x) is used, above
