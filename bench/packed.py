@@ -2,8 +2,8 @@
 
 1. Per layer shape of the default model (SmolLM2-135M) and of Llama-3-8B: the packed kernel
    (Q4_0, Q4_1, Q8_0) at M = 1, 8, 32, 128 rows against ``F.linear`` on the dequantized fp32
-   weight, and the tiled path (dequantize + GEMM) the engine takes above
-   ``PACKED_MAX_ROWS``. At M = 1: GB/s of packed weights read, as a fraction of this
+   weight, and the tiled path (dequantize + GEMM) the engine takes above the crossover it
+   measures at start (``packed_max_rows``). At M = 1: GB/s of packed weights read, as a fraction of this
    machine's copy bandwidth (a large ``Tensor.copy_``, bytes read per second).
 2. Decode inside the engine, batch 1 (schedule + forward + sample): ms per output token of
    the default model with ``quantization="auto"`` (packed) against ``"none"`` (fp32),
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends import packed  # noqa: E402
-from engine.models.linear import PACKED_MAX_ROWS, PackedLinear  # noqa: E402
+from engine.models.linear import PACKED_MAX_ROWS, PackedLinear, packed_max_rows  # noqa: E402
 
 SMOLLM = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
 LLAMA_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -169,15 +169,15 @@ def main() -> None:
         cuda_kernels(SMOLLM, "SmolLM2-135M shapes")
         cuda_kernels(LLAMA_8B, "Llama-3-8B shapes")
         return
-    print(f"{cpu_name()}, {torch.get_num_threads()} threads, packed kernels: {packed.isa()}; "
-          f"PACKED_MAX_ROWS {PACKED_MAX_ROWS}")
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads, packed kernels: {packed.isa()}")
     # The engine first: the kernels below run OpenMP on this thread too, and a second pool of
     # OpenMP threads (more threads than cores) makes libgomp stop spinning between regions,
     # which slowed the engine's step 1.7x when it ran after them.
     if not args.skip_engine:
         engine_decode(args.repeat)
     bandwidth = copy_bandwidth()
-    print(f"\ncopy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.1f} GB/s; the kernel up to {packed_max_rows()} rows here "
+          f"(measured; at least PACKED_MAX_ROWS = {PACKED_MAX_ROWS})")
     kernels(SMOLLM, "SmolLM2-135M shapes", bandwidth)
     if not args.skip_8b:
         kernels(LLAMA_8B, "Llama-3-8B shapes", bandwidth, rows=(1, 8, 32))
