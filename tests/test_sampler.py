@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.request import Request
-from engine.sampler import Sampler, apply_top_k_top_p
+from engine.sampler import Sampler, apply_top_k_top_p, inverse_cdf_sample
 from engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from tests.conftest import fail_logits_processing
 
@@ -55,6 +55,35 @@ def test_temperature_sampling_follows_the_distribution():
     draws = sampler(logits_of(*[ROW] * n), [req(temperature=1.0) for _ in range(n)]).token_ids
     counts = torch.bincount(torch.tensor(draws), minlength=VOCAB).float() / n
     assert torch.allclose(counts, probs, atol=0.03)
+
+
+def test_a_skewed_distribution_is_followed_down_to_its_small_probabilities():
+    probs = torch.tensor([0.9, 0.0, 0.09, 0.0, 0.009, 0.001, 0.0])
+    n = 200_000
+    draws = inverse_cdf_sample(probs.expand(n, -1), torch.rand(n, dtype=torch.float64,
+                                                                generator=torch.Generator().manual_seed(1)))
+    counts = torch.bincount(draws, minlength=probs.numel()).double() / n
+    assert counts[[1, 3, 6]].sum() == 0
+    # Within 5 standard errors of each probability.
+    assert torch.all((counts - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt() + 1e-12)
+
+
+def test_the_ends_of_the_uniform_range_never_pick_an_impossible_token():
+    # Zero-probability tokens at both ends of the vocabulary, and rows that do not sum to 1.
+    probs = torch.tensor([[0.0, 0.25, 0.5, 0.0], [0.0, 0.0, 0.7, 0.0], [0.3, 0.0, 0.0, 0.0]])
+    top = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    for u in (0.0, top.item(), 1.0):
+        tokens = inverse_cdf_sample(probs, torch.full((3,), u, dtype=torch.float64)).tolist()
+        assert all(probs[row, t] > 0 for row, t in enumerate(tokens)), (u, tokens)
+    assert inverse_cdf_sample(probs, torch.zeros(3, dtype=torch.float64)).tolist() == [1, 2, 0]
+
+
+def test_a_batch_mixing_greedy_and_sampled_rows():
+    sampler = Sampler(0)
+    rows = [req("g", temperature=0), req("s", temperature=1.0, top_k=1), req("t", temperature=1.0, top_k=2)]
+    for _ in range(10):
+        tokens = sampler(logits_of(ROW, ROW[::-1], ROW), rows).token_ids
+        assert tokens[0] == 2 and tokens[1] == 5 and tokens[2] in (2, 7)
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
