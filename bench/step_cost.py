@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--decodes", type=int, default=64)
     parser.add_argument("--prefill", default="0,8,16,32,48,64,96,128,192,256", help="prompt sizes joining a step")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="of the decoding requests (0, greedy, as bench/serve.py sends by default)")
     args = parser.parse_args()
 
     core = EngineCore(EngineConfig(model=args.model, backend=args.backend, max_num_seqs=args.decodes + 8,
@@ -43,7 +45,8 @@ def main() -> None:
         return [rng.randrange(100, vocab) for _ in range(n)]
 
     for i in range(args.decodes):
-        core.add_request(f"d{i}", tokens(128), SamplingParams(max_tokens=2048, ignore_eos=True))
+        core.add_request(f"d{i}", tokens(128), SamplingParams(temperature=args.temperature, max_tokens=2048,
+                                                                   ignore_eos=True))
     for _ in range(3):  # admission, then decode steps
         core.step()
     sizes = [int(p) for p in args.prefill.split(",")] * args.repeat
@@ -51,14 +54,14 @@ def main() -> None:
     seconds: dict[int, list[float]] = {}
     for k, p in enumerate(sizes):
         if p:  # one output token: the prompt leaves the batch after its prefill step
-            core.add_request(f"p{k}", tokens(p), SamplingParams(max_tokens=1))
+            core.add_request(f"p{k}", tokens(p), SamplingParams(temperature=args.temperature, max_tokens=1))
         plan = core.schedule()
         start = time.perf_counter()
         result = core.execute(plan)
         seconds.setdefault(plan.num_batched_tokens, []).append(time.perf_counter() - start)
         core.update(plan, result)
     decode = statistics.median(seconds[args.decodes])
-    print(f"{args.decodes} decoding requests, backend {args.backend}; step time (device work) by tokens in the step:")
+    print(f"{args.decodes} decoding requests (temperature {args.temperature}), backend {args.backend}; step time (device work) by tokens in the step:")
     for n in sorted(seconds):
         t = statistics.median(seconds[n])
         print(f"{n:6d} tokens {t * 1e3:9.1f} ms  {t / decode:5.2f}x the decode-only step")
