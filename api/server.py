@@ -17,7 +17,7 @@ from hypercorn.trio import serve
 from api.app import Limits, ServerState, create_app
 from engine.async_engine import open_engine
 from engine.config import (BACKENDS, DTYPES, GENERATION_CONFIGS, LOAD_FORMATS, QUANTIZATIONS, SCHEDULING_POLICIES,
-                           SERVING_CPU_MIXED_PREFILL_TOKENS, EngineConfig, resolve_device)
+                           SERVING_CPU_MIXED_PREFILL_PER_DECODE, EngineConfig, resolve_device)
 from engine.errors import BackendUnavailableError, InvalidParameterError, first_leaf
 from engine.models.loader import resolve_model
 
@@ -50,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="most tokens in one forward pass")
     p.add_argument("--max-num-mixed-prefill-tokens", type=int, default=None,
                    help="most prompt tokens in a step that also decodes running requests, so a long prompt "
-                        "does not stall the streams (default: 128 on CPU, no cap on GPU)")
+                        "does not stall the streams (default: none)")
+    p.add_argument("--mixed-prefill-per-decode", type=float, default=None,
+                   help="a cap on those prompt tokens that follows the batch: at most max(32, this x the "
+                        "decoding streams, the prompt backlog / 64) per step (default: 1.5 on CPU unless "
+                        "--max-num-mixed-prefill-tokens is given, none on GPU)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")
@@ -126,9 +130,10 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in attrs.fields(EngineConfig)}
     config = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
-    if config.max_num_mixed_prefill_tokens is None and resolve_device(config) == "cpu":
-        # Serving wants smooth streams: a long prompt joins a decoding step a little at a time.
-        config = attrs.evolve(config, max_num_mixed_prefill_tokens=SERVING_CPU_MIXED_PREFILL_TOKENS)
+    if (config.max_num_mixed_prefill_tokens is None and config.mixed_prefill_per_decode is None
+            and resolve_device(config) == "cpu"):
+        # Serving wants smooth streams: a prompt joins decoding steps a little at a time.
+        config = attrs.evolve(config, mixed_prefill_per_decode=SERVING_CPU_MIXED_PREFILL_PER_DECODE)
     return config
 
 

@@ -9,7 +9,7 @@ the next. Nothing here models the HTTP front or the client's own CPU, so treat t
 as the scheduler's share of a real run.
 
     python bench/schedule_sim.py --max-concurrency 32
-    python bench/schedule_sim.py --max-concurrency 64 --max-num-mixed-prefill-tokens 64
+    python bench/schedule_sim.py --max-concurrency 64 --mixed-prefill-per-decode 0 --max-num-mixed-prefill-tokens 128
 """
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import EngineConfig  # noqa: E402
+from engine.config import SERVING_CPU_MIXED_PREFILL_PER_DECODE, EngineConfig  # noqa: E402
 from engine.kv_cache import BlockManager  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 
-# bench/step_cost.py on the AMD EPYC family-23 VM of 2026-12-01 (packed Q4_1 weights, cpu
-# backend): up to 64 rows the packed kernel costs ~7.4 ms a row; above, the weights are
-# dequantized for torch's GEMM (~370 ms a step, then ~3.5 ms a row).
-DEFAULT_CURVE = "1:29,8:88,32:274,64:471,72:665,96:706,128:846,192:1072,256:1262,320:1488,2048:7552"
+# bench/step_cost.py (greedy, 8 / 32 / 64 decoding streams) on the AMD EPYC family-23 VM of
+# 2026-12-01 (packed Q4_1 weights, cpu backend, packed kernel up to 128 rows): ~50 ms a step
+# plus ~4.5 ms a row from 32 rows on, a step up where the packed kernel hands over to
+# dequantize + GEMM (128 -> 160 rows); 2048 is extrapolated.
+DEFAULT_CURVE = "1:27.5,8:78,16:123,32:195,64:345,96:480,128:618,160:818,192:990,256:1206,288:1342,2048:8700"
 
 
 def parse_curve(text: str) -> list[tuple[int, float]]:
@@ -101,15 +102,18 @@ def main() -> None:
     parser.add_argument("--random-input-len", type=int, default=128)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--max-num-mixed-prefill-tokens", type=int, default=128,
-                        help="the server's CPU default; 0: no cap")
+    parser.add_argument("--max-num-mixed-prefill-tokens", type=int, default=0, help="a fixed cap; 0: none")
+    parser.add_argument("--mixed-prefill-per-decode", type=float, default=SERVING_CPU_MIXED_PREFILL_PER_DECODE,
+                        help="the cap that follows the batch (the server's CPU default); 0: none")
     parser.add_argument("--curve", default=DEFAULT_CURVE, help="tokens:ms points of a step's cost")
     args = parser.parse_args()
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_num_mixed_prefill_tokens=args.max_num_mixed_prefill_tokens or None)
+                          max_num_mixed_prefill_tokens=args.max_num_mixed_prefill_tokens or None,
+                          mixed_prefill_per_decode=args.mixed_prefill_per_decode or None)
     r = simulate(config, parse_curve(args.curve), args.max_concurrency, args.num_prompts, args.random_input_len,
                  args.random_output_len)
-    print(f"concurrency {args.max_concurrency}, cap {args.max_num_mixed_prefill_tokens or 'none'}: "
+    print(f"concurrency {args.max_concurrency}, cap {args.max_num_mixed_prefill_tokens or 'none'}, "
+          f"per decode {args.mixed_prefill_per_decode or 'none'}: "
           f"{r['output_throughput']:.1f} output tok/s, ITL p50 {r['p50_itl_ms']:.0f} / p99 {r['p99_itl_ms']:.0f} ms "
           f"({r['p99_itl_ms'] / r['p50_itl_ms']:.2f}x), TTFT p50 {r['p50_ttft_ms']:.0f} / p99 {r['p99_ttft_ms']:.0f} ms, "
           f"{r['steps']} steps")

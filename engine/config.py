@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -23,9 +24,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # 2 GiB of KV cache on CPU holds ~46k tokens of the default model (46 KiB per token in fp32).
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
-# Prefill tokens a decoding step may carry when serving on CPU (EngineConfig.max_num_mixed_prefill_tokens):
-# chosen with bench/serve.py (bench/README.md); offline generation is faster uncapped.
-SERVING_CPU_MIXED_PREFILL_TOKENS = 128
+# Prefill tokens a decoding step may carry per decoding stream when serving on CPU
+# (EngineConfig.mixed_prefill_per_decode): chosen with bench/schedule_sim.py and bench/serve.py
+# (bench/README.md); offline generation is faster uncapped.
+SERVING_CPU_MIXED_PREFILL_PER_DECODE = 1.5
 
 
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -63,6 +65,12 @@ def _positive_seconds(instance: Any, attribute: attrs.Attribute, value: float | 
         raise ConfigError(attribute.name, f"{attribute.name} must be a positive number of seconds; got {value!r}")
 
 
+def _positive_ratio(instance: Any, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value < math.inf):
+        raise ConfigError(attribute.name, f"{attribute.name} must be a positive number; got {value!r}")
+
+
 def _power_of_two(instance: Any, attribute: attrs.Attribute, value: int) -> None:
     _positive(instance, attribute, value)
     if value & (value - 1) or value > 256:
@@ -93,9 +101,14 @@ class EngineConfig:
         max_num_batched_tokens: most tokens (prefill + decode) in one forward pass.
         max_num_mixed_prefill_tokens: most prefill tokens in a step that also decodes running
             requests, so that a long prompt joining the batch does not stall every stream for
-            a whole long step. None: no cap (what offline throughput wants); the server caps
-            at ``SERVING_CPU_MIXED_PREFILL_TOKENS`` on CPU, where a step costs about its
-            number of tokens.
+            a whole long step. None: no fixed cap (what offline throughput wants).
+        mixed_prefill_per_decode: a cap that follows the batch instead: a step decoding D
+            streams carries at most max(32, ratio x D, backlog / 64) prefill tokens, where the
+            backlog is every prompt token still to compute (the last term keeps a queue of
+            long prompts from waiting for ever). Its steps stay within about 1 + ratio times
+            a decode-only step. None: off; the server sets
+            ``SERVING_CPU_MIXED_PREFILL_PER_DECODE`` on CPU (where a step costs about its
+            number of tokens) unless a fixed cap is given. With both, the smaller applies.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         enable_chunked_prefill: split long prompts over several steps.
         scheduling_policy: ``fcfs``, or ``priority`` (lower value first, as in vLLM).
@@ -137,6 +150,7 @@ class EngineConfig:
     max_num_seqs: int = attrs.field(default=128, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
     max_num_mixed_prefill_tokens: int | None = attrs.field(default=None, validator=_positive)
+    mixed_prefill_per_decode: float | None = attrs.field(default=None, validator=_positive_ratio)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling_policy: str = attrs.field(default="fcfs", validator=_one_of(SCHEDULING_POLICIES))

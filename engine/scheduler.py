@@ -56,6 +56,14 @@ class SchedulerOutput:
         return not self.chunks
 
 
+# The cap that follows the batch (EngineConfig.mixed_prefill_per_decode): never below this
+# many prefill tokens a step (a lone stream must not starve a prompt), and never below the
+# backlog spread over this many steps (a queue of long prompts is worked off). A shorter horizon
+# (16) re-synchronized the streams into cohorts in bench/schedule_sim.py.
+MIN_MIXED_PREFILL = 32
+BACKLOG_STEPS = 64
+
+
 @attrs.define
 class StepBudget:
     """Tokens one step may still take: in all, and in prefill chunks (more than one token)."""
@@ -94,6 +102,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_mixed_prefill_tokens = config.max_num_mixed_prefill_tokens
+        self.mixed_prefill_per_decode = config.mixed_prefill_per_decode
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.priority_policy = config.scheduling_policy == "priority"
         self.max_model_len = max_model_len
@@ -152,10 +161,12 @@ class Scheduler:
            ``max_num_seqs`` and free blocks allow; their cached prefix is skipped, and a
            prompt longer than the budget is chunked (or waits, without chunked prefill).
 
-        Prefill chunks (of running or newly admitted requests) share a second budget,
-        ``max_num_mixed_prefill_tokens``, in steps that also decode: a step is as slow as the
-        tokens in it, and every decoding stream waits for the whole step, so a long prefill
-        joining it would stall them all. Steps with nothing to decode take the full budget.
+        Prefill chunks (of running or newly admitted requests) share a second budget in steps
+        that also decode: a step is as slow as the tokens in it, and every decoding stream
+        waits for the whole step, so a long prefill joining it would stall them all. The
+        budget is ``max_num_mixed_prefill_tokens`` and/or, with ``mixed_prefill_per_decode``,
+        proportional to the decoding streams (``_prefill_cap``). Steps with nothing to decode
+        take the full budget.
         """
         scheduled: dict[str, ScheduledChunk] = {}
         preempted: list[str] = []
@@ -168,12 +179,24 @@ class Scheduler:
         return SchedulerOutput(chunks, sum(c.num_new_tokens for c in chunks), preempted, finished)
 
     def _prefill_cap(self) -> float:
-        """The prefill tokens this step may carry: capped when it also decodes."""
-        cap = self.max_num_mixed_prefill_tokens
-        if cap is None or not self.enable_chunked_prefill:
+        """The prefill tokens this step may carry: capped when it also decodes.
+
+        With ``mixed_prefill_per_decode`` (r), D decoding streams admit max(32, r * D,
+        backlog / 64): a step holds at most about (1 + r) D tokens, so every stream's next token
+        waits at most about 1 + r decode-only steps, and with r > 1 prompts are admitted faster
+        than streams finish, so the batch refills to its concurrency."""
+        cap, ratio = self.max_num_mixed_prefill_tokens, self.mixed_prefill_per_decode
+        if (cap is None and ratio is None) or not self.enable_chunked_prefill:
             return math.inf
-        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        return cap if decoding else math.inf
+        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        if decoding == 0:
+            return math.inf
+        if ratio is None:
+            return cap
+        backlog = sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in self.running)
+        backlog += sum(r.num_tokens for r in self.waiting)
+        paced = max(MIN_MIXED_PREFILL, ratio * decoding, backlog / BACKLOG_STEPS)
+        return paced if cap is None else min(cap, paced)
 
     def _schedule_running(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk],
                           preempted: list[str]) -> None:

@@ -152,11 +152,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.rng = random.Random(0)
         self.all: list[Request] = []
 
-    @initialize(policy=st.sampled_from(["fcfs", "priority"]), mixed_prefill=st.sampled_from([None, 3, 8]))
-    def make(self, policy, mixed_prefill):
+    @initialize(policy=st.sampled_from(["fcfs", "priority"]), mixed_prefill=st.sampled_from([None, 3, 8]),
+                per_decode=st.sampled_from([None, 0.5, 1.5]))
+    def make(self, policy, mixed_prefill, per_decode):
         self.s = make_scheduler(num_blocks=12, block_size=4, max_model_len=48, max_num_seqs=4,
                                 max_num_batched_tokens=16, scheduling_policy=policy,
-                                max_num_mixed_prefill_tokens=mixed_prefill)
+                                max_num_mixed_prefill_tokens=mixed_prefill, mixed_prefill_per_decode=per_decode)
 
     @rule(prompt_len=st.integers(1, 20), max_tokens=st.integers(1, 20), priority=st.integers(-2, 2),
           shared=st.booleans())
@@ -241,6 +242,32 @@ def test_a_decoding_step_carries_at_most_the_mixed_prefill_budget():
         sizes.append({c.request.request_id: c.num_new_tokens for c in out.chunks})
     assert sizes[0] == {"r1": 1, "r2": 8} and sizes[3] == {"r1": 1, "r2": 6, "r3": 2}
     assert all(size["r1"] == 1 for size in sizes)
+
+
+def decoding_scheduler(num_decoding: int, **fields) -> Scheduler:
+    """A scheduler whose first ``num_decoding`` requests decode from the next step on."""
+    s = make_scheduler(num_blocks=4096, max_model_len=4096, max_num_batched_tokens=2048, max_num_seqs=256, **fields)
+    for i in range(num_decoding):
+        s.add_request(make_request(f"r{i}", 4, max_tokens=1000, arrival=i))
+    run_step(s)  # nothing decodes yet: every prompt in one step
+    return s
+
+
+@pytest.mark.parametrize("decoding, fields, prompts, expected", [
+    (40, dict(mixed_prefill_per_decode=1.0), 1, [40, 40, 40]),  # ratio x the decoding streams
+    (40, dict(mixed_prefill_per_decode=1.5), 1, [60, 60, 60]),
+    (8, dict(mixed_prefill_per_decode=1.0), 1, [32, 32, 32]),  # never below 32
+    (8, dict(mixed_prefill_per_decode=1.0), 40, [125, 123]),  # a backlog of 40 x 200 tokens, over 64 steps
+    (40, dict(mixed_prefill_per_decode=1.0, max_num_mixed_prefill_tokens=16), 1, [16, 16, 16]),  # the smaller cap
+])
+def test_the_mixed_prefill_cap_that_follows_the_batch(decoding, fields, prompts, expected):
+    s = decoding_scheduler(decoding, **fields)
+    for j in range(prompts):
+        s.add_request(make_request(f"r{1000 + j}", 200, max_tokens=1000, arrival=1000 + j))
+    for want in expected:  # step after step, with a prompt part-way through its prefill
+        out, _ = run_step(s)
+        assert sum(1 for c in out.chunks if c.num_new_tokens == 1) == decoding
+        assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) == want
 
 
 def test_without_chunked_prefill_the_mixed_budget_does_not_apply():

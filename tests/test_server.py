@@ -662,10 +662,18 @@ def test_bench_serve_counts_failed_requests_and_sweeps(server, capsys):
 
 def test_serving_on_cpu_caps_the_prefill_that_joins_a_decoding_step():
     from api.server import build_parser, engine_config
-    from engine.config import SERVING_CPU_MIXED_PREFILL_TOKENS, EngineConfig
+    from engine.config import SERVING_CPU_MIXED_PREFILL_PER_DECODE, EngineConfig
+    from engine.errors import ConfigError
 
-    assert engine_config(build_parser().parse_args(["--device", "cpu"])).max_num_mixed_prefill_tokens == \
-        SERVING_CPU_MIXED_PREFILL_TOKENS
-    assert engine_config(build_parser().parse_args(["--max-num-mixed-prefill-tokens", "64"])) \
-        .max_num_mixed_prefill_tokens == 64
-    assert EngineConfig().max_num_mixed_prefill_tokens is None  # offline and embedded engines are uncapped
+    def config(*argv):
+        c = engine_config(build_parser().parse_args(list(argv)))
+        return c.max_num_mixed_prefill_tokens, c.mixed_prefill_per_decode
+
+    assert config("--device", "cpu") == (None, SERVING_CPU_MIXED_PREFILL_PER_DECODE)
+    assert config("--device", "cpu", "--max-num-mixed-prefill-tokens", "64") == (64, None)  # a fixed cap alone
+    assert config("--device", "cpu", "--mixed-prefill-per-decode", "0.5") == (None, 0.5)
+    config_ = EngineConfig()  # offline and embedded engines are uncapped
+    assert (config_.max_num_mixed_prefill_tokens, config_.mixed_prefill_per_decode) == (None, None)
+    for bad in (0, -1.0, float("inf"), float("nan"), "1", True):
+        with pytest.raises(ConfigError):
+            EngineConfig(mixed_prefill_per_decode=bad)
