@@ -17,8 +17,10 @@ struct Job {
     int64_t m;
     float* y;
     const float* xsum;  // [m, k / 32]: each block's sum of x (the row tiles; null with xt)
-    // x transposed, [k, m_pad] with rows past m zero (m_pad a multiple of 16), for the panel
-    // products of larger batches (AVX2); null below kPanelMinRows rows.
+    // x transposed in slabs of 16 rows, [m_pad / 16][k][16] with rows past m zero (m_pad a
+    // multiple of 16), for the panel products of larger batches (AVX2); null below
+    // kPanelMinRows rows. A slab is contiguous, so a product walks it in order (a plain
+    // [k][m_pad] transpose strode by m_pad: at m = 512 a power-of-two stride, and cache conflicts).
     const float* xt = nullptr;
     int64_t m_pad = 0;
 };

@@ -108,11 +108,13 @@ int qm_linear(int type, const void* w, int64_t n, int64_t k, const float* x, int
     qm::Job job{type, static_cast<const uint8_t*>(w), n, k, qm_row_bytes(type, k), block_bytes(type), x, m, y,
                 nullptr};
     std::vector<float> xt, xsum;
-    if (m >= qm::kPanelMinRows && kern->panels) {  // x transposed for the panel products
+    if (m >= qm::kPanelMinRows && kern->panels) {  // x transposed, in slabs of 16 rows, for the panels
         job.m_pad = (m + 15) / 16 * 16;
         xt.assign(static_cast<size_t>(k * job.m_pad), 0.f);
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t i = 0; i < k; ++i) xt[i * job.m_pad + r] = x[r * k + i];
+        for (int64_t r = 0; r < m; ++r) {
+            float* slab = xt.data() + (r / 16) * 16 * k + r % 16;
+            for (int64_t i = 0; i < k; ++i) slab[16 * i] = x[r * k + i];
+        }
         job.xt = xt.data();
     } else {  // the row tiles fold the blocks' offsets through the sums of x
         xsum.resize(static_cast<size_t>(m * blocks));
