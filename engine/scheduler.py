@@ -188,12 +188,17 @@ class Scheduler:
         cap, ratio = self.max_num_mixed_prefill_tokens, self.mixed_prefill_per_decode
         if (cap is None and ratio is None) or not self.enable_chunked_prefill:
             return math.inf
-        decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        if ratio is None:
+            return cap if any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running) else math.inf
+        decoding = backlog = 0  # one pass: this runs every step over every running request
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left == 1:
+                decoding += 1
+            else:
+                backlog += left
         if decoding == 0:
             return math.inf
-        if ratio is None:
-            return cap
-        backlog = sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in self.running)
         backlog += sum(r.num_tokens for r in self.waiting)
         paced = max(MIN_MIXED_PREFILL, ratio * decoding, backlog / BACKLOG_STEPS)
         return paced if cap is None else min(cap, paced)
