@@ -180,9 +180,24 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
 }
 
 #if QM_AVX2
+// One row, dequantized exactly as GGUF's reference does (defined below).
+void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out);
+
 // Slabs of x (16 rows x k floats each) one pass over a chunk's panels works through: about
 // 256 KB, so that they stay in L2 while every panel of the chunk multiplies them.
 constexpr int64_t kSlabFloatsPerPass = 64 * 1024;
+
+// Output rows [nb, nb + nn) of W dequantized into kNr rows of k floats; rows past nn as zeros.
+template <int Type, int kNr>
+void dequantize_panel(const Job& j, int64_t nb, int nn, float* panel) {
+    for (int r = 0; r < kNr; ++r) {
+        if (r < nn) {
+            dequantize_row(Type, j.w + (nb + r) * j.row_bytes, j.k, j.block_bytes, panel + r * j.k);
+        } else {  // rows past the chunk multiply as zeros and are not stored
+            std::memset(panel + r * j.k, 0, static_cast<size_t>(j.k) * sizeof(float));
+        }
+    }
+}
 
 // Larger batches as a small GEMM: six output rows of W are dequantized into a panel (in L1),
 // and a 16 x 6 block of y is accumulated in twelve registers from a slab of x transposed (16
@@ -190,24 +205,6 @@ constexpr int64_t kSlabFloatsPerPass = 64 * 1024;
 // broadcasts, twelve fused multiply-adds, and no horizontal sums. The slabs are taken a few at
 // a time (kSlabFloatsPerPass), each panel dequantized again for every pass (~1% of the work at
 // 64 rows a pass): streaming all of a large batch's x once per panel ran at half the speed.
-// Output rows [nb, nb + nn) of W dequantized into kNr rows of k floats; rows past nn as zeros.
-template <int Type, int kNr>
-void dequantize_panel(const Job& j, int64_t nb, int nn, float* panel) {
-    for (int r = 0; r < kNr; ++r) {
-        float* dst = panel + r * j.k;
-        if (r >= nn) {  // rows past the chunk multiply as zeros and are not stored
-            std::memset(dst, 0, static_cast<size_t>(j.k) * sizeof(float));
-            continue;
-        }
-        const uint8_t* row = j.w + (nb + r) * j.row_bytes;
-        for (int64_t b = 0; b < j.k / 32; ++b) {
-            __m256 w[4];
-            block_dequantized8(Type, row + b * j.block_bytes, w);
-            for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + b * 32 + 8 * i, w[i]);
-        }
-    }
-}
-
 template <int Type>
 void panel_rows(const Job& j, int64_t n0, int64_t n1) {
     constexpr int kNr = 6;
