@@ -205,15 +205,22 @@ class Scheduler:
 
     def _schedule_running(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk],
                           preempted: list[str]) -> None:
+        running, allocate = RequestStatus.RUNNING, self.kv.allocate
         for request in list(self.running):
             if budget.tokens == 0:
                 break
-            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+            if request.status is not running:  # preempted earlier in this loop
                 continue
-            num_new = budget.grant(len(request.token_ids) - request.num_computed_tokens)
+            start = request.num_computed_tokens
+            num_new = len(request.token_ids) - start
+            if num_new == 1 and allocate(request, 1):  # a decode: most requests, every step
+                scheduled[request.request_id] = ScheduledChunk(request, start, 1, True)
+                budget.tokens -= 1
+                continue
+            num_new = budget.grant(num_new)
             if num_new == 0:  # a prefill chunk, and this step's prefill budget is spent
                 continue
-            while not self.kv.allocate(request, num_new):
+            while not allocate(request, num_new):
                 victim = self._pick_victim()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -274,15 +281,14 @@ class Scheduler:
         complete (``grammar_finished``: its stop token is in, whatever ``ignore_eos`` or
         ``min_tokens`` say). Returns the requests finished here."""
         finished = []
-        for chunk in output.chunks:
-            request = chunk.request
+        for request, start, num_new_tokens, _ in output.chunks:
             if request.finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens = chunk.end
+            request.num_computed_tokens = start + num_new_tokens
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            request.append_token(token)
+            request.token_ids.append(token)
             if request.request_id in grammar_finished:
                 stop_reason = token if token in request.params.stop_token_ids else None
                 status = RequestStatus.FINISHED_STOPPED
