@@ -18,12 +18,13 @@ import trio
 from tokenizers.decoders import DecodeStream
 
 from engine.errors import RequestFailedError
-from engine.messages import AbortRequest, StepOutput, StopRequest, TokenDelta
+from engine.messages import AbortRequest, StepOutput, StopRequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.stats import IterationStats
 
 if TYPE_CHECKING:
     from engine.output_channel import RequestOutputChannel
+    from engine.output_processor import StopStringHit
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ class IncrementalDetokenizer:
             self._text.append(chunk)
             if self._stops and self._find_stop(previous):
                 return self.stop_hit
-        self.num_visible = self._text.length - self._held_back()
+        self.num_visible = self._text.length - self._held_back() if self._stops else self._text.length
         return None
 
     def finish(self, token_ids: list[int]) -> None:
@@ -192,29 +193,43 @@ class DetokenizerActor:
         for delta in step.deltas:
             channel = registry.get(delta.request_id)
             if channel is not None:  # else the consumer's abort is on the way
-                self._apply(channel, delta.request_id, stats, delta=delta)
-                if delta.finished and channel.state.engine_finished:
+                state = channel.state
+                try:
+                    hit = state.apply(delta, stats)
+                except Exception as exc:  # this request's own output processing failed; the rest go on
+                    self._fail(channel, delta.request_id, stats, exc)
+                else:
+                    self._applied(channel, delta.request_id, hit)
+                if delta.finished and state.engine_finished:
                     del registry[delta.request_id]
+        # The common delta, one more token of a stream, is most of a step's work: the same as
+        # above, with the checks that cannot apply to it left out (it carries no error).
         decodes = step.decodes
         for request_id, index, token in zip(decodes.request_ids, decodes.indices, decodes.token_ids):
             channel = registry.get(request_id)
             if channel is not None:
-                self._apply(channel, request_id, stats, index, token)
+                try:
+                    hit = channel.state.add_token(index, token, stats)
+                except Exception as exc:
+                    self._fail(channel, request_id, stats, exc)
+                    continue
+                if hit is not None:
+                    self._core_inbox.send_nowait(StopRequest(request_id, hit.index, hit.stop))
+                channel.notify()
         self._on_step(step, stats)
 
-    def _apply(self, channel: RequestOutputChannel, request_id: str, stats: IterationStats, index: int = 0,
-               token: int = 0, delta: TokenDelta | None = None) -> None:
-        """Apply ``delta``, or else one plain new ``token`` of completion ``index``, and wake the stream."""
-        state = channel.state
-        try:
-            hit = state.add_token(index, token, stats) if delta is None else state.apply(delta, stats)
-        except Exception as exc:  # this request's own output processing failed; the rest go on
-            log.exception("processing the output of request %s failed", request_id)
-            state.fail(stats, f"{type(exc).__name__}: {exc}")
-            self._core_inbox.send_nowait(AbortRequest((request_id,)))
-            hit = None
+    def _applied(self, channel: RequestOutputChannel, request_id: str, hit: StopStringHit | None) -> None:
+        """A delta is in the request's state: report a stop-string hit to the core, end a failed
+        request's stream, wake the stream."""
         if hit is not None:
             self._core_inbox.send_nowait(StopRequest(request_id, hit.index, hit.stop))
-        if state.error is not None:
-            channel.fail(RequestFailedError(f"request {request_id} failed: {state.error}"))
+        if channel.state.error is not None:
+            channel.fail(RequestFailedError(f"request {request_id} failed: {channel.state.error}"))
         channel.notify()
+
+    def _fail(self, channel: RequestOutputChannel, request_id: str, stats: IterationStats, exc: Exception) -> None:
+        """Processing this request's output raised: fail the request and abort it in the core."""
+        log.exception("processing the output of request %s failed", request_id, exc_info=exc)
+        channel.state.fail(stats, f"{type(exc).__name__}: {exc}")
+        self._core_inbox.send_nowait(AbortRequest((request_id,)))
+        self._applied(channel, request_id, None)

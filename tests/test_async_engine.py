@@ -309,6 +309,42 @@ async def test_a_request_failing_alone_leaves_the_others_running(tiny_core, toke
     assert all(len(o.outputs[0].token_ids) == 12 for o in outcomes.values())
 
 
+@pytest.mark.parametrize("failing_token", [1, 5])  # the first token comes as a delta, later ones as Decodes
+async def test_a_request_whose_output_processing_fails_fails_alone(tiny_core, tokenizer, monkeypatch, failing_token):
+    from engine.detokenizer import IncrementalDetokenizer
+
+    add_token = IncrementalDetokenizer.add_token
+    marker = "a stop string no output has"
+
+    def breaks_for_bad(detokenizer, token_id):
+        detokenizer.num_seen = getattr(detokenizer, "num_seen", 0) + 1
+        if marker in detokenizer._stops and detokenizer.num_seen == failing_token:
+            raise ValueError("broken detokenizer")
+        return add_token(detokenizer, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "add_token", breaks_for_bad)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    outcomes = {}
+
+    async def one(client, request_id):
+        this = attrs.evolve(params, stop=[marker]) if request_id == "bad" else params
+        try:
+            outcomes[request_id] = await collect(client, prompt(len(outcomes)), this, request_id=request_id)
+        except RequestFailedError as exc:
+            outcomes[request_id] = exc
+
+    with trio.fail_after(30):
+        async with Engine(tiny_core, tokenizer).serve() as client:
+            async with trio.open_nursery() as nursery:
+                for request_id in ("a", "bad", "b"):
+                    nursery.start_soon(one, client, request_id)
+            await wait_until_idle(client)
+            assert client.num_unfinished == 0 and client.stats().kv_blocks_used == 0
+            assert len((await collect(client, prompt(9), GREEDY))[-1].outputs[0].token_ids) == 12
+    assert "broken detokenizer" in str(outcomes.pop("bad"))
+    assert all(sum(len(o.outputs[0].token_ids) for o in outputs) == 12 for outputs in outcomes.values())
+
+
 async def test_stat_loggers_see_engine_timings_of_every_request(tiny_core, tokenizer):
     seen: list = []
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
