@@ -32,6 +32,7 @@ BASE_REQUIREMENTS = [
     "gguf>=0.10",  # reads the default model's GGUF file
     "safetensors>=0.4",
     "trio>=0.27",
+    "outcome>=1.3",  # trio's own (it resumes tasks with one); engine/output_channel.py shares a wake-up outcome
     "attrs>=23.1",
     "cattrs>=23.2",
     "orjson>=3.9",
