@@ -7,7 +7,7 @@
    64 requests: the largest delay seen by a ``trio.sleep(0)`` probe.
 
     python bench/engine_overhead.py
-    python bench/engine_overhead.py --profile   # cProfile of the 256-request case
+    python bench/engine_overhead.py --profile   # where the 256-request case spends its time (pyinstrument)
 
 Timings on the shared development VMs swing by up to 2x from run to run; compare two trees
 by alternating runs and reading the minimum (``--repeat``).
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections import Counter
 import time
 from pathlib import Path
 
@@ -135,27 +136,44 @@ async def measure_lag(args, tokenizer) -> tuple[float, float, int]:
     return max(lags), statistics.median(lags), steps
 
 
-async def profile(tokenizer, num_requests: int, num_steps: int) -> None:
-    """Where the per-step time goes at ``num_requests``: the functions with the most own time.
+def profile(args) -> None:
+    """Where the per-step time goes at 256 streaming requests: the functions with the most own time.
 
-    cProfile rather than a sampler: everything here runs on the event loop's thread, and a
-    deterministic count per call is what per-request costs are read from (its overhead
-    inflates the total about 4x; read the shares).
+    py-spy samples this script from outside (``pip install py-spy``), so the figures are the
+    real ones: cProfile's per-call cost inflated this workload of many tiny calls about 4x
+    and shifted the shares towards them. Everything runs on the event loop's thread.
     """
-    import cProfile
-    import pstats
+    import shutil
+    import subprocess
+    import tempfile
 
-    profiler = cProfile.Profile()
-    profiler.enable()
-    await measure_overhead(tokenizer, num_requests, num_steps)
-    profiler.disable()
-    stats = pstats.Stats(profiler)
-    total = stats.total_tt
-    print(f"{num_requests} running, {num_steps} steps under cProfile ({total:.2f} s): top 15 by own time")
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]
-    for (file, line, function), (_, calls, own, cumulative, _) in rows:
-        print(f"  {100 * own / total:5.1f}% own {100 * cumulative / total:5.1f}% cum {calls / num_steps:7.0f}/step  "
-              f"{function} ({Path(file).name}:{line})")
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        raise SystemExit("--profile needs py-spy: pip install py-spy")
+    with tempfile.NamedTemporaryFile(suffix=".txt") as raw:
+        command = [py_spy, "record", "--rate", "500", "--function", "--format", "raw", "--output", raw.name, "--",
+                   sys.executable, __file__, "--profiled", "--steps", str(args.steps),
+                   "--repeat", str(args.repeat)]
+        subprocess.run(command + (["--model", args.model] if args.model else []), check=True)
+        own: Counter = Counter()
+        inclusive: Counter = Counter()
+        total = 0
+        for line in Path(raw.name).read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            frames = stack.split(";")
+            # The event loop's samples, less its start-up (imports, the null model's set-up).
+            if not any("unrolled_run" in f for f in frames) or any(
+                    "null_core" in f or "importlib" in f or "load_tokenizer" in f for f in frames):
+                continue
+            total += int(count)
+            own[frames[-1]] += int(count)
+            for frame in set(frames):
+                inclusive[frame] += int(count)
+    if total < 100:
+        raise SystemExit(f"only {total} samples of the steps: did the profiled run fail?")
+    print(f"256 running: {total} samples of the steps; top 20 functions by own time")
+    for frame, count in own.most_common(20):
+        print(f"  {100 * count / total:5.1f}% own {100 * inclusive[frame] / total:5.1f}% incl  {frame}")
 
 
 async def main(args) -> None:
@@ -163,8 +181,10 @@ async def main(args) -> None:
 
     engine.async_engine.DetokenizerActor = TimedDetokenizer
     tokenizer = load_tokenizer(resolve_model(args.model))
-    if args.profile:
-        await profile(tokenizer, 256, args.steps)
+    if args.profiled:  # the run that --profile samples
+        for _ in range(args.repeat):
+            median, _, _ = await measure_overhead(tokenizer, 256, args.steps)
+            print(f"256 running: {median * 1e3:.3f} ms/step (median) while sampled")
         return
     print("null model: per-step overhead of scheduler + actors + detokenizer + consumers"
           + (f" (the lowest of {args.repeat} runs)" if args.repeat > 1 else ""))
@@ -190,5 +210,10 @@ if __name__ == "__main__":
     parser.add_argument("--lag-tokens", type=int, default=32)
     parser.add_argument("--real-weights", action="store_true")
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; the lowest is printed")
-    parser.add_argument("--profile", action="store_true", help="profile the 256-request case instead")
-    trio.run(main, parser.parse_args())
+    parser.add_argument("--profile", action="store_true", help="profile the 256-request case instead (py-spy)")
+    parser.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
+    cli = parser.parse_args()
+    if cli.profile:
+        profile(cli)
+    else:
+        trio.run(main, cli)
