@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a place in the batch; past it new ones get 503 + Retry-After")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds one engine step may take before the watchdog declares the engine dead")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="a stream gets its first token at once, then every this many tokens in one event, and "
+                        "its end (default 1: every token; more: less host work per token, chunkier streams)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                    help="run the engine core (scheduler, model, KV cache) in a process of its own, so that "
                         "HTTP, tokenization and detokenization do not take the GIL from its steps. Off by "

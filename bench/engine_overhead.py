@@ -2,7 +2,8 @@
 
 1. A null model (the runner returns a fixed token at once) at 1, 64 and 256 running
    requests: steps per second and the per-step cost of scheduler + core actor +
-   detokenizer + output channels + consumers.
+   detokenizer + output channels + consumers; at 256 also non-streaming, and streaming
+   with a ``--stream-interval`` (consumers woken every few tokens).
 2. Event-loop lag while the real model (shape; dummy weights unless --real-weights) decodes
    64 requests: the largest delay seen by a ``trio.sleep(0)`` probe.
 
@@ -40,13 +41,14 @@ from engine.tokenizer import load_tokenizer  # noqa: E402
 TOKEN = 1000  # the null model's every token (decodes to ordinary text)
 
 
-def null_core(num_requests: int) -> EngineCore:
+def null_core(num_requests: int, stream_interval: int = 1) -> EngineCore:
     tiny = LlamaConfig(vocab_size=49152, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
                        num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=4096,
                        tie_word_embeddings=True, eos_token_id=2)
     model = LlamaModel.from_state_dict(tiny, dict(dummy_weights(tiny, 0)), torch.float32, "cpu")
     config = EngineConfig(backend="torch", num_kv_blocks=max(num_requests, 8) * 40, max_model_len=512,
-                          max_num_seqs=max(num_requests, 1), max_num_batched_tokens=max(4096, num_requests * 16))
+                          max_num_seqs=max(num_requests, 1), max_num_batched_tokens=max(4096, num_requests * 16),
+                          stream_interval=stream_interval)
     core = EngineCore(config, model=model)
 
     def execute(plan, tables=None) -> RunnerOutput:
@@ -68,12 +70,14 @@ class TimedDetokenizer(DetokenizerActor):
 
 
 async def measure_overhead(tokenizer, num_requests: int, num_steps: int,
-                           kind: RequestOutputKind = RequestOutputKind.DELTA) -> tuple[float, float, float]:
+                           kind: RequestOutputKind = RequestOutputKind.DELTA,
+                           stream_interval: int = 1) -> tuple[float, float, float]:
     """(median wall time per step, steps/s, median engine-side time per step: schedule + update + detokenize).
 
-    ``kind`` DELTA is a streaming client (woken every step); FINAL_ONLY a non-streaming one.
+    ``kind`` DELTA is a streaming client (woken every ``stream_interval`` steps); FINAL_ONLY a
+    non-streaming one.
     """
-    core = null_core(num_requests)
+    core = null_core(num_requests, stream_interval)
     params = SamplingParams(max_tokens=num_steps + 20, ignore_eos=True, output_kind=kind)
     step_times: list[float] = []
     engine_times: list[float] = []
@@ -198,6 +202,13 @@ async def main(args) -> None:
     median, rate, engine_side = min(runs)
     print(f"   256 non-streaming (final-only) requests: {median * 1e3:7.3f} ms/step, {rate:8.1f} steps/s; "
           f"engine side {engine_side * 1e3:.3f} ms/step")
+    for interval in args.stream_intervals:
+        runs = [await measure_overhead(tokenizer, 256, args.steps, stream_interval=interval)
+                for _ in range(args.repeat)]
+        _, rate, engine_side = max(runs, key=lambda run: run[1])
+        # The streams wake together every few steps here (they started together), so the mean.
+        print(f"   256 streaming with --stream-interval {interval}: {1e3 / rate:7.3f} ms/step (mean), "
+              f"{rate:8.1f} steps/s; engine side {engine_side * 1e3:.3f} ms/step")
     max_lag, median_lag, steps = await measure_lag(args, tokenizer)
     print(f"event-loop lag while the model decodes 64 requests ({steps} steps): "
           f"max {max_lag * 1e3:.2f} ms, median {median_lag * 1e3:.3f} ms")
@@ -210,6 +221,8 @@ if __name__ == "__main__":
     parser.add_argument("--lag-tokens", type=int, default=32)
     parser.add_argument("--real-weights", action="store_true")
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; the lowest is printed")
+    parser.add_argument("--stream-intervals", type=lambda text: [int(v) for v in text.split(",")], default=[4, 16],
+                        help="also measure 256 streams with these --stream-interval values (comma-separated)")
     parser.add_argument("--profile", action="store_true", help="profile the 256-request case instead (py-spy)")
     parser.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
     cli = parser.parse_args()

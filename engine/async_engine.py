@@ -342,7 +342,8 @@ class EngineClient:
         self.validate(ids, params, priority)
         if params.structured_outputs is not None and grammar is None:
             grammar = engine.structured_outputs.compile(params.structured_outputs)
-        channel = RequestOutputChannel(RequestState(request_id, text, ids, params, self.tokenizer), wakeup)
+        channel = RequestOutputChannel(RequestState(request_id, text, ids, params, self.tokenizer), wakeup,
+                                       engine.core.config.stream_interval)
         engine.send(AddRequest(request_id, tuple(ids), params, priority, grammar))
         engine.registry[request_id] = channel
         return channel

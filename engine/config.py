@@ -120,6 +120,12 @@ class EngineConfig:
             instead of queueing without bound.
         step_timeout: seconds one engine step may take before the watchdog declares the
             engine dead (a hung kernel); None disables it.
+        stream_interval: a streaming request's consumer is woken for its first token, then
+            once every this many tokens, and at the end (as vLLM's and SGLang's
+            ``--stream-interval``). 1 sends every token at once; more means fewer, larger
+            deltas: less host work per token (a wake-up, an output and, in the server, an SSE
+            event per stream per step) for chunkier streams. A consumer that comes back late
+            still takes whatever is there.
         structured_outputs_config: the grammar backend and its limits, as JSON text or a dict
             (``StructuredOutputsConfig``: backend, compile_timeout_s, max_concurrent_compiles,
             cache_size).
@@ -159,6 +165,7 @@ class EngineConfig:
     device: str = attrs.field(default="auto", validator=_one_of(DEVICES))
     max_waiting_requests: int = attrs.field(default=1024, validator=_positive)
     step_timeout: float | None = attrs.field(default=300.0, validator=_positive_seconds)
+    stream_interval: int = attrs.field(default=1, validator=_positive)
     structured_outputs_config: str | dict | None = None
     generation_config: str = attrs.field(default="auto", validator=_one_of(GENERATION_CONFIGS))
     engine_process: bool = False

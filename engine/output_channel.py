@@ -82,12 +82,15 @@ class RequestOutputChannel:
         state: the request's state, updated by the detokenizer.
         wakeup: what ``notify`` sets; several channels share one when a single consumer
             reads them all (``MergedOutputs``).
+        stream_interval: a streaming consumer is woken for a completion's first token, then
+            once this many more have come, and at the end (``EngineConfig.stream_interval``).
     """
 
-    def __init__(self, state: RequestState, wakeup: Wakeup | None = None) -> None:
+    def __init__(self, state: RequestState, wakeup: Wakeup | None = None, stream_interval: int = 1) -> None:
         self.state = state
         self.kind = state.params.output_kind
         self._wakeup = wakeup or Wakeup()
+        self._stream_interval = stream_interval
         self._error: BaseException | None = None
         self._closed = False
         self._dirty = False  # the state changed since the consumer last looked
@@ -104,10 +107,25 @@ class RequestOutputChannel:
 
     def notify(self) -> None:
         """The state changed (every change is followed by a notify). A final-only consumer is
-        woken only by the end: there is nothing for it to read before."""
+        woken only by the end: there is nothing for it to read before; a streaming one with a
+        stream interval when one is due (``_due``)."""
         self._dirty = True
-        if self.kind is not RequestOutputKind.FINAL_ONLY or self.state.finished:
+        if self.kind is RequestOutputKind.FINAL_ONLY:
+            if self.state.finished:
+                self._wakeup.set()
+        elif self._stream_interval == 1 or self._due():
             self._wakeup.set()
+
+    def _due(self) -> bool:
+        """A completion's first token, ``stream_interval`` tokens since the last output, or the end."""
+        if self.state.finished:
+            return True
+        for i, c in enumerate(self.state.completions):
+            sent = self._sent_tokens[i]
+            if ((sent == 0 and c.token_ids) or len(c.token_ids) - sent >= self._stream_interval
+                    or (c.finish_reason is not None and not self._sent_finished[i])):
+                return True
+        return False
 
     def fail(self, error: BaseException) -> None:
         """End the stream: the consumer's next ``receive`` raises ``error``."""

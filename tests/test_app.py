@@ -472,3 +472,19 @@ async def test_cache_salt_keeps_tenants_out_of_each_others_prefix_cache(tiny_voc
         assert await cached(server, cache_salt="tenant-a") == 32
         bad = await server.http.post("/v1/completions", json={"prompt": prompt, "cache_salt": ""})
         assert bad.status_code == 400 and error(bad.content)["param"] == "cache_salt"
+
+
+async def test_a_stream_interval_sends_fewer_larger_events_of_the_same_text(tiny_vocab_model, tokenizer):
+    from api.server import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["--stream-interval", "4"])).stream_interval == 4
+    body = {"prompt": "Once upon a time", "max_tokens": 13, "temperature": 0, "ignore_eos": True}
+    async with serve_http(tiny_engine_core(tiny_vocab_model, stream_interval=4), tokenizer) as server:
+        whole = (await server.http.post("/v1/completions", json=body)).json()
+        streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with server.http.stream("POST", "/v1/completions", json=streamed) as response:
+            events = sse_data([line async for line in response.aiter_lines()])
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert 2 <= len(chunks) <= 4  # the first token, then 4 at a time (not 13 events)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-2]["usage"]["completion_tokens"] == 13

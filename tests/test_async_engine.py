@@ -345,6 +345,30 @@ async def test_a_request_whose_output_processing_fails_fails_alone(tiny_core, to
     assert all(sum(len(o.outputs[0].token_ids) for o in outputs) == 12 for outputs in outcomes.values())
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+async def test_a_stream_interval_sends_the_first_token_then_every_few(tiny_model, tokenizer, kind):
+    params = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True, output_kind=kind)
+    async with Engine(tiny_engine_core(tiny_model), tokenizer).serve() as client:
+        every = await collect(client, prompt(4), params)
+    async with Engine(tiny_engine_core(tiny_model, stream_interval=4), tokenizer).serve() as client:
+        chunked = await collect(client, prompt(4), params)
+        await wait_until_idle(client)
+        assert client.stats().kv_blocks_used == 0
+
+    def tokens(outputs):
+        if kind is RequestOutputKind.DELTA:
+            return [t for o in outputs for t in o.outputs[0].token_ids]
+        return outputs[-1].outputs[0].token_ids
+
+    assert len(every) == 13 and tokens(chunked) == tokens(every)
+    assert len(chunked[0].outputs[0].token_ids) == 1  # the first token at once (time to first token)
+    # Then 4 at a time, the last with the end: 4 outputs (fewer if the event loop ran late and
+    # a wake-up took more than 4; never a partial one, since this reader is back before a step).
+    assert 2 <= len(chunked) <= 4 and chunked[-1].finished and not any(o.finished for o in chunked[:-1])
+    if kind is RequestOutputKind.DELTA:
+        assert "".join(o.outputs[0].text for o in chunked) == "".join(o.outputs[0].text for o in every)
+
+
 async def test_stat_loggers_see_engine_timings_of_every_request(tiny_core, tokenizer):
     seen: list = []
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
