@@ -3,7 +3,9 @@
 1. A null model (the runner returns a fixed token at once) at 1, 64 and 256 running
    requests: steps per second and the per-step cost of scheduler + core actor +
    detokenizer + output channels + consumers; at 256 also non-streaming, and streaming
-   with a ``--stream-interval`` (consumers woken every few tokens).
+   with a ``--stream-interval`` (consumers woken every few tokens). Then behind the HTTP
+   server, with streaming clients in a second process (``--http-streams``): SSE and HTTP
+   included.
 2. Event-loop lag while the real model (shape; dummy weights unless --real-weights) decodes
    64 requests: the largest delay seen by a ``trio.sleep(0)`` probe.
 
@@ -140,6 +142,66 @@ async def measure_lag(args, tokenizer) -> tuple[float, float, int]:
     return max(lags), statistics.median(lags), steps
 
 
+# The streaming clients of measure_http, in a process of their own (this one is the server's).
+_HTTP_CLIENTS = """
+import sys, httpx, trio
+
+async def main(url, count, max_tokens):
+    limits = httpx.Limits(max_connections=count + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+        async def stream(i):
+            body = {"prompt": [100 + i % 500] * 16, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                async for _ in response.aiter_raw():
+                    pass
+        async with trio.open_nursery() as nursery:
+            for i in range(count):
+                nursery.start_soon(stream, i)
+
+trio.run(main, sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+"""
+
+
+async def measure_http(tokenizer, num_streams: int, num_steps: int, stream_interval: int) -> tuple[float, float]:
+    """(median, mean) step time of the null model behind the HTTP server (hypercorn + the app, in
+    this process) while ``num_streams`` streaming completions read it from another process: the
+    per-stream cost of a served step, SSE events and HTTP included."""
+    import subprocess
+
+    from hypercorn.config import Config
+    from hypercorn.trio import serve
+
+    from api.app import ServerState, create_app
+
+    core = null_core(num_streams, stream_interval)
+    state = ServerState("null")
+    app = create_app(state)
+    config = Config()
+    config.bind, config.accesslog = ["127.0.0.1:0"], None
+    times: list[float] = []
+    async with Engine(core, tokenizer).serve() as client, trio.open_nursery() as nursery:
+        state.attach(client)
+        binds = await nursery.start(serve, app, config)
+        clients = subprocess.Popen([sys.executable, "-c", _HTTP_CLIENTS, binds[0], str(num_streams),
+                                    str(core.max_model_len - 32)])
+        try:
+            last = None
+            async for step in client.steps():
+                now = time.perf_counter()
+                if len(step.decodes) >= 0.9 * num_streams:  # (the last streams connect late)
+                    if last is not None:
+                        times.append(now - last)
+                    last = now
+                if len(times) >= num_steps:
+                    break
+        finally:
+            clients.kill()
+            clients.wait()
+        nursery.cancel_scope.cancel()
+    steady = times[10:]
+    return statistics.median(steady), statistics.mean(steady)
+
+
 def profile(args) -> None:
     """Where the per-step time goes at 256 streaming requests: the functions with the most own time.
 
@@ -209,6 +271,11 @@ async def main(args) -> None:
         # The streams wake together every few steps here (they started together), so the mean.
         print(f"   256 streaming with --stream-interval {interval}: {1e3 / rate:7.3f} ms/step (mean), "
               f"{rate:8.1f} steps/s; engine side {engine_side * 1e3:.3f} ms/step")
+    for streams in args.http_streams:
+        for interval in [1, *args.stream_intervals]:
+            median, mean = await measure_http(tokenizer, streams, min(args.steps, 150), interval)
+            print(f"  {streams:4d} HTTP streams (the server, clients in another process), --stream-interval "
+                  f"{interval}: {median * 1e3:7.3f} ms/step (median), {mean * 1e3:7.3f} (mean)")
     max_lag, median_lag, steps = await measure_lag(args, tokenizer)
     print(f"event-loop lag while the model decodes 64 requests ({steps} steps): "
           f"max {max_lag * 1e3:.2f} ms, median {median_lag * 1e3:.3f} ms")
@@ -223,6 +290,9 @@ if __name__ == "__main__":
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; the lowest is printed")
     parser.add_argument("--stream-intervals", type=lambda text: [int(v) for v in text.split(",")], default=[4, 16],
                         help="also measure 256 streams with these --stream-interval values (comma-separated)")
+    parser.add_argument("--http-streams", type=lambda text: [int(v) for v in text.split(",") if v], default=[64],
+                        help="also measure the null model behind the HTTP server with this many streaming "
+                             "clients (comma-separated; '' for none)")
     parser.add_argument("--profile", action="store_true", help="profile the 256-request case instead (py-spy)")
     parser.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
     cli = parser.parse_args()
