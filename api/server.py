@@ -53,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "does not stall the streams (default: none)")
     p.add_argument("--mixed-prefill-per-decode", type=float, default=None,
                    help="a cap on those prompt tokens that follows the batch: at most max(32, this x the "
-                        "decoding streams, the prompt backlog / 64) per step (default: 1.5 on CPU unless "
-                        "--max-num-mixed-prefill-tokens is given, none on GPU)")
+                        "decoding streams, the prompt backlog / 64) per step, the ratio raised to 1.5 x the "
+                        "prompt tokens per output token of recent requests where that is more (default: 1.5 "
+                        "on CPU unless --max-num-mixed-prefill-tokens is given, none on GPU)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")

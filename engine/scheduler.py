@@ -62,6 +62,14 @@ class SchedulerOutput:
 # (16) re-synchronized the streams into cohorts in bench/schedule_sim.py.
 MIN_MIXED_PREFILL = 32
 BACKLOG_STEPS = 64
+# The ratio also follows the workload: at least this many times the prompt tokens computed per
+# output token of recent finished requests (decayed over about PREFILL_RATE_WINDOW of them). To
+# keep D streams decoding, each step must prefill about D x prompt / output tokens; below that
+# the batch shrinks, the cap (per decoding stream) with it, and prompts queue: 512-token prompts
+# with 128-token outputs waited 35 s (TTFT p50 at 32 streams in bench/schedule_sim.py) with the
+# ratio at 1.5, 3.0 s at 6 (1.5 x 4); 8 let prefill bursts through again (ITL p99 3.5x the median).
+PREFILL_RATE_MARGIN = 1.5
+PREFILL_RATE_WINDOW = 64
 
 
 @attrs.define
@@ -112,6 +120,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        # Prompt tokens computed and output tokens of recently finished requests, decayed.
+        self._recent_prefill = self._recent_output = 0.0
 
     # ---- membership ----
 
@@ -138,6 +148,10 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
+        if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and request.num_cached_tokens >= 0:
+            keep = 1 - 1 / PREFILL_RATE_WINDOW
+            self._recent_prefill = keep * self._recent_prefill + request.num_prompt_tokens - request.num_cached_tokens
+            self._recent_output = keep * self._recent_output + request.num_output_tokens
         request.status = status
         request.stop_reason = stop_reason
         self.kv.free(request)
@@ -183,8 +197,10 @@ class Scheduler:
 
         With ``mixed_prefill_per_decode`` (r), D decoding streams admit max(32, r * D,
         backlog / 64): a step holds at most about (1 + r) D tokens, so every stream's next token
-        waits at most about 1 + r decode-only steps, and with r > 1 prompts are admitted faster
-        than streams finish, so the batch refills to its concurrency."""
+        waits at most about 1 + r decode-only steps, and with r above the workload's prompt
+        tokens per output token prompts are admitted faster than streams finish, so the batch
+        refills to its concurrency: r is raised to 1.5 times that rate, as observed
+        (``prefill_per_decode``)."""
         cap, ratio = self.max_num_mixed_prefill_tokens, self.mixed_prefill_per_decode
         if (cap is None and ratio is None) or not self.enable_chunked_prefill:
             return math.inf
@@ -200,8 +216,17 @@ class Scheduler:
         if decoding == 0:
             return math.inf
         backlog += sum(r.num_tokens for r in self.waiting)
-        paced = max(MIN_MIXED_PREFILL, ratio * decoding, backlog / BACKLOG_STEPS)
+        paced = max(MIN_MIXED_PREFILL, self.prefill_per_decode * decoding, backlog / BACKLOG_STEPS)
         return paced if cap is None else min(cap, paced)
+
+    @property
+    def prefill_per_decode(self) -> float:
+        """The per-decode ratio in force: the configured one, or more where recent requests
+        computed more prompt tokens per output token (see PREFILL_RATE_MARGIN)."""
+        ratio = self.mixed_prefill_per_decode or 0.0
+        if self._recent_output > 0:
+            ratio = max(ratio, PREFILL_RATE_MARGIN * self._recent_prefill / self._recent_output)
+        return ratio
 
     def _schedule_running(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk],
                           preempted: list[str]) -> None:

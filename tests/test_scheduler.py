@@ -270,6 +270,31 @@ def test_the_mixed_prefill_cap_that_follows_the_batch(decoding, fields, prompts,
         assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) == want
 
 
+def test_the_per_decode_ratio_rises_to_the_prompt_tokens_per_output_token_of_finished_requests():
+    s = decoding_scheduler(0, mixed_prefill_per_decode=1.5)
+    assert s.prefill_per_decode == 1.5  # nothing finished yet
+    for i in range(3):  # 64-token prompts, 8 output tokens: 8 prompt tokens per output token
+        s.add_request(make_request(f"r{i + 1}", 64, max_tokens=8, arrival=i))
+    while s.num_unfinished:
+        run_step(s)
+    assert s.prefill_per_decode == pytest.approx(1.5 * 8)
+    aborted = make_request("r9", 4, max_tokens=1000, arrival=9)
+    s.add_request(aborted)
+    run_step(s)
+    s.abort_requests(["r9"])  # an aborted request says nothing of the workload
+    assert s.prefill_per_decode == pytest.approx(1.5 * 8)
+    for i in range(40):  # short prompts, long outputs: the configured ratio again
+        s.add_request(make_request(f"r{100 + i}", 4, max_tokens=32, arrival=100 + i))
+    while s.num_unfinished:
+        run_step(s)
+    assert s.prefill_per_decode == 1.5
+    decoding = decoding_scheduler(8, mixed_prefill_per_decode=1.0)
+    decoding._recent_prefill, decoding._recent_output = 400.0, 100.0  # 4 prompt tokens per output token
+    decoding.add_request(make_request("r1000", 200, max_tokens=1000, arrival=1000))
+    out, _ = run_step(decoding)
+    assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) == 48  # 1.5 x 4 x 8 streams
+
+
 def test_without_chunked_prefill_the_mixed_budget_does_not_apply():
     s = make_scheduler(num_blocks=64, max_model_len=256, max_num_batched_tokens=64, max_num_mixed_prefill_tokens=8,
                        max_num_seqs=4, enable_chunked_prefill=False)
