@@ -45,26 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights stay packed and run in native kernels "
                         "(CPU); none: dequantize every weight to --dtype at load; int8: quantize an "
                         "fp32/fp16/bf16 model's matrices at load (8-bit weight-only, a scale and a minimum per 32 values)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="most tokens in one forward pass")
-    p.add_argument("--max-num-mixed-prefill-tokens", type=int, default=None,
-                   help="most prompt tokens in a step that also decodes running requests, so a long prompt "
-                        "does not stall the streams (default: none)")
-    p.add_argument("--mixed-prefill-per-decode", type=float, default=None,
-                   help="a cap on those prompt tokens that follows the batch: at most max(32, this x the "
-                        "decoding streams, the prompt backlog / 64) per step, the ratio raised to 1.5 x the "
-                        "prompt tokens per output token of recent requests where that is more (default: 1.5 "
-                        "on CPU unless --max-num-mixed-prefill-tokens is given, none on GPU)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")
-    kv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV cache of shared prompt prefixes")
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts across steps")
-    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs", help="fcfs or priority")
+    _add_scheduler_flags(p)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
     p.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
                    help="auto: the sampling values of the model's generation_config.json are the defaults of "
@@ -116,6 +97,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     return p
+
+
+def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    """What a step may hold and how the KV cache is kept (as in vLLM)."""
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="most tokens in one forward pass")
+    p.add_argument("--max-num-mixed-prefill-tokens", type=int, default=None,
+                   help="most prompt tokens in a step that also decodes running requests, so a long prompt "
+                        "does not stall the streams (default: none)")
+    p.add_argument("--mixed-prefill-per-decode", type=float, default=None,
+                   help="a cap on those prompt tokens that follows the batch: at most max(32, this x the "
+                        "decoding streams, the prompt backlog / 64) per step, the ratio raised to 1.5 x the "
+                        "prompt tokens per output token of recent requests where that is more (default: 1.5 "
+                        "on CPU unless --max-num-mixed-prefill-tokens is given, none on GPU)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")
+    kv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of shared prompt prefixes")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs", help="fcfs or priority")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
