@@ -1,7 +1,8 @@
 """Incremental detokenization with stop strings, and the detokenizer actor.
 
 Text is produced token by token with tokenizers' ``DecodeStream`` (it holds back bytes of
-an incomplete UTF-8 character). On top of that, text that could be the start of a stop
+an incomplete UTF-8 character), or, for byte-level vocabularies, from each token's own text
+where that is the same thing (``_ByteLevelTexts``). On top of that, text that could be the start of a stop
 string is held back until it is known not to be one, so that what a stream has shown is
 always a prefix of the final text.
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from engine.errors import RequestFailedError
 from engine.messages import AbortRequest, StepOutput, StopRequest
@@ -62,6 +64,28 @@ class _TextBuffer:
             self.append(text)
 
 
+class _ByteLevelTexts:
+    """Each token's text on its own, for a byte-level decoder (GPT-2's, Llama 3's, Qwen's,
+    SmolLM's): there the text of a sequence is its tokens' bytes joined and read as UTF-8, so
+    after a token that ended on a whole character, the next token's text is the text it has
+    alone, whenever that does not end in an unfinished character (U+FFFD, where DecodeStream
+    waits). DecodeStream decodes its window again at every token (1.5 us); this is a dict
+    lookup. Filled as tokens are first seen, per tokenizer and ``skip_special_tokens``.
+    """
+
+    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, tokenizer, skip_special_tokens: bool) -> dict[int, str | None] | None:
+        """token id -> its text, or None where the stream must decide; None for other decoders."""
+        if not isinstance(getattr(tokenizer, "decoder", None), ByteLevel):
+            return None
+        tables = cls._cache.get(tokenizer)
+        if tables is None:
+            tables = cls._cache[tokenizer] = {}
+        return tables.setdefault(skip_special_tokens, {})
+
+
 class IncrementalDetokenizer:
     """The text of one completion, grown one token at a time.
 
@@ -77,7 +101,11 @@ class IncrementalDetokenizer:
         # Nobody reads the text of a final-only request before it ends, and with no stop
         # strings nothing needs it either: it is decoded once, at the end.
         self._lazy = params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop
-        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        # Byte-level tokens' own texts; ``_texts`` is that table while no bytes of an unfinished
+        # character are held, else None (and ``_stream`` decides).
+        self._byte_texts = _ByteLevelTexts.of(self._tokenizer, params.skip_special_tokens)
+        self._texts = self._byte_texts
+        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens) if self._texts is None else None
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._longest_stop = max((len(s) for s in self._stops), default=0)
@@ -100,7 +128,10 @@ class IncrementalDetokenizer:
         """Decode one more token; return the stop string if this token completed one."""
         if self._lazy or self.stop_hit is not None:
             return None
-        chunk = self._stream.step(self._tokenizer, token_id)
+        texts = self._texts
+        chunk = texts.get(token_id) if texts is not None else None
+        if chunk is None:
+            chunk = self._decode(token_id)
         if chunk:
             previous = self._text.length
             self._text.append(chunk)
@@ -108,6 +139,25 @@ class IncrementalDetokenizer:
                 return self.stop_hit
         self.num_visible = self._text.length - self._held_back() if self._stops else self._text.length
         return None
+
+    def _decode(self, token_id: int) -> str | None:
+        """``add_token``'s text where the table has none: a token not seen yet, or the stream's."""
+        texts = self._texts
+        if texts is not None:
+            if token_id not in texts:
+                text = self._tokenizer.decode([token_id], skip_special_tokens=self._skip_special)
+                texts[token_id] = None if text.endswith("\ufffd") else text
+            if texts[token_id] is not None:
+                return texts[token_id]
+            # Bytes of an unfinished character: a stream from here on holds them back. Here
+            # everything before decoded to whole characters, so a fresh one reads what follows
+            # as the stream of the whole text would.
+            self._texts = None
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special)
+        chunk = self._stream.step(self._tokenizer, token_id)
+        if chunk is not None and self._byte_texts is not None:
+            self._texts = self._byte_texts  # it ended on a whole character
+        return chunk
 
     def finish(self, token_ids: list[int]) -> None:
         """The completion ended: nothing is held back any more. Bytes of an unfinished UTF-8

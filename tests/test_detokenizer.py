@@ -158,3 +158,35 @@ def test_a_stopped_request_keeps_its_id_until_the_core_has_finished_it(tokenizer
     assert "x" in registry and state.completions[0].token_ids == kept
     step(TokenDelta("x", 0, (), finish_reason="stop", stop_reason="three"))  # the core's own finish
     assert "x" not in registry
+
+
+@pytest.fixture(scope="module")
+def byte_level_pool(tokenizer) -> list[int]:
+    """Token ids that exercise every path of a byte-level vocabulary: special tokens, tokens that
+    are bytes of an unfinished character (alone they decode to U+FFFD), and ordinary ones."""
+    backend = tokenizer.backend_tokenizer
+    size = backend.get_vocab_size(with_added_tokens=True)
+    alone = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    partial = [i for i, text in enumerate(alone) if text.endswith("\ufffd")]
+    special = [i for i in range(size) if backend.id_to_token(i) in tokenizer.all_special_tokens]
+    assert len(partial) > 100 and special
+    return partial + special + tokenizer.encode("".join(TEXTS)) + list(range(200, 400))
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@given(data=st.data())
+def test_byte_level_texts_stream_as_decode_stream_does(tokenizer, byte_level_pool, skip_special_tokens, data):
+    """The table of tokens' own texts (byte-level vocabularies) gives, token by token, exactly
+    what tokenizers' DecodeStream gives over the same tokens: also where an unfinished
+    character's bytes are followed by an ordinary token, a special one, or another unfinished one."""
+    from tokenizers.decoders import DecodeStream
+
+    ids = data.draw(st.lists(st.sampled_from(byte_level_pool), max_size=40))
+    params = SamplingParams(skip_special_tokens=skip_special_tokens)
+    detok = IncrementalDetokenizer(tokenizer, params)
+    assert detok._byte_texts is not None  # this vocabulary is byte-level: the table is in use
+    reference, expected = DecodeStream(skip_special_tokens=skip_special_tokens), ""
+    for token in ids:
+        expected += reference.step(tokenizer.backend_tokenizer, token) or ""
+        detok.add_token(token)
+        assert detok.text == expected
