@@ -10,7 +10,7 @@
    64 requests: the largest delay seen by a ``trio.sleep(0)`` probe.
 
     python bench/engine_overhead.py
-    python bench/engine_overhead.py --profile   # where the 256-request case spends its time (pyinstrument)
+    python bench/engine_overhead.py --profile   # where the 256-request case spends its time (py-spy)
 
 Timings on the shared development VMs swing by up to 2x from run to run; compare two trees
 by alternating runs and reading the minimum (``--repeat``).
@@ -288,7 +288,7 @@ if __name__ == "__main__":
     parser.add_argument("--lag-tokens", type=int, default=32)
     parser.add_argument("--real-weights", action="store_true")
     parser.add_argument("--repeat", type=int, default=1, help="runs per case; the lowest is printed")
-    parser.add_argument("--stream-intervals", type=lambda text: [int(v) for v in text.split(",")], default=[4, 16],
+    parser.add_argument("--stream-intervals", type=lambda text: [int(v) for v in text.split(",") if v], default=[4, 16],
                         help="also measure 256 streams with these --stream-interval values (comma-separated)")
     parser.add_argument("--http-streams", type=lambda text: [int(v) for v in text.split(",") if v], default=[64],
                         help="also measure the null model behind the HTTP server with this many streaming "

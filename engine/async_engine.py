@@ -351,8 +351,11 @@ class EngineClient:
     def _check_room(self) -> None:
         """Refuse a request at once when ``max_waiting_requests`` are already waiting."""
         core = self._engine.core
-        waiting = len(self._engine.registry) - core.num_running_requests
-        if waiting >= core.config.max_waiting_requests:
+        requests, limit = len(self._engine.registry), core.config.max_waiting_requests
+        if requests < limit:  # fewer in all than the limit (counting the running ones walks the batch)
+            return
+        waiting = requests - core.num_running_requests
+        if waiting >= limit:
             raise EngineOverloadedError(f"the server is overloaded: {waiting} requests are waiting "
                                         f"(max_waiting_requests); try again later")
 
