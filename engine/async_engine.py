@@ -261,9 +261,13 @@ class EngineClient:
         self._check_room()
         grammar = await self.compile(sampling_params)
         channel = self.submit(prompt, sampling_params, request_id, priority, grammar=grammar)
-        request_id = channel.state.request_id
+        request_id, receive = channel.state.request_id, channel.receive
         try:
-            async for output in channel:
+            while True:  # (``async for`` over the channel adds a call of its ``__anext__`` per output)
+                try:
+                    output = await receive()
+                except trio.EndOfChannel:
+                    return
                 yield output
         finally:
             if not channel.state.finished:
