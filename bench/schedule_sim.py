@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import random
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from engine.config import SERVING_CPU_MIXED_PREFILL_PER_DECODE, EngineConfig  # 
 from engine.kv_cache import BlockManager  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+import engine.scheduler  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 
 # bench/step_cost.py (greedy, 8 / 32 / 64 decoding streams) on the AMD EPYC family-23 VM of
@@ -54,7 +56,8 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, input_len: int,
-             output_len: int) -> dict[str, float]:
+             output_len: int, range_ratio: float = 0.0, seed: int = 0) -> dict[str, float]:
+    """Lengths as serve.py's random dataset draws them: uniform within ``range_ratio`` of the means."""
     scheduler = Scheduler(config, BlockManager(1 << 16, config.block_size, config.enable_prefix_caching), 1 << 16)
     now = 0.0
     arrival: dict[str, float] = {}
@@ -62,14 +65,18 @@ def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, in
     ttft: list[float] = []
     itl: list[float] = []
     sent = generated = steps = 0
+    rng = random.Random(seed)
+
+    def length(mean: int) -> int:
+        return max(1, rng.randint(max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))))
 
     def send() -> None:
         nonlocal sent
         # Distinct prompts (random ones in serve.py), so prefix caching finds nothing.
-        prompt = [1000 + (sent * 7919 + j * 31) % 40000 for j in range(input_len)]
-        request_id = f"r{sent}"
-        scheduler.add_request(Request(request_id, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True),
-                                      output_len, None, sent))
+        prompt = [1000 + (sent * 7919 + j * 31) % 40000 for j in range(length(input_len))]
+        request_id, max_tokens = f"r{sent}", length(output_len)
+        scheduler.add_request(Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                      max_tokens, None, sent))
         arrival[request_id] = now
         sent += 1
 
@@ -101,17 +108,24 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--random-input-len", type=int, default=128)
     parser.add_argument("--random-output-len", type=int, default=128)
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="lengths uniform within this fraction of the means (serve.py's option)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefill-rate-margin", type=float, default=engine.scheduler.PREFILL_RATE_MARGIN,
+                        help="the per-decode ratio follows this many times the recent prompt tokens per output "
+                             "token (the scheduler's PREFILL_RATE_MARGIN); 0: the configured ratio only")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--max-num-mixed-prefill-tokens", type=int, default=0, help="a fixed cap; 0: none")
     parser.add_argument("--mixed-prefill-per-decode", type=float, default=SERVING_CPU_MIXED_PREFILL_PER_DECODE,
                         help="the cap that follows the batch (the server's CPU default); 0: none")
     parser.add_argument("--curve", default=DEFAULT_CURVE, help="tokens:ms points of a step's cost")
     args = parser.parse_args()
+    engine.scheduler.PREFILL_RATE_MARGIN = args.prefill_rate_margin
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_mixed_prefill_tokens=args.max_num_mixed_prefill_tokens or None,
                           mixed_prefill_per_decode=args.mixed_prefill_per_decode or None)
     r = simulate(config, parse_curve(args.curve), args.max_concurrency, args.num_prompts, args.random_input_len,
-                 args.random_output_len)
+                 args.random_output_len, args.random_range_ratio, args.seed)
     print(f"concurrency {args.max_concurrency}, cap {args.max_num_mixed_prefill_tokens or 'none'}, "
           f"per decode {args.mixed_prefill_per_decode or 'none'}: "
           f"{r['output_throughput']:.1f} output tok/s, ITL p50 {r['p50_itl_ms']:.0f} / p99 {r['p99_itl_ms']:.0f} ms "

@@ -62,14 +62,21 @@ class SchedulerOutput:
 # (16) re-synchronized the streams into cohorts in bench/schedule_sim.py.
 MIN_MIXED_PREFILL = 32
 BACKLOG_STEPS = 64
-# The ratio also follows the workload: at least this many times the prompt tokens computed per
-# output token of recent finished requests (decayed over about PREFILL_RATE_WINDOW of them). To
-# keep D streams decoding, each step must prefill about D x prompt / output tokens; below that
-# the batch shrinks, the cap (per decoding stream) with it, and prompts queue: 512-token prompts
-# with 128-token outputs waited 35 s (TTFT p50 at 32 streams in bench/schedule_sim.py) with the
-# ratio at 1.5, 3.0 s at 6 (1.5 x 4); 8 let prefill bursts through again (ITL p99 3.5x the median).
+# The ratio also follows the workload: at least this many times the prompt tokens per output
+# token. To keep D streams decoding, each step must prefill about D x prompt / output tokens;
+# below that the batch shrinks, the cap (per decoding stream) with it, and prompts queue:
+# 512-token prompts with 128-token outputs waited 35 s (TTFT p50 at 32 streams in
+# bench/schedule_sim.py) with the ratio at 1.5, 3.0 s at 6 (1.5 x 4); 8 let prefill bursts
+# through again (ITL p99 3.5x the median).
+# The rate is the prompt tokens of the requests that finished over the output tokens that all
+# requests produced, both decayed over about PREFILL_RATE_WINDOW steps (Little's law: in a
+# steady state that is prompt / output per request). Not prompt / output of the finished ones:
+# the first to finish are those with the shortest outputs, so with mixed lengths that ratio
+# started several times too high (1.5 x 22 for 50-970-token prompts and 12-243-token outputs)
+# and let 1024-token prefill steps stall 64 streams (ITL p99 12.8x the median); this one starts
+# low (as the configured ratio would) and rises as requests finish.
 PREFILL_RATE_MARGIN = 1.5
-PREFILL_RATE_WINDOW = 64
+PREFILL_RATE_WINDOW = 256
 
 
 @attrs.define
@@ -120,7 +127,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
-        # Prompt tokens computed and output tokens of recently finished requests, decayed.
+        # Prompt tokens computed of requests finished, and output tokens made, recently (decayed per step).
         self._recent_prefill = self._recent_output = 0.0
 
     # ---- membership ----
@@ -149,9 +156,7 @@ class Scheduler:
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         if status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH) and request.num_cached_tokens >= 0:
-            keep = 1 - 1 / PREFILL_RATE_WINDOW
-            self._recent_prefill = keep * self._recent_prefill + request.num_prompt_tokens - request.num_cached_tokens
-            self._recent_output = keep * self._recent_output + request.num_output_tokens
+            self._recent_prefill += request.num_prompt_tokens - request.num_cached_tokens
         request.status = status
         request.stop_reason = stop_reason
         self.kv.free(request)
@@ -221,8 +226,8 @@ class Scheduler:
 
     @property
     def prefill_per_decode(self) -> float:
-        """The per-decode ratio in force: the configured one, or more where recent requests
-        computed more prompt tokens per output token (see PREFILL_RATE_MARGIN)."""
+        """The per-decode ratio in force: the configured one, or more where the recent workload
+        has more prompt tokens per output token (see PREFILL_RATE_MARGIN)."""
         ratio = self.mixed_prefill_per_decode or 0.0
         if self._recent_output > 0:
             ratio = max(ratio, PREFILL_RATE_MARGIN * self._recent_prefill / self._recent_output)
@@ -306,6 +311,9 @@ class Scheduler:
         complete (``grammar_finished``: its stop token is in, whatever ``ignore_eos`` or
         ``min_tokens`` say). Returns the requests finished here."""
         finished = []
+        keep = 1 - 1 / PREFILL_RATE_WINDOW
+        self._recent_prefill *= keep
+        self._recent_output = keep * self._recent_output + len(sampled)
         for request, start, num_new_tokens, _ in output.chunks:
             if request.finished:  # aborted while the step ran
                 continue

@@ -270,19 +270,20 @@ def test_the_mixed_prefill_cap_that_follows_the_batch(decoding, fields, prompts,
         assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) == want
 
 
-def test_the_per_decode_ratio_rises_to_the_prompt_tokens_per_output_token_of_finished_requests():
+def test_the_per_decode_ratio_rises_to_the_workloads_prompt_tokens_per_output_token():
     s = decoding_scheduler(0, mixed_prefill_per_decode=1.5)
     assert s.prefill_per_decode == 1.5  # nothing finished yet
     for i in range(3):  # 64-token prompts, 8 output tokens: 8 prompt tokens per output token
         s.add_request(make_request(f"r{i + 1}", 64, max_tokens=8, arrival=i))
     while s.num_unfinished:
         run_step(s)
-    assert s.prefill_per_decode == pytest.approx(1.5 * 8)
+    assert s.prefill_per_decode == pytest.approx(1.5 * 8, rel=0.05)  # (the counts decay step by step)
     aborted = make_request("r9", 4, max_tokens=1000, arrival=9)
     s.add_request(aborted)
     run_step(s)
-    s.abort_requests(["r9"])  # an aborted request says nothing of the workload
-    assert s.prefill_per_decode == pytest.approx(1.5 * 8)
+    before = s.prefill_per_decode
+    s.abort_requests(["r9"])  # an aborted request's prompt says nothing of the workload
+    assert s.prefill_per_decode == before
     for i in range(40):  # short prompts, long outputs: the configured ratio again
         s.add_request(make_request(f"r{100 + i}", 4, max_tokens=32, arrival=100 + i))
     while s.num_unfinished:
@@ -293,6 +294,22 @@ def test_the_per_decode_ratio_rises_to_the_prompt_tokens_per_output_token_of_fin
     decoding.add_request(make_request("r1000", 200, max_tokens=1000, arrival=1000))
     out, _ = run_step(decoding)
     assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) == 48  # 1.5 x 4 x 8 streams
+
+
+def test_the_per_decode_ratio_does_not_overshoot_while_the_short_outputs_finish_first():
+    """Of requests that started together, the shortest outputs finish first: prompt / output of the
+    finished ones would start at 64 / 4 (x 1.5 = 24) here. The prompt tokens of the finished over
+    the output tokens of all stays near the workload's 64 / 35 as they finish."""
+    s = decoding_scheduler(0, mixed_prefill_per_decode=1.5)
+    for i in range(32):  # 64-token prompts, outputs of 4 to 66 tokens: 2048 / 1120 prompt tokens per output token
+        s.add_request(make_request(f"r{i + 1}", 64, max_tokens=4 + 2 * i, arrival=i))
+    ratios = []
+    while s.num_unfinished:
+        run_step(s)
+        ratios.append(s.prefill_per_decode)
+    workload = 1.5 * 2048 / 1120
+    assert max(ratios) <= workload * 1.05
+    assert ratios[-1] == pytest.approx(workload, rel=0.1)
 
 
 def test_without_chunked_prefill_the_mixed_budget_does_not_apply():
