@@ -74,9 +74,13 @@ BACKLOG_STEPS = 64
 # the first to finish are those with the shortest outputs, so with mixed lengths that ratio
 # started several times too high (1.5 x 22 for 50-970-token prompts and 12-243-token outputs)
 # and let 1024-token prefill steps stall 64 streams (ITL p99 12.8x the median); this one starts
-# low (as the configured ratio would) and rises as requests finish.
+# low (as the configured ratio would) and rises as requests finish. Until it has, a bound from
+# below holds it up: answers end at max_tokens at the latest, so the prompt tokens computed per
+# max_tokens of recently admitted requests (over about PREFILL_BOUND_WINDOW of them) is at most
+# the workload's rate, exact where answers run to max_tokens, and known from the first admission.
 PREFILL_RATE_MARGIN = 1.5
 PREFILL_RATE_WINDOW = 256
+PREFILL_BOUND_WINDOW = 64
 
 
 @attrs.define
@@ -129,6 +133,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # Prompt tokens computed of requests finished, and output tokens made, recently (decayed per step).
         self._recent_prefill = self._recent_output = 0.0
+        # Prompt tokens to compute and max_tokens of requests admitted recently (decayed per admission).
+        self._admitted_prefill = self._admitted_max_tokens = 0.0
 
     # ---- membership ----
 
@@ -228,10 +234,10 @@ class Scheduler:
     def prefill_per_decode(self) -> float:
         """The per-decode ratio in force: the configured one, or more where the recent workload
         has more prompt tokens per output token (see PREFILL_RATE_MARGIN)."""
-        ratio = self.mixed_prefill_per_decode or 0.0
-        if self._recent_output > 0:
-            ratio = max(ratio, PREFILL_RATE_MARGIN * self._recent_prefill / self._recent_output)
-        return ratio
+        rate = self._recent_prefill / self._recent_output if self._recent_output > 0 else 0.0
+        if self._admitted_max_tokens > 0:
+            rate = max(rate, self._admitted_prefill / self._admitted_max_tokens)
+        return max(self.mixed_prefill_per_decode or 0.0, PREFILL_RATE_MARGIN * rate)
 
     def _schedule_running(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk],
                           preempted: list[str]) -> None:
@@ -303,6 +309,9 @@ class Scheduler:
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_cached
             request.first_scheduled_at = time.monotonic()
+            keep = 1 - 1 / PREFILL_BOUND_WINDOW
+            self._admitted_prefill = keep * self._admitted_prefill + request.num_tokens - num_cached
+            self._admitted_max_tokens = keep * self._admitted_max_tokens + request.max_tokens
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int],
                grammar_finished: Collection[str] = ()) -> list[Request]:

@@ -312,6 +312,22 @@ def test_the_per_decode_ratio_does_not_overshoot_while_the_short_outputs_finish_
     assert ratios[-1] == pytest.approx(workload, rel=0.1)
 
 
+def test_before_requests_finish_the_ratio_is_held_up_by_prompt_per_max_tokens_of_admitted_ones():
+    """Answers end at max_tokens at the latest: prompt / max_tokens of the admitted requests is a
+    floor under the workload's rate, known before anything finishes (exact where answers run to
+    max_tokens, as in a benchmark that ignores EOS); with no max_tokens set it says nothing."""
+    s = decoding_scheduler(0, mixed_prefill_per_decode=1.5)
+    for i in range(4):  # 64-token prompts, at most 16 output tokens each
+        s.add_request(make_request(f"r{i + 1}", 64, max_tokens=16, arrival=i))
+    run_step(s)
+    assert s.num_unfinished == 4 and s.prefill_per_decode == pytest.approx(1.5 * 4)
+    chat = decoding_scheduler(0, mixed_prefill_per_decode=1.5)
+    for i in range(4):  # max_tokens unset: resolved to the rest of the model's length (4096)
+        chat.add_request(make_request(f"r{i + 1}", 64, max_tokens=4096 - 64, arrival=i))
+    run_step(chat)
+    assert chat.prefill_per_decode == 1.5
+
+
 def test_without_chunked_prefill_the_mixed_budget_does_not_apply():
     s = make_scheduler(num_blocks=64, max_model_len=256, max_num_batched_tokens=64, max_num_mixed_prefill_tokens=8,
                        max_num_seqs=4, enable_chunked_prefill=False)
