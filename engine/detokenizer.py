@@ -2,9 +2,9 @@
 
 Text is produced token by token with tokenizers' ``DecodeStream`` (it holds back bytes of
 an incomplete UTF-8 character), or, for byte-level vocabularies, from each token's own text
-where that is the same thing (``_ByteLevelTexts``). On top of that, text that could be the start of a stop
-string is held back until it is known not to be one, so that what a stream has shown is
-always a prefix of the final text.
+where that is the same thing (``_ByteLevelTexts``). On top of that, text that could be the
+start of a stop string is held back until it is known not to be one, so that what a stream has
+shown is always a prefix of the final text.
 """
 
 from __future__ import annotations
