@@ -60,6 +60,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="a stream gets its first token at once, then every this many tokens in one event, and "
                         "its end (default 1: every token; more: less host work per token, chunkier streams)")
+    _add_process_flags(p)
+    p.add_argument("--on-engine-failure", choices=("exit", "refuse"), default="exit",
+                   help="when the engine fails: exit with status 1 (for a supervisor to restart it), or keep "
+                        "running and answer 503 (/health too) until stopped")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds requests in flight get to finish after SIGTERM/SIGINT before they are ended "
+                        "with a 503 (a second SIGINT exits at once)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="default deadline of a generation request in seconds (504 past it); a request's "
+                        "X-Request-Timeout header overrides it")
+    p.add_argument("--request-body-timeout", type=float, default=60.0,
+                   help="seconds a client may take to send its request body (408 past it)")
+    _add_output_flags(p)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
+    return p
+
+
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
+    """How the server is laid out over processes and machines (as in vLLM)."""
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                    help="run the engine core (scheduler, model, KV cache) in a process of its own, so that "
                         "HTTP, tokenization and detokenization do not take the GIL from its steps. Off by "
@@ -83,20 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--headless", action="store_true",
                    help="serve no HTTP: start --data-parallel-size-local engines that join the server at "
                         "--data-parallel-address:--data-parallel-rpc-port, and exit when it ends them")
-    p.add_argument("--on-engine-failure", choices=("exit", "refuse"), default="exit",
-                   help="when the engine fails: exit with status 1 (for a supervisor to restart it), or keep "
-                        "running and answer 503 (/health too) until stopped")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds requests in flight get to finish after SIGTERM/SIGINT before they are ended "
-                        "with a 503 (a second SIGINT exits at once)")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="default deadline of a generation request in seconds (504 past it); a request's "
-                        "X-Request-Timeout header overrides it")
-    p.add_argument("--request-body-timeout", type=float, default=60.0,
-                   help="seconds a client may take to send its request body (408 past it)")
-    _add_output_flags(p)
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
-    return p
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
