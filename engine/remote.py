@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -35,7 +36,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import attrs
 import trio
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, resolve_device
 from engine.engine_core import validate_request
 from engine.errors import ConfigError, EngineDeadError, first_leaf
 from engine.messages import WIRE_MESSAGES, AbortRequest, AddRequest, EngineStats, StepOutput
@@ -306,11 +307,12 @@ async def engine_processes(config: EngineConfig, count: int = 1) -> AsyncIterato
     """
     local = count if config.data_parallel_size_local is None else min(count, config.data_parallel_size_local)
     processes, streams = [], []
+    shares = device_shares(config, local)
     try:
-        for _ in range(local):
+        for share in shares:
             front_socket, engine_socket = socket.socketpair()
             try:
-                processes.append(await _start_engine(config, [engine_socket]))
+                processes.append(await _start_engine(config, [engine_socket], share))
             except BaseException:
                 front_socket.close()
                 raise
@@ -383,25 +385,60 @@ async def start_engines_for_fronts(config: EngineConfig, count: int,
     """``--api-server-count``: ``count`` engine processes, each linked to ``fronts`` fronts;
     returns the processes, and for each front its sockets (one per engine) to hand it."""
     processes, per_front = [], [[] for _ in range(fronts)]
-    for _ in range(count):
+    for share in device_shares(config, count):
         pairs = [socket.socketpair() for _ in range(fronts)]
-        processes.append(await _start_engine(config, [engine for _, engine in pairs]))
+        processes.append(await _start_engine(config, [engine for _, engine in pairs], share))
         for front, (front_socket, _) in enumerate(pairs):
             per_front[front].append(front_socket)
     return processes, per_front
 
 
-async def _start_engine(config: EngineConfig, engine_sockets: list[socket.socket]):
+def device_shares(config: EngineConfig, count: int) -> list[dict[str, str]]:
+    """What each of ``count`` engine processes on this machine adds to its environment: its
+    share of the machine, so that they do not fight over the same cores or the same GPU.
+
+    On the CPU each gets an equal share of this process's cores as its thread count
+    (``OMP_NUM_THREADS``: torch's and the native libraries' OpenMP pools both read it), unless
+    ``OMP_NUM_THREADS`` is set already; on CUDA each gets a GPU of its own
+    (``CUDA_VISIBLE_DEVICES``), as vLLM's data-parallel ranks do. One engine takes the machine
+    as it is.
+
+    Raises:
+        ConfigError: fewer GPUs visible than engine processes on this machine.
+    """
+    if count <= 1:
+        return [{} for _ in range(count)]
+    if resolve_device(config) == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            gpus = [g.strip() for g in visible.split(",") if g.strip()]
+        else:
+            import torch
+
+            gpus = [str(i) for i in range(torch.cuda.device_count())]
+        if len(gpus) < count:
+            raise ConfigError("data_parallel_size", f"{count} engine processes on this machine need a GPU each; "
+                                                    f"{len(gpus)} visible")
+        return [{"CUDA_VISIBLE_DEVICES": gpu} for gpu in gpus[:count]]
+    if "OMP_NUM_THREADS" in os.environ:
+        return [{} for _ in range(count)]
+    threads = max(1, len(os.sched_getaffinity(0)) // count)
+    return [{"OMP_NUM_THREADS": str(threads)} for _ in range(count)]
+
+
+async def _start_engine(config: EngineConfig, engine_sockets: list[socket.socket], share: dict[str, str]):
     """An engine process serving over ``engine_sockets`` (one per front; handed to it, and
-    closed here)."""
+    closed here), with ``share`` (``device_shares``) added to its environment."""
     argv = [sys.executable, "-m", "engine.core_process", "--config", json.dumps(attrs.asdict(config)),
             "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
     for engine_socket in engine_sockets:
         argv += ["--fd", str(engine_socket.fileno())]
+    if share:
+        log.info("engine process with %s", " ".join(f"{k}={v}" for k, v in share.items()))
     try:
         # A session of its own: a terminal's Ctrl-C goes to the front, which ends the engine in order.
         return await trio.lowlevel.open_process(argv, pass_fds=tuple(s.fileno() for s in engine_sockets),
-                                                start_new_session=True)
+                                                start_new_session=True, env={**os.environ, **share} if share else None)
     finally:
         for engine_socket in engine_sockets:
             engine_socket.close()
@@ -419,8 +456,9 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
         raise ConfigError("data_parallel_size_local", "--headless needs at least one local engine")
     address, port = config.data_parallel_address, config.data_parallel_rpc_port
     processes = []
+    shares = device_shares(config, local)
     try:
-        for _ in range(local):
+        for share in shares:
             with trio.fail_after(connect_timeout):
                 while True:  # the front may not be listening yet
                     try:
@@ -429,7 +467,7 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
                     except OSError:
                         await trio.sleep(0.5)
             stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            processes.append(await _start_engine(config, [socket.socket(fileno=stream.socket.detach())]))
+            processes.append(await _start_engine(config, [socket.socket(fileno=stream.socket.detach())], share))
             log.info("engine process %d joining %s:%d", processes[-1].pid, address, port)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signals, processes)

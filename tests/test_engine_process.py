@@ -137,3 +137,28 @@ def test_wrong_sizes_are_refused_at_start_naming_the_setting(fields, param):
     with pytest.raises(ConfigError) as error:
         EngineConfig(**fields)
     assert error.value.param == param
+
+
+def test_engine_processes_on_one_machine_share_its_cores_or_take_a_gpu_each(monkeypatch):
+    """Two CPU engines with 2 threads each on 2 cores ran 4x slower than one engine (OpenMP
+    pools spinning against each other): each gets its share of the cores, or a GPU of its own."""
+    from engine.config import EngineConfig
+    from engine.remote import device_shares
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(5)))
+    cpu = EngineConfig(device="cpu")
+    assert device_shares(cpu, 1) == [{}]  # one engine takes the machine as it is
+    assert device_shares(cpu, 2) == [{"OMP_NUM_THREADS": "2"}] * 2
+    assert device_shares(cpu, 8) == [{"OMP_NUM_THREADS": "1"}] * 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice stands
+    assert device_shares(cpu, 2) == [{}, {}]
+
+    gpu = EngineConfig(device="cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5,6")
+    assert device_shares(gpu, 2) == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    assert device_shares(gpu, 1) == [{}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(ConfigError, match="2 engine processes on this machine need a GPU each; 1 visible") as error:
+        device_shares(gpu, 2)
+    assert error.value.param == "data_parallel_size"
