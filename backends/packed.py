@@ -69,12 +69,14 @@ def _rc(rc: int, what: str) -> None:
         raise native.NativeKernelError(f"{what} failed: {message}")
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, k: int, isa: str = "best") -> torch.Tensor:
-    """``x @ W.T`` for fp32 ``x`` ``[M, K]``: the packed kernel (reads each block once for all M rows)."""
+def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, k: int, isa: str = "best",
+           int16_activations: bool = False) -> torch.Tensor:
+    """``x @ W.T`` for fp32 ``x`` ``[M, K]``: the packed kernel (reads each block once for all M
+    rows); with ``int16_activations``, ``x`` rounded to int16 per block of 32 for integer dot products."""
     matrix = PackedMatrix(packed, kind, k)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous float32 [M, {k}] tensor; got {x.dtype} {tuple(x.shape)}")
-    return matrix.linear(x, isa)
+    return matrix.linear(x, isa, int16_activations)
 
 
 class PackedMatrix:
@@ -88,13 +90,15 @@ class PackedMatrix:
         self._ptr = self._ffi.cast("void *", data.data_ptr())
         self._n = data.shape[0]
 
-    def linear(self, x: torch.Tensor, isa: str = "best") -> torch.Tensor:
-        """``x @ W.T`` for ``x`` float32, contiguous, ``[M, K]`` (the caller guarantees it)."""
+    def linear(self, x: torch.Tensor, isa: str = "best", int16_activations: bool = False) -> torch.Tensor:
+        """``x @ W.T`` for ``x`` float32, contiguous, ``[M, K]`` (the caller guarantees it); with
+        ``int16_activations``, ``x`` rounded to int16 per block of 32 first (``qm_linear_q16``)."""
         m = x.shape[0]
         out = torch.empty(m, self._n, dtype=torch.float32)
         cast = self._ffi.cast
-        rc = self._lib.qm_linear(self._type, self._ptr, self._n, self.k, cast("float *", x.data_ptr()), m,
-                                 cast("float *", out.data_ptr()), ISAS[isa])
+        kernel = self._lib.qm_linear_q16 if int16_activations else self._lib.qm_linear
+        rc = kernel(self._type, self._ptr, self._n, self.k, cast("float *", x.data_ptr()), m,
+                    cast("float *", out.data_ptr()), ISAS[isa])
         if rc:
             _rc(rc, "packed linear")
         return out

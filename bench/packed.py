@@ -6,8 +6,9 @@
    measures at start (``packed_max_rows``). At M = 1: GB/s of packed weights read, as a fraction of this
    machine's copy bandwidth (a large ``Tensor.copy_``, bytes read per second).
 2. Decode inside the engine, batch 1 (schedule + forward + sample): ms per output token of
-   the default model with ``quantization="auto"`` (packed) against ``"none"`` (fp32),
-   alternated, the lowest of ``--repeat`` runs each.
+   the default model with ``quantization="auto"`` (packed), the same with
+   ``activation_quantization="int16"``, and ``"none"`` (fp32), alternated, the lowest of
+   ``--repeat`` runs each.
 
     python bench/packed.py [--repeat 3] [--skip-8b] [--skip-engine]
     python bench/packed.py --cuda     # the CUDA library on a GPU (bench/gpu_check.sh runs it)
@@ -140,22 +141,26 @@ def engine_decode(repeat: int, tokens: int = 128) -> None:
     from engine.api import LLM, SamplingParams
 
     print(f"\ndecode in the engine, batch 1, {tokens} tokens (default model, cpu backend, float32):")
-    llms = {q: LLM(backend="cpu", dtype="float32", num_kv_blocks=256, quantization=q) for q in ("auto", "none")}
+    configs = {"auto": dict(quantization="auto"),
+               "auto, int16 activations": dict(quantization="auto", activation_quantization="int16"),
+               "none": dict(quantization="none")}
+    llms = {name: LLM(backend="cpu", dtype="float32", num_kv_blocks=256, **c) for name, c in configs.items()}
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    results: dict[str, list[float]] = {q: [] for q in llms}
+    results: dict[str, list[float]] = {name: [] for name in llms}
     for _ in range(repeat):
-        for q, llm in llms.items():
+        for name, llm in llms.items():
             llm.reset_prefix_cache()
             llm.generate(["Write a story about a lighthouse keeper."], SamplingParams(temperature=0, max_tokens=2))
             start = time.perf_counter()
             llm.generate(["Tell me about the history of the printing press."], params)
-            results[q].append((time.perf_counter() - start) / tokens)
-    auto, none = min(results["auto"]), min(results["none"])
-    for q, llm in llms.items():
+            results[name].append((time.perf_counter() - start) / tokens)
+    best = {name: min(times) for name, times in results.items()}
+    for name, llm in llms.items():
         kinds, resident = llm.engine.model.weight_summary()
-        print(f"  quantization {q:4s}: {min(results[q]) * 1e3:6.2f} ms/token; weights {resident / 1e6:.1f} MB "
-              f"({', '.join(f'{c} {k}' for k, c in kinds.items())})")
-    print(f"  packed is {none / auto:.2f}x faster per token")
+        print(f"  quantization {name:22s}: {best[name] * 1e3:6.2f} ms/token ({best['none'] / best[name]:.2f}x fp32); "
+              f"weights {resident / 1e6:.1f} MB ({', '.join(f'{c} {k}' for k, c in kinds.items())})")
+    print(f"  packed is {best['none'] / best['auto']:.2f}x faster per token; int16 activations "
+          f"{best['auto'] / best['auto, int16 activations']:.2f}x faster than packed alone")
 
 
 def main() -> None:

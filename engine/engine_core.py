@@ -47,7 +47,7 @@ class EngineCore:
         self.device_thread = DeviceThread.shared()
         self.model = model or self.device_thread.run_sync(
             load_model, source, config.load_format, resolve_dtype(config, self.device), self.device, config.seed,
-            config.quantization)
+            config.quantization, config.activation_quantization)
         self.vocab_size = self.model.config.vocab_size
         if config.generation_config == "auto" and self.model.config.sampling_defaults:
             log.info("default sampling values from the model's generation_config.json: %s "

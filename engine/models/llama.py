@@ -267,17 +267,25 @@ class LlamaModel:
     def dtype(self) -> torch.dtype:
         return self.norm.dtype
 
+    def linears(self) -> list[Linear]:
+        """Every matrix product of the model once (a tied LM head is the embedding)."""
+        linears = [self.embed, self.lm_head] + [m for layer in self.layers for m in
+                                                (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+        return list({id(linear): linear for linear in linears}.values())
+
+    def quantize_activations(self, max_rows: int) -> int:
+        """Round the activations of the packed products to int16 (per 32 values) for batches of up
+        to ``max_rows`` rows (``--activation-quantization int16``); returns how many products do."""
+        packed = [linear for linear in self.linears() if isinstance(linear, PackedLinear)]
+        for linear in packed:
+            linear.int16_activation_rows = max_rows
+        return len(packed)
+
     def weight_summary(self) -> tuple[dict[str, int], int]:
         """How the weights are held: tensors per kind (``Q4_1``, ``float32``...), and resident bytes."""
         kinds: dict[str, int] = {}
-        seen: set[int] = set()
         total = 0
-        linears = [self.embed, self.lm_head] + [m for layer in self.layers for m in
-                                                (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-        for linear in linears:
-            if id(linear) in seen:
-                continue
-            seen.add(id(linear))
+        for linear in self.linears():
             kinds[linear.kind] = kinds.get(linear.kind, 0) + 1
             total += linear.nbytes
         norms = [t for layer in self.layers for t in (layer.input_norm, layer.mlp_norm, layer.q_norm, layer.k_norm,

@@ -298,6 +298,113 @@ void linear_rows(const Job& j, int64_t n0, int64_t n1) {
     }
 }
 
+// ---- int16 activations (qm_linear_q16) ----
+// With x rounded per block to int16 (x ~ xd * qx), a block's share of a dot product is
+// d * xd * sum_i q_i qx_i + offset * xd * sum_i qx_i, the first sum in integers (int32, exact):
+// q as unsigned 4-bit values (Q4_0, Q4_1), or signed 8-bit (Q8_0; Q8_M's uint8 moved to int8 by
+// -128, its offset m + 128 d); the offset (-8 d, m, 0 or m + 128 d) is per weight block. Per
+// block this unpacks the weights to int16 once (no conversions to float) and per row of x
+// takes two multiply-add instructions on integers where fp32 activations take four on floats.
+inline float block_offset(int type, const uint8_t* b, float d) {
+    switch (type) {
+        case kQ4_0: return -8.f * d;
+        case kQ4_1: return fp16(b + 2);
+        case kQ8_M: return fp16(b + 2) + 128.f * d;
+        default: return 0.f;
+    }
+}
+
+#if QM_AVX2
+// The block's 32 weight values as two vectors of 16 int16, in order.
+template <int Type>
+inline void block_words(const uint8_t* b, __m256i* w) {
+    if constexpr (Type == kQ8_0) {
+        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(all));
+        w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(all, 1));
+    } else if constexpr (Type == kQ8_M) {
+        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4));
+        w[0] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(all)), _mm256_set1_epi16(128));
+        w[1] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(all, 1)), _mm256_set1_epi16(128));
+    } else {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == kQ4_1 ? 4 : 2)));
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+        w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    }
+}
+#endif
+
+template <int Type, int T>
+void rows_tile_q16(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
+    const int64_t blocks = j.k / 32;
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = j.w + n * j.row_bytes;
+        float acc[T] = {};
+#if QM_AVX2
+        __m256 vacc[T];
+        for (int t = 0; t < T; ++t) vacc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* blk = row + b * j.block_bytes;
+            const float d = fp16(blk), offset = block_offset(Type, blk, d);
+            __m256i w[2];
+            block_words<Type>(blk, w);
+            for (int t = 0; t < T; ++t) {
+                const int64_t xb = (m0 + t) * blocks + b;
+                const __m256i* qx = reinterpret_cast<const __m256i*>(j.xq16 + xb * 32);
+                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(qx)),
+                                                     _mm256_madd_epi16(w[1], _mm256_loadu_si256(qx + 1)));
+                vacc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * j.xd[xb]), _mm256_cvtepi32_ps(dot), vacc[t]);
+                acc[t] += offset * j.xs[xb];
+            }
+        }
+        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = hsum(vacc[t]) + acc[t];
+#else
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* blk = row + b * j.block_bytes;
+            const float d = fp16(blk), offset = block_offset(Type, blk, d);
+            int w[32];
+            if (Type == kQ8_0) {
+                for (int i = 0; i < 32; ++i) w[i] = static_cast<int8_t>(blk[2 + i]);
+            } else if (Type == kQ8_M) {
+                for (int i = 0; i < 32; ++i) w[i] = static_cast<int>(blk[4 + i]) - 128;
+            } else {
+                const uint8_t* s = blk + (Type == kQ4_1 ? 4 : 2);
+                for (int i = 0; i < 16; ++i) {
+                    w[i] = s[i] & 0x0f;
+                    w[i + 16] = s[i] >> 4;
+                }
+            }
+            for (int t = 0; t < T; ++t) {
+                const int64_t xb = (m0 + t) * blocks + b;
+                const int16_t* qx = j.xq16 + xb * 32;
+                int32_t dot = 0;
+                for (int i = 0; i < 32; ++i) dot += w[i] * qx[i];
+                acc[t] += d * j.xd[xb] * static_cast<float>(dot) + offset * j.xs[xb];
+            }
+        }
+        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = acc[t];
+#endif
+    }
+}
+
+template <int Type>
+void linear_rows_q16_of(const Job& j, int64_t n0, int64_t n1) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= j.m; m0 += 4) rows_tile_q16<Type, 4>(j, n0, n1, m0);
+    for (; m0 + 2 <= j.m; m0 += 2) rows_tile_q16<Type, 2>(j, n0, n1, m0);
+    for (; m0 < j.m; ++m0) rows_tile_q16<Type, 1>(j, n0, n1, m0);
+}
+
+void linear_rows_q16(const Job& j, int64_t n0, int64_t n1) {
+    switch (j.type) {
+        case kQ4_0: return linear_rows_q16_of<kQ4_0>(j, n0, n1);
+        case kQ4_1: return linear_rows_q16_of<kQ4_1>(j, n0, n1);
+        case kQ8_0: return linear_rows_q16_of<kQ8_0>(j, n0, n1);
+        case kQ8_M: return linear_rows_q16_of<kQ8_M>(j, n0, n1);
+    }
+}
+
 // One row, dequantized exactly as GGUF's reference does (see block_dequantized8).
 void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out) {
     for (int64_t b = 0; b < k / 32; ++b) {
@@ -326,9 +433,9 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
 
 Kernels kernels() {
 #if QM_AVX2
-    return {linear_rows, dequantize_row, "avx2+fma", true};
+    return {linear_rows, linear_rows_q16, dequantize_row, "avx2+fma", true};
 #else
-    return {linear_rows, dequantize_row, "portable", false};
+    return {linear_rows, linear_rows_q16, dequantize_row, "portable", false};
 #endif
 }
 
