@@ -300,20 +300,10 @@ void linear_rows(const Job& j, int64_t n0, int64_t n1) {
 
 // ---- int16 activations (qm_linear_q16) ----
 // With x rounded per block to int16 (x ~ xd * qx), a block's share of a dot product is
-// d * xd * sum_i q_i qx_i + offset * xd * sum_i qx_i, the first sum in integers (int32, exact):
-// q as unsigned 4-bit values (Q4_0, Q4_1), or signed 8-bit (Q8_0; Q8_M's uint8 moved to int8 by
-// -128, its offset m + 128 d); the offset (-8 d, m, 0 or m + 128 d) is per weight block. Per
-// block this unpacks the weights to int16 once (no conversions to float) and per row of x
-// takes two multiply-add instructions on integers where fp32 activations take four on floats.
-inline float block_offset(int type, const uint8_t* b, float d) {
-    switch (type) {
-        case kQ4_0: return -8.f * d;
-        case kQ4_1: return fp16(b + 2);
-        case kQ8_M: return fp16(b + 2) + 128.f * d;
-        default: return 0.f;
-    }
-}
-
+// d * xd * sum_i q_i qx_i + offset * xd * sum_i qx_i (the offset as in rows_tile), the first sum
+// in integers (int32, exact: |q| <= 255, |qx| <= 32767, 32 terms). Per block this unpacks the
+// weights to int16 once (no conversions to float) and per row of x takes two multiply-add
+// instructions on integers where fp32 activations take four on floats.
 #if QM_AVX2
 // The block's 32 weight values as two vectors of 16 int16, in order.
 template <int Type>
@@ -324,8 +314,8 @@ inline void block_words(const uint8_t* b, __m256i* w) {
         w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(all, 1));
     } else if constexpr (Type == kQ8_M) {
         const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4));
-        w[0] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(all)), _mm256_set1_epi16(128));
-        w[1] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(all, 1)), _mm256_set1_epi16(128));
+        w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(all));
+        w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(all, 1));
     } else {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == kQ4_1 ? 4 : 2)));
         const __m128i mask = _mm_set1_epi8(0x0f);
@@ -346,7 +336,8 @@ void rows_tile_q16(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         for (int t = 0; t < T; ++t) vacc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* blk = row + b * j.block_bytes;
-            const float d = fp16(blk), offset = block_offset(Type, blk, d);
+            float d, offset;
+            scale_offset(Type, blk, &d, &offset);
             __m256i w[2];
             block_words<Type>(blk, w);
             for (int t = 0; t < T; ++t) {
@@ -362,12 +353,13 @@ void rows_tile_q16(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
 #else
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* blk = row + b * j.block_bytes;
-            const float d = fp16(blk), offset = block_offset(Type, blk, d);
+            float d, offset;
+            scale_offset(Type, blk, &d, &offset);
             int w[32];
             if (Type == kQ8_0) {
                 for (int i = 0; i < 32; ++i) w[i] = static_cast<int8_t>(blk[2 + i]);
             } else if (Type == kQ8_M) {
-                for (int i = 0; i < 32; ++i) w[i] = static_cast<int>(blk[4 + i]) - 128;
+                for (int i = 0; i < 32; ++i) w[i] = blk[4 + i];
             } else {
                 const uint8_t* s = blk + (Type == kQ4_1 ? 4 : 2);
                 for (int i = 0; i < 16; ++i) {
