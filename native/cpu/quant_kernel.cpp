@@ -124,10 +124,50 @@ inline void scale_offset(int type, const uint8_t* b, float* d, float* offset) {
     *offset = type == kQ4_1 || type == kQ8_M ? fp16(b + 2) : type == kQ4_0 ? -8.f * *d : 0.f;
 }
 
-// Rows [n0, n1) of y for up to kRowTile rows of x. Per block: the quantized values are dotted
-// with x (float sums), then scaled; the offset term uses the block sums of x (xsum), so
-// sum_i (d q_i + m) x_i is computed as d * sum_i q_i x_i + m * sum_i x_i.
-template <int Type, int T>
+#if QM_AVX2
+// The block's 32 weight values as two vectors of 16 int16, in order (for int16 activations).
+template <int Type>
+inline void block_words(const uint8_t* b, __m256i* w) {
+    if constexpr (Type == kQ8_0) {
+        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+        w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(all));
+        w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(all, 1));
+    } else if constexpr (Type == kQ8_M) {
+        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4));
+        w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(all));
+        w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(all, 1));
+    } else {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == kQ4_1 ? 4 : 2)));
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
+        w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+    }
+}
+#else
+// The block's 32 quantized values as integers (for int16 activations).
+inline void block_ints(int type, const uint8_t* b, int* q) {
+    if (type == kQ8_0) {
+        for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(b[2 + i]);
+    } else if (type == kQ8_M) {
+        for (int i = 0; i < 32; ++i) q[i] = b[4 + i];
+    } else {
+        const uint8_t* s = b + (type == kQ4_1 ? 4 : 2);
+        for (int i = 0; i < 16; ++i) {
+            q[i] = s[i] & 0x0f;
+            q[i + 16] = s[i] >> 4;
+        }
+    }
+}
+#endif
+
+// Rows [n0, n1) of y for T rows of x from m0. Per block: the quantized values are dotted with x,
+// then scaled; the offset term uses the block sums of x (Job::xsum), so sum_i (d q_i + m) x_i is
+// computed as d * sum_i q_i x_i + m * sum_i x_i.
+// With Int16 (qm_linear_q16), x is rounded per block to int16 (x ~ xd * qx): the dot is
+// d * xd * sum_i q_i qx_i, the sum in integers (int32, exact: |q| <= 255, |qx| <= 32767, 32
+// terms). The weights are unpacked to int16 once per block (no conversions to float), and each
+// row of x takes two multiply-add instructions on integers where fp32 activations take four.
+template <int Type, int T, bool Int16>
 void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
     const int64_t blocks = j.k / 32;
     for (int64_t n = n0; n < n1; ++n) {
@@ -141,16 +181,29 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
             float d, offset;
             scale_offset(Type, blk, &d, &offset);
             __m256 q[4];
-            block_values8(Type, blk, q);
+            __m256i w[2];
+            if constexpr (Int16) {
+                block_words<Type>(blk, w);
+            } else {
+                block_values8(Type, blk, q);
+            }
             const __m256 vd = _mm256_set1_ps(d);
             for (int t = 0; t < T; ++t) {
-                const float* x = j.x + (m0 + t) * j.k + b * 32;
-                __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
-                s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), s);
-                s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), s);
-                s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), s);
-                vacc[t] = _mm256_fmadd_ps(vd, s, vacc[t]);
-                acc[t] += offset * j.xsum[(m0 + t) * blocks + b];
+                const int64_t xb = (m0 + t) * blocks + b;
+                if constexpr (Int16) {
+                    const __m256i* qx = reinterpret_cast<const __m256i*>(j.xq16 + xb * 32);
+                    const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(qx)),
+                                                         _mm256_madd_epi16(w[1], _mm256_loadu_si256(qx + 1)));
+                    vacc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * j.xd[xb]), _mm256_cvtepi32_ps(dot), vacc[t]);
+                } else {
+                    const float* x = j.x + xb * 32;
+                    __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
+                    s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), s);
+                    s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), s);
+                    s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), s);
+                    vacc[t] = _mm256_fmadd_ps(vd, s, vacc[t]);
+                }
+                acc[t] += offset * j.xsum[xb];
             }
         }
         for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = hsum(vacc[t]) + acc[t];
@@ -159,15 +212,28 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* blk = row + b * j.block_bytes;
             float d, offset, q[32];
+            int w[32];
             scale_offset(Type, blk, &d, &offset);
-            block_values(Type, blk, q);
+            if constexpr (Int16) {
+                block_ints(Type, blk, w);
+            } else {
+                block_values(Type, blk, q);
+            }
             for (int t = 0; t < T; ++t) {
-                const float* x = j.x + (m0 + t) * j.k + b * 32;
-                for (int l = 0; l < 8; ++l) {
-                    const float s = q[l] * x[l] + q[l + 8] * x[l + 8] + q[l + 16] * x[l + 16] + q[l + 24] * x[l + 24];
-                    lanes[t][l] += d * s;
+                const int64_t xb = (m0 + t) * blocks + b;
+                if constexpr (Int16) {
+                    const int16_t* qx = j.xq16 + xb * 32;
+                    int32_t dot = 0;
+                    for (int i = 0; i < 32; ++i) dot += w[i] * qx[i];
+                    lanes[t][0] += d * j.xd[xb] * static_cast<float>(dot);
+                } else {
+                    const float* x = j.x + xb * 32;
+                    for (int l = 0; l < 8; ++l) {
+                        const float s = q[l] * x[l] + q[l + 8] * x[l + 8] + q[l + 16] * x[l + 16] + q[l + 24] * x[l + 24];
+                        lanes[t][l] += d * s;
+                    }
                 }
-                acc[t] += offset * j.xsum[(m0 + t) * blocks + b];
+                acc[t] += offset * j.xsum[xb];
             }
         }
         for (int t = 0; t < T; ++t) {
@@ -278,15 +344,21 @@ void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
 template <int Type>
 void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
     int64_t m0 = 0;
+    if (j.xq16 != nullptr) {  // int16 activations (from 8 rows fp32 is faster: no tile of 8)
+        for (; m0 + 4 <= j.m; m0 += 4) rows_tile<Type, 4, true>(j, n0, n1, m0);
+        for (; m0 + 2 <= j.m; m0 += 2) rows_tile<Type, 2, true>(j, n0, n1, m0);
+        for (; m0 < j.m; ++m0) rows_tile<Type, 1, true>(j, n0, n1, m0);
+        return;
+    }
 #if QM_AVX2
     if (j.xt != nullptr) return panel_rows<Type>(j, n0, n1);
     for (; m0 + 8 <= j.m; m0 += 8) rows_tile_dequantized<Type, 8>(j, n0, n1, m0);
 #endif
     // Tiles of 8 rows (dequantized blocks), then 4, 2, 1 (folded offsets) share each block's
     // unpacked values; the caller's chunk of output rows stays in L1 from one tile to the next.
-    for (; m0 + 4 <= j.m; m0 += 4) rows_tile<Type, 4>(j, n0, n1, m0);
-    for (; m0 + 2 <= j.m; m0 += 2) rows_tile<Type, 2>(j, n0, n1, m0);
-    for (; m0 < j.m; ++m0) rows_tile<Type, 1>(j, n0, n1, m0);
+    for (; m0 + 4 <= j.m; m0 += 4) rows_tile<Type, 4, false>(j, n0, n1, m0);
+    for (; m0 + 2 <= j.m; m0 += 2) rows_tile<Type, 2, false>(j, n0, n1, m0);
+    for (; m0 < j.m; ++m0) rows_tile<Type, 1, false>(j, n0, n1, m0);
 }
 
 void linear_rows(const Job& j, int64_t n0, int64_t n1) {
@@ -295,105 +367,6 @@ void linear_rows(const Job& j, int64_t n0, int64_t n1) {
         case kQ4_1: return linear_rows_of<kQ4_1>(j, n0, n1);
         case kQ8_0: return linear_rows_of<kQ8_0>(j, n0, n1);
         case kQ8_M: return linear_rows_of<kQ8_M>(j, n0, n1);
-    }
-}
-
-// ---- int16 activations (qm_linear_q16) ----
-// With x rounded per block to int16 (x ~ xd * qx), a block's share of a dot product is
-// d * xd * sum_i q_i qx_i + offset * xd * sum_i qx_i (the offset as in rows_tile), the first sum
-// in integers (int32, exact: |q| <= 255, |qx| <= 32767, 32 terms). Per block this unpacks the
-// weights to int16 once (no conversions to float) and per row of x takes two multiply-add
-// instructions on integers where fp32 activations take four on floats.
-#if QM_AVX2
-// The block's 32 weight values as two vectors of 16 int16, in order.
-template <int Type>
-inline void block_words(const uint8_t* b, __m256i* w) {
-    if constexpr (Type == kQ8_0) {
-        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-        w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(all));
-        w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(all, 1));
-    } else if constexpr (Type == kQ8_M) {
-        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4));
-        w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(all));
-        w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(all, 1));
-    } else {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == kQ4_1 ? 4 : 2)));
-        const __m128i mask = _mm_set1_epi8(0x0f);
-        w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-        w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-    }
-}
-#endif
-
-template <int Type, int T>
-void rows_tile_q16(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
-    const int64_t blocks = j.k / 32;
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = j.w + n * j.row_bytes;
-        float acc[T] = {};
-#if QM_AVX2
-        __m256 vacc[T];
-        for (int t = 0; t < T; ++t) vacc[t] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
-            const uint8_t* blk = row + b * j.block_bytes;
-            float d, offset;
-            scale_offset(Type, blk, &d, &offset);
-            __m256i w[2];
-            block_words<Type>(blk, w);
-            for (int t = 0; t < T; ++t) {
-                const int64_t xb = (m0 + t) * blocks + b;
-                const __m256i* qx = reinterpret_cast<const __m256i*>(j.xq16 + xb * 32);
-                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(qx)),
-                                                     _mm256_madd_epi16(w[1], _mm256_loadu_si256(qx + 1)));
-                vacc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * j.xd[xb]), _mm256_cvtepi32_ps(dot), vacc[t]);
-                acc[t] += offset * j.xs[xb];
-            }
-        }
-        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = hsum(vacc[t]) + acc[t];
-#else
-        for (int64_t b = 0; b < blocks; ++b) {
-            const uint8_t* blk = row + b * j.block_bytes;
-            float d, offset;
-            scale_offset(Type, blk, &d, &offset);
-            int w[32];
-            if (Type == kQ8_0) {
-                for (int i = 0; i < 32; ++i) w[i] = static_cast<int8_t>(blk[2 + i]);
-            } else if (Type == kQ8_M) {
-                for (int i = 0; i < 32; ++i) w[i] = blk[4 + i];
-            } else {
-                const uint8_t* s = blk + (Type == kQ4_1 ? 4 : 2);
-                for (int i = 0; i < 16; ++i) {
-                    w[i] = s[i] & 0x0f;
-                    w[i + 16] = s[i] >> 4;
-                }
-            }
-            for (int t = 0; t < T; ++t) {
-                const int64_t xb = (m0 + t) * blocks + b;
-                const int16_t* qx = j.xq16 + xb * 32;
-                int32_t dot = 0;
-                for (int i = 0; i < 32; ++i) dot += w[i] * qx[i];
-                acc[t] += d * j.xd[xb] * static_cast<float>(dot) + offset * j.xs[xb];
-            }
-        }
-        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = acc[t];
-#endif
-    }
-}
-
-template <int Type>
-void linear_rows_q16_of(const Job& j, int64_t n0, int64_t n1) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= j.m; m0 += 4) rows_tile_q16<Type, 4>(j, n0, n1, m0);
-    for (; m0 + 2 <= j.m; m0 += 2) rows_tile_q16<Type, 2>(j, n0, n1, m0);
-    for (; m0 < j.m; ++m0) rows_tile_q16<Type, 1>(j, n0, n1, m0);
-}
-
-void linear_rows_q16(const Job& j, int64_t n0, int64_t n1) {
-    switch (j.type) {
-        case kQ4_0: return linear_rows_q16_of<kQ4_0>(j, n0, n1);
-        case kQ4_1: return linear_rows_q16_of<kQ4_1>(j, n0, n1);
-        case kQ8_0: return linear_rows_q16_of<kQ8_0>(j, n0, n1);
-        case kQ8_M: return linear_rows_q16_of<kQ8_M>(j, n0, n1);
     }
 }
 
@@ -425,9 +398,9 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
 
 Kernels kernels() {
 #if QM_AVX2
-    return {linear_rows, linear_rows_q16, dequantize_row, "avx2+fma", true};
+    return {linear_rows, dequantize_row, "avx2+fma", true};
 #else
-    return {linear_rows, linear_rows_q16, dequantize_row, "portable", false};
+    return {linear_rows, dequantize_row, "portable", false};
 #endif
 }
 

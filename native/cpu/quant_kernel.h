@@ -16,25 +16,23 @@ struct Job {
     const float* x;
     int64_t m;
     float* y;
-    const float* xsum;  // [m, k / 32]: each block's sum of x (the row tiles; null with xt)
+    const float* xsum;  // [m, k / 32]: each block's sum of x (the row tiles; null with xt); with xq16, xd * sum qx
     // x transposed in slabs of 16 rows, [m_pad / 16][k][16] with rows past m zero (m_pad a
     // multiple of 16), for the panel products of larger batches (AVX2); null below
     // kPanelMinRows rows. A slab is contiguous, so a product walks it in order (a plain
     // [k][m_pad] transpose strode by m_pad: at m = 512 a power-of-two stride, and cache conflicts).
     const float* xt = nullptr;
     int64_t m_pad = 0;
-    // x rounded to int16 per block of 32 (qm_linear_q16): xq16 [m, k], each block's scale xd
-    // [m, k / 32] and its scale times the sum of its integers xs [m, k / 32]
+    // x rounded to int16 per block of 32 (qm_linear_q16): xq16 [m, k] and each block's scale
+    // xd [m, k / 32]; null for fp32 activations
     const int16_t* xq16 = nullptr;
     const float* xd = nullptr;
-    const float* xs = nullptr;
 };
 
 constexpr int64_t kPanelMinRows = 16;  // from this many rows of x, the AVX2 path multiplies panels
 
 struct Kernels {
     void (*linear_rows)(const Job&, int64_t n0, int64_t n1);
-    void (*linear_rows_q16)(const Job&, int64_t n0, int64_t n1);  // with Job::xq16: integer dot products
     void (*dequantize_row)(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out);
     const char* name;
     bool panels;  // multiplies larger batches in panels (Job::xt); the portable path does not

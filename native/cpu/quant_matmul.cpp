@@ -91,55 +91,29 @@ int check(int type, const void* w, int64_t k, const void* out) {
     return 0;
 }
 
-// qm_linear_q16: x rounded to int16 per block of 32 (scale max|x| / 32767, to nearest, ties to
-// even), by the same code for every vector path, so that they all multiply the same integers.
-int linear_q16(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa) {
-    if (check(type, w, k, y) || x == nullptr) return 1;
-    const qm::Kernels* kern = pick(isa);
-    if (kern == nullptr) return 1;
-    if (n <= 0 || m <= 0) return n < 0 || m < 0 ? fail("negative size") : 0;
-    const int64_t blocks = k / 32;
-    static thread_local std::vector<int16_t> xq;
-    static thread_local std::vector<float> xd, xs;
-    xq.resize(static_cast<size_t>(m * k));
-    xd.resize(static_cast<size_t>(m * blocks));
-    xs.resize(static_cast<size_t>(m * blocks));
-    for (int64_t xb = 0; xb < m * blocks; ++xb) {
+// x rounded to int16 per block of 32 (scale max|x| / 32767, to nearest, ties to even) for
+// qm_linear_q16, by the same code for every vector path, so that they all multiply the same
+// integers: the values, each block's scale, and its scale times the sum of its integers.
+void round_to_int16(const float* x, int64_t count, int16_t* q, float* scale, float* sum) {
+    for (int64_t xb = 0; xb < count; ++xb) {
         const float* v = x + xb * 32;
         float amax = 0.f;
         for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
         const float d = amax / 32767.f, inverse = d != 0.f ? 1.f / d : 0.f;
-        int sum = 0;
+        int total = 0;
         for (int i = 0; i < 32; ++i) {
-            const int q = std::clamp(static_cast<int>(std::nearbyint(v[i] * inverse)), -32767, 32767);
-            xq[xb * 32 + i] = static_cast<int16_t>(q);
-            sum += q;
+            const int r = std::clamp(static_cast<int>(std::nearbyint(v[i] * inverse)), -32767, 32767);
+            q[xb * 32 + i] = static_cast<int16_t>(r);
+            total += r;
         }
-        xd[xb] = d;
-        xs[xb] = d * static_cast<float>(sum);
+        scale[xb] = d;
+        sum[xb] = d * static_cast<float>(total);
     }
-    qm::Job job{type, static_cast<const uint8_t*>(w), n, k, qm_row_bytes(type, k), block_bytes(type), x, m, y,
-                nullptr};
-    job.xq16 = xq.data();
-    job.xd = xd.data();
-    job.xs = xs.data();
-    const int64_t chunk = 16, chunks = (n + chunk - 1) / chunk;
-    const int threads = threads_for(n * blocks * m, chunks);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t c = 0; c < chunks; ++c) kern->linear_rows_q16(job, c * chunk, std::min(n, (c + 1) * chunk));
-    return 0;
 }
 
-}  // namespace
-
-extern "C" {
-
-int64_t qm_row_bytes(int type, int64_t k) {
-    if (block_bytes(type) == 0 || k <= 0 || k % 32) return 0;
-    return k / 32 * block_bytes(type);
-}
-
-int qm_linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa) {
+// qm_linear, and with int16_activations qm_linear_q16.
+int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa,
+           bool int16_activations) {
     if (check(type, w, k, y) || x == nullptr) return 1;
     const qm::Kernels* kern = pick(isa);
     if (kern == nullptr) return 1;
@@ -147,8 +121,17 @@ int qm_linear(int type, const void* w, int64_t n, int64_t k, const float* x, int
     const int64_t blocks = k / 32;
     qm::Job job{type, static_cast<const uint8_t*>(w), n, k, qm_row_bytes(type, k), block_bytes(type), x, m, y,
                 nullptr};
-    std::vector<float> xt, xsum;
-    if (m >= qm::kPanelMinRows && kern->panels) {  // x transposed, in slabs of 16 rows, for the panels
+    std::vector<float> xt, xsum, xd;
+    std::vector<int16_t> xq;
+    if (int16_activations) {  // the row tiles, on integers
+        xq.resize(static_cast<size_t>(m * k));
+        xd.resize(static_cast<size_t>(m * blocks));
+        xsum.resize(static_cast<size_t>(m * blocks));
+        round_to_int16(x, m * blocks, xq.data(), xd.data(), xsum.data());
+        job.xq16 = xq.data();
+        job.xd = xd.data();
+        job.xsum = xsum.data();
+    } else if (m >= qm::kPanelMinRows && kern->panels) {  // x transposed, in slabs of 16 rows, for the panels
         job.m_pad = (m + 15) / 16 * 16;
         xt.assign(static_cast<size_t>(k * job.m_pad), 0.f);
         for (int64_t r = 0; r < m; ++r) {
@@ -175,8 +158,21 @@ int qm_linear(int type, const void* w, int64_t n, int64_t k, const float* x, int
     return 0;
 }
 
+}  // namespace
+
+extern "C" {
+
+int64_t qm_row_bytes(int type, int64_t k) {
+    if (block_bytes(type) == 0 || k <= 0 || k % 32) return 0;
+    return k / 32 * block_bytes(type);
+}
+
+int qm_linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa) {
+    return linear(type, w, n, k, x, m, y, isa, false);
+}
+
 int qm_linear_q16(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa) {
-    return linear_q16(type, w, n, k, x, m, y, isa);
+    return linear(type, w, n, k, x, m, y, isa, true);
 }
 
 int qm_dequantize_rows(int type, const void* w, int64_t k, const int64_t* rows, int64_t count, float* out, int isa) {
