@@ -1,6 +1,7 @@
 """Matrix products with weights kept in GGUF's packed block formats (Q4_0, Q4_1, Q8_0; and Q8_M,
 which ``--quantization int8`` makes at load), through
-the native library ``libqm_cpu.so`` (cffi, ABI mode; AVX2+FMA or portable, chosen at load).
+the native library ``libqm_cpu.so`` (cffi, ABI mode; AVX-512 with or without VNNI, AVX2+FMA or
+portable: the best this CPU runs, chosen at load; ``QM_CPU_ISA`` caps it).
 
 A packed weight is a uint8 tensor ``[N, row_bytes]``: N output rows of K values each, in
 blocks of 32 exactly as the GGUF file stores them.
@@ -8,6 +9,7 @@ blocks of 32 exactly as the GGUF file stores them.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from pathlib import Path
 
@@ -20,11 +22,17 @@ HEADER = Path(__file__).resolve().parent.parent / "native" / "include" / "quant_
 # minimum, 32 uint8), which is not a GGUF type (native/include/quant_matmul.h)
 TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34), "Q8_M": (100, 36)}
 BLOCK = 32
-ISAS = {"best": 0, "portable": 1, "avx2": 2}
+# vector path -> the C API's isa argument; the names after "best" are also what qm_isa reports
+# (with "avx2+fma" for avx2) and what QM_CPU_ISA accepts
+ISAS = {"best": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512+vnni": 4}
+ISA_CAP_VARIABLE = "QM_CPU_ISA"
 
 
 @cache
 def library():
+    cap = os.environ.get(ISA_CAP_VARIABLE)
+    if cap is not None and cap not in (*list(ISAS)[1:], "avx2+fma"):
+        raise ValueError(f"{ISA_CAP_VARIABLE}={cap!r}: expected one of portable, avx2, avx512, avx512+vnni")
     return native.load_library("qm_cpu", "cpu", HEADER, "packed-weight kernels")
 
 
@@ -33,7 +41,7 @@ def _ffi():
 
 
 def isa() -> str:
-    """The vector path the library uses on this CPU ("avx2+fma" or "portable")."""
+    """The vector path the library uses on this CPU ("avx512+vnni", "avx512", "avx2+fma" or "portable")."""
     return _ffi().string(library().qm_isa()).decode()
 
 

@@ -5,12 +5,14 @@
    weight, and the tiled path (dequantize + GEMM) the engine takes above the crossover it
    measures at start (``packed_max_rows``). At M = 1: GB/s of packed weights read, as a fraction of this
    machine's copy bandwidth (a large ``Tensor.copy_``, bytes read per second).
-2. Decode inside the engine, batch 1 (schedule + forward + sample): ms per output token of
+2. Each vector path this CPU runs (portable, AVX2, AVX-512, AVX-512 with VNNI), same shapes,
+   fp32 and int16 activations, as ratios to the AVX2 path measured alongside (``--paths``).
+3. Decode inside the engine, batch 1 (schedule + forward + sample): ms per output token of
    the default model with ``quantization="auto"`` (packed), the same with
    ``activation_quantization="int16"``, and ``"none"`` (fp32), alternated, the lowest of
    ``--repeat`` runs each.
 
-    python bench/packed.py [--repeat 3] [--skip-8b] [--skip-engine]
+    python bench/packed.py [--repeat 3] [--skip-8b] [--skip-engine] [--paths]
     python bench/packed.py --cuda     # the CUDA library on a GPU (bench/gpu_check.sh runs it)
 """
 
@@ -95,6 +97,32 @@ def kernels(shapes, label: str, bandwidth: float, rows=(1, 8, 32, 128)) -> None:
             del weight
 
 
+def vector_paths(shapes, label: str, rows=(1, 2, 8, 16, 64, 128)) -> None:
+    """Every vector path this CPU runs on the same weights and x, alternated call by call, as
+    ratios to AVX2 (int16: ``--activation-quantization int16``'s kernel, at up to 2 rows)."""
+    isas = [isa for isa in ("avx2", "avx512", "avx512+vnni") if packed.isa_supported(isa)]
+    if len(isas) < 2:
+        print(f"\n{label}: only {isas or ['portable']} here: nothing to compare")
+        return
+    print(f"\n{label}, ms per call on {' / '.join(isas)} (and AVX2's time / each path's)")
+    for kind in ("Q4_0", "Q4_1", "Q8_0"):
+        for name, n, k in shapes:
+            data = random_packed(kind, n, k)
+            cells = []
+            for m in rows:
+                x = torch.randn(m, k)
+                for int16 in (False, True) if m <= 2 else (False,):
+                    times = {isa: [] for isa in isas}
+                    for _ in range(5):  # alternated, so that a noisy moment hits every path
+                        for isa in isas:
+                            times[isa].append(best(lambda: packed.linear(x, data, kind, k, isa, int16), 4))
+                    t = {isa: min(v) for isa, v in times.items()}
+                    ratios = "/".join(f"{t['avx2'] / t[isa]:.2f}" for isa in isas[1:])
+                    cells.append(f"M={m}{' int16' if int16 else ''}: "
+                                 f"{'/'.join(f'{v * 1e3:.3f}' for v in t.values())} ({ratios}x)")
+            print(f"  {kind} {name:8s} {n:6d}x{k:<6d} " + "; ".join(cells), flush=True)
+
+
 def cuda_time(fn, repeat: int = 20) -> float:
     """Seconds per call of ``fn`` on the GPU (CUDA events around ``repeat`` calls, after a warm-up)."""
     fn()
@@ -169,12 +197,18 @@ def main() -> None:
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--cuda", action="store_true", help="the CUDA library's kernels instead (needs a GPU)")
+    parser.add_argument("--paths", action="store_true", help="only the vector paths this CPU runs, against AVX2")
     args = parser.parse_args()
     if args.cuda:
         cuda_kernels(SMOLLM, "SmolLM2-135M shapes")
         cuda_kernels(LLAMA_8B, "Llama-3-8B shapes")
         return
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, packed kernels: {packed.isa()}")
+    if args.paths:
+        vector_paths(SMOLLM, "SmolLM2-135M shapes")
+        if not args.skip_8b:
+            vector_paths(LLAMA_8B, "Llama-3-8B shapes", rows=(1, 2, 8, 32))
+        return
     # The engine first: the kernels below run OpenMP on this thread too, and a second pool of
     # OpenMP threads (more threads than cores) makes libgomp stop spinning between regions,
     # which slowed the engine's step 1.7x when it ran after them.

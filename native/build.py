@@ -56,7 +56,8 @@ def build_cpu(out: Path) -> Path:
 
 
 def build_quant_cpu(out: Path) -> Path:
-    """The packed-weight (GGUF Q4_0/Q4_1/Q8_0) matrix library: AVX2+FMA+F16C and portable variants."""
+    """The packed-weight (GGUF Q4_0/Q4_1/Q8_0) matrix library: AVX-512 (with and without VNNI),
+    AVX2+FMA+F16C and portable variants, the library picking one at load."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX): the packed-weight kernels cannot be built")
@@ -66,7 +67,10 @@ def build_quant_cpu(out: Path) -> Path:
               f"-I{ROOT / 'include'}", f"-I{ROOT / 'cpu'}"]
     with tempfile.TemporaryDirectory() as tmp:
         objects = []
-        for variant, flags in (("qm_avx2", ["-mavx2", "-mfma", "-mf16c"]), ("qm_portable", [])):
+        avx2 = ["-mavx2", "-mfma", "-mf16c"]
+        avx512 = [*avx2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+        for variant, flags in (("qm_avx512_vnni", [*avx512, "-mavx512vnni"]), ("qm_avx512", avx512),
+                               ("qm_avx2", avx2), ("qm_portable", [])):
             if flags and not _is_x86():
                 continue
             obj = Path(tmp) / f"quant_{variant}.o"

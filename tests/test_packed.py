@@ -5,6 +5,11 @@ the loader's checks; the default model's resident weight size."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +23,8 @@ from engine.errors import ConfigError
 from engine.models.linear import PackedLinear, quantize_q8_m
 
 KINDS = list(packed.TYPES)
-ISAS = [isa for isa in ("portable", "avx2") if packed.isa_supported(isa)]
+VECTOR_PATHS = ("avx2", "avx512", "avx512+vnni")  # each needs the one before it
+ISAS = [isa for isa in ("portable", *VECTOR_PATHS) if packed.isa_supported(isa)]
 
 
 def q8_m_reference(data: torch.Tensor, k: int) -> torch.Tensor:
@@ -113,14 +119,50 @@ def test_packed_linear_rounds_activations_only_in_small_batches():
     assert [nearer_int16(batch(m)) for m in (1, 2, 3, 32)] == [True, True, False, False]
 
 
-def test_the_vector_paths_agree(monkeypatch):
-    if "avx2" not in ISAS:
-        pytest.skip("this CPU has no AVX2")
+@pytest.mark.parametrize("isa", [isa for isa in VECTOR_PATHS if isa in ISAS] or [pytest.param("avx2", marks=pytest.mark.skip("this CPU has no AVX2"))])
+def test_each_vector_path_agrees_with_the_portable_one(isa):
     data, _ = packed_weight("Q4_1", 64, 576)
-    x = torch.randn(5, 576)
-    fast, portable = packed.linear(x, data, "Q4_1", 576, isa="avx2"), packed.linear(x, data, "Q4_1", 576, isa="portable")
-    assert torch.allclose(fast, portable, rtol=1e-4, atol=1e-4)  # the same sums; AVX2 fuses its multiply-adds
-    assert packed.isa() == "avx2+fma"
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(5))
+    for int16 in (False, True):
+        fast = packed.linear(x, data, "Q4_1", 576, isa=isa, int16_activations=int16)
+        portable = packed.linear(x, data, "Q4_1", 576, isa="portable", int16_activations=int16)
+        assert torch.allclose(fast, portable, rtol=1e-4, atol=1e-4)  # the same sums; fused multiply-adds
+
+
+def test_the_library_runs_the_best_path_this_cpu_has():
+    assert packed.isa() == {"portable": "portable", "avx2": "avx2+fma"}.get(ISAS[-1], ISAS[-1])
+    for isa in ISAS:
+        assert packed.isa_supported(isa)
+
+
+def test_qm_cpu_isa_caps_the_path_and_an_unknown_one_is_a_clear_error():
+    """QM_CPU_ISA (read when the library loads: a fresh process each) caps the vector path, for a
+    machine that reports instructions it will not run."""
+    def isa_with(cap: str) -> subprocess.CompletedProcess:
+        code = "from backends import packed; print(packed.isa())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env={**os.environ, "QM_CPU_ISA": cap}, cwd=Path(__file__).resolve().parent.parent)
+
+    assert isa_with("portable").stdout.strip() == "portable"
+    if "avx2" in ISAS:
+        assert isa_with("avx2").stdout.strip() == "avx2+fma"
+    # a cap above what the CPU runs leaves the best it runs
+    assert isa_with("avx512+vnni").stdout.strip() == packed.isa()
+    unknown = isa_with("sse9")
+    assert unknown.returncode != 0 and "QM_CPU_ISA='sse9': expected one of" in unknown.stderr
+
+
+def test_a_path_the_cpu_does_not_run_or_an_unknown_one_is_refused():
+    data, _ = packed_weight("Q8_0", 4, 64)
+    x, y = torch.randn(1, 64), torch.empty(1, 4)
+    lib, ffi = packed.library(), packed._ffi()
+    rc = lib.qm_linear(8, ffi.cast("void *", data.data_ptr()), 4, 64, ffi.cast("float *", x.data_ptr()), 1,
+                       ffi.cast("float *", y.data_ptr()), 7)
+    assert rc == 1 and ffi.string(lib.qm_last_error()).decode() == "unknown isa 7"
+    missing = [isa for isa in VECTOR_PATHS if isa not in ISAS]
+    if missing:
+        with pytest.raises(packed.native.NativeKernelError, match="this CPU does not run"):
+            packed.linear(x, data, "Q8_0", 64, isa=missing[0])
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -14,7 +14,9 @@ import attrs
 import numpy as np
 import torch
 
+from backends.packed import ISA_CAP_VARIABLE
 from backends.packed import TYPES as _PACKED
+from backends.packed import isa as packed_isa
 from backends.packed import unavailable_reason as packed_unavailable_reason
 from engine.errors import ConfigError
 from engine.models import families
@@ -123,6 +125,9 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     kinds, resident = model.weight_summary()
     log.info("weights (quantization %s): %s; %.1f MB resident", quantization,
              ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())), resident / 1e6)
+    if device == "cpu" and any(kind in _PACKED for kind in kinds):
+        cap = os.environ.get(ISA_CAP_VARIABLE)
+        log.info("packed-weight kernels: %s%s", packed_isa(), f" (capped by {ISA_CAP_VARIABLE}={cap})" if cap else "")
     return model
 
 

@@ -1,7 +1,9 @@
 // The per-row work of the packed-weight library (quant_matmul.cpp has the design). Compiled
-// twice: with -mavx2 -mfma -mf16c -DQM_NS=qm_avx2 (intrinsics below), and plain with
-// -DQM_NS=qm_portable. Both compute the same sums in the same order per 8-lane group (AVX2 with
-// fused multiply-adds, so the last bits may differ).
+// four times: -DQM_NS=qm_portable (plain C++), qm_avx2 (-mavx2 -mfma -mf16c), qm_avx512 (the
+// same plus -mavx512f/bw/vl/dq) and qm_avx512_vnni (plus -mavx512vnni). The vector code is
+// written once over `Simd` (8 fp32 lanes for AVX2, 16 for AVX-512): a block of 32 values is
+// kVecs vectors. Every path computes the same sums per block (the vector ones with fused
+// multiply-adds and sums in another order, so the last bits may differ).
 
 #include <algorithm>
 #include <cmath>
@@ -12,12 +14,15 @@
 #include "quant_kernel.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define QM_AVX2 1
+#define QM_AVX2 1  // vector code (AVX2, or AVX-512 where QM_AVX512 is set too)
 #include <immintrin.h>
+#endif
+#if QM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define QM_AVX512 1
 #endif
 
 #ifndef QM_NS
-#error "compile with -DQM_NS=qm_avx2 or -DQM_NS=qm_portable"
+#error "compile with -DQM_NS=qm_avx512_vnni, qm_avx512, qm_avx2 or qm_portable"
 #endif
 
 namespace qm {
@@ -68,53 +73,85 @@ inline void block_values(int type, const uint8_t* b, float* q) {
 }
 
 #if QM_AVX2
-// Four vectors of 8 floats: the block's quantized values, in order.
-inline void block_values8(int type, const uint8_t* b, __m256* q) {
-    if (type == kQ8_0) {
-        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-        const __m128i lo = _mm256_castsi256_si128(all), hi = _mm256_extracti128_si256(all, 1);
-        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-        return;
+#if QM_AVX512
+// 16 fp32 lanes; a block of 32 values is two vectors.
+struct Simd {
+    using V = __m512;
+    static constexpr int kLanes = 16;
+    static V zero() { return _mm512_setzero_ps(); }
+    static V set1(float f) { return _mm512_set1_ps(f); }
+    static V broadcast(const float* p) { return _mm512_set1_ps(*p); }  // folds into the FMA's operand
+    static V load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+    static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    static float hsum(V v) { return _mm512_reduce_add_ps(v); }
+    static V from_i8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }   // 16 bytes
+    static V from_u8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+};
+#else
+// 8 fp32 lanes; a block of 32 values is four vectors.
+struct Simd {
+    using V = __m256;
+    static constexpr int kLanes = 8;
+    static V zero() { return _mm256_setzero_ps(); }
+    static V set1(float f) { return _mm256_set1_ps(f); }
+    static V broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
+    static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    static float hsum(V v) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
     }
-    if (type == kQ8_M) {
-        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4));
+    static V from_i8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }   // the low 8 bytes
+    static V from_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+};
+#endif
+using V = Simd::V;
+constexpr int kVecs = 32 / Simd::kLanes;  // vectors per block of 32 values
+
+// 32 bytes as kVecs vectors of floats, in order (Signed: int8, else uint8).
+template <bool Signed>
+inline void bytes_to_vectors(__m128i lo, __m128i hi, V* q) {
+    const __m128i halves[2] = {lo, hi};
+    for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < kVecs / 2; ++i) {  // (AVX2: two vectors of 8 per 16 bytes)
+            const __m128i part = i ? _mm_srli_si128(halves[h], 8) : halves[h];
+            q[h * kVecs / 2 + i] = Signed ? Simd::from_i8(part) : Simd::from_u8(part);
+        }
+}
+
+// The block's quantized values, in order.
+inline void block_vectors(int type, const uint8_t* b, V* q) {
+    if (type == kQ8_0 || type == kQ8_M) {
+        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (type == kQ8_0 ? 2 : 4)));
         const __m128i lo = _mm256_castsi256_si128(all), hi = _mm256_extracti128_si256(all, 1);
-        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        return;
+        return type == kQ8_0 ? bytes_to_vectors<true>(lo, hi, q) : bytes_to_vectors<false>(lo, hi, q);
     }
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (type == kQ4_1 ? 4 : 2)));
     const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    bytes_to_vectors<false>(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), q);
 }
 
 // The block's 32 values as GGUF's reference dequantizes them: d * q + m, rounded after each
 // step (Q8_M, which is not a GGUF type, the same way as Q4_1), or (q - 8) * d, or q * d.
-inline void block_dequantized8(int type, const uint8_t* b, __m256* w) {
-    block_values8(type, b, w);
-    const __m256 vd = _mm256_set1_ps(fp16(b));
+inline void block_dequantized(int type, const uint8_t* b, V* w) {
+    block_vectors(type, b, w);
+    const V vd = Simd::set1(fp16(b));
     if (type == kQ4_1 || type == kQ8_M) {
-        const __m256 vm = _mm256_set1_ps(fp16(b + 2));
-        for (int i = 0; i < 4; ++i) w[i] = _mm256_add_ps(_mm256_mul_ps(vd, w[i]), vm);
+        const V vm = Simd::set1(fp16(b + 2));
+        for (int i = 0; i < kVecs; ++i) w[i] = Simd::add(Simd::mul(vd, w[i]), vm);
     } else {
-        const __m256 shift = _mm256_set1_ps(type == kQ4_0 ? 8.f : 0.f);
-        for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(_mm256_sub_ps(w[i], shift), vd);
+        const V shift = Simd::set1(type == kQ4_0 ? 8.f : 0.f);
+        for (int i = 0; i < kVecs; ++i) w[i] = Simd::mul(Simd::sub(w[i], shift), vd);
     }
-}
-
-inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 
@@ -125,23 +162,49 @@ inline void scale_offset(int type, const uint8_t* b, float* d, float* offset) {
 }
 
 #if QM_AVX2
-// The block's 32 weight values as two vectors of 16 int16, in order (for int16 activations).
+// The block's 32 weight values as int16 (for int16 activations): one vector of 32 on AVX-512,
+// two of 16 on AVX2.
+#if QM_AVX512
+struct Words { __m512i v; };
+#else
+struct Words { __m256i v[2]; };
+#endif
+
 template <int Type>
-inline void block_words(const uint8_t* b, __m256i* w) {
-    if constexpr (Type == kQ8_0) {
-        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
-        w[0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(all));
-        w[1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(all, 1));
-    } else if constexpr (Type == kQ8_M) {
-        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 4));
-        w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(all));
-        w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(all, 1));
+inline Words block_words(const uint8_t* b) {
+    __m256i bytes;  // the 32 values as bytes, in order
+    if constexpr (Type == kQ8_0 || Type == kQ8_M) {
+        bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (Type == kQ8_0 ? 2 : 4)));
     } else {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == kQ4_1 ? 4 : 2)));
+        const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == kQ4_1 ? 4 : 2)));
         const __m128i mask = _mm_set1_epi8(0x0f);
-        w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-        w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
+        bytes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), mask), _mm_and_si128(packed, mask));
     }
+#if QM_AVX512
+    return {Type == kQ8_0 ? _mm512_cvtepi8_epi16(bytes) : _mm512_cvtepu8_epi16(bytes)};
+#else
+    const __m128i lo = _mm256_castsi256_si128(bytes), hi = _mm256_extracti128_si256(bytes, 1);
+    if constexpr (Type == kQ8_0) return {{_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi)}};
+    return {{_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi)}};
+#endif
+}
+
+// The block's integer dot product with 32 int16 of x, as kLanes partial sums in floats (int32
+// until then: exact, |q| <= 255 and |qx| <= 32767 over 32 terms). With VNNI one instruction
+// multiplies, pairs and accumulates.
+inline V int16_dot(const Words& w, const int16_t* qx) {
+#if QM_AVX512
+    const __m512i x = _mm512_loadu_si512(qx);
+#if defined(__AVX512VNNI__)
+    return _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w.v, x));
+#else
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(w.v, x));
+#endif
+#else
+    const __m256i* x = reinterpret_cast<const __m256i*>(qx);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w.v[0], _mm256_loadu_si256(x)),
+                                               _mm256_madd_epi16(w.v[1], _mm256_loadu_si256(x + 1))));
+#endif
 }
 #else
 // The block's 32 quantized values as integers (for int16 activations).
@@ -166,7 +229,8 @@ inline void block_ints(int type, const uint8_t* b, int* q) {
 // With Int16 (qm_linear_q16), x is rounded per block to int16 (x ~ xd * qx): the dot is
 // d * xd * sum_i q_i qx_i, the sum in integers (int32, exact: |q| <= 255, |qx| <= 32767, 32
 // terms). The weights are unpacked to int16 once per block (no conversions to float), and each
-// row of x takes two multiply-add instructions on integers where fp32 activations take four.
+// row of x takes one or two multiply-add instructions on integers where fp32 activations take
+// two or four.
 template <int Type, int T, bool Int16>
 void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
     const int64_t blocks = j.k / 32;
@@ -174,39 +238,34 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         const uint8_t* row = j.w + n * j.row_bytes;
         float acc[T] = {};
 #if QM_AVX2
-        __m256 vacc[T];
-        for (int t = 0; t < T; ++t) vacc[t] = _mm256_setzero_ps();
+        V vacc[T];
+        for (int t = 0; t < T; ++t) vacc[t] = Simd::zero();
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* blk = row + b * j.block_bytes;
             float d, offset;
             scale_offset(Type, blk, &d, &offset);
-            __m256 q[4];
-            __m256i w[2];
+            V q[kVecs];
+            Words w;
             if constexpr (Int16) {
-                block_words<Type>(blk, w);
+                w = block_words<Type>(blk);
             } else {
-                block_values8(Type, blk, q);
+                block_vectors(Type, blk, q);
             }
-            const __m256 vd = _mm256_set1_ps(d);
+            const V vd = Simd::set1(d);
             for (int t = 0; t < T; ++t) {
                 const int64_t xb = (m0 + t) * blocks + b;
                 if constexpr (Int16) {
-                    const __m256i* qx = reinterpret_cast<const __m256i*>(j.xq16 + xb * 32);
-                    const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(w[0], _mm256_loadu_si256(qx)),
-                                                         _mm256_madd_epi16(w[1], _mm256_loadu_si256(qx + 1)));
-                    vacc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * j.xd[xb]), _mm256_cvtepi32_ps(dot), vacc[t]);
+                    vacc[t] = Simd::fmadd(Simd::set1(d * j.xd[xb]), int16_dot(w, j.xq16 + xb * 32), vacc[t]);
                 } else {
                     const float* x = j.x + xb * 32;
-                    __m256 s = _mm256_mul_ps(q[0], _mm256_loadu_ps(x));
-                    s = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(x + 8), s);
-                    s = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), s);
-                    s = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), s);
-                    vacc[t] = _mm256_fmadd_ps(vd, s, vacc[t]);
+                    V s = Simd::mul(q[0], Simd::load(x));
+                    for (int i = 1; i < kVecs; ++i) s = Simd::fmadd(q[i], Simd::load(x + i * Simd::kLanes), s);
+                    vacc[t] = Simd::fmadd(vd, s, vacc[t]);
                 }
                 acc[t] += offset * j.xsum[xb];
             }
         }
-        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = hsum(vacc[t]) + acc[t];
+        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = Simd::hsum(vacc[t]) + acc[t];
 #else
         float lanes[T][8] = {};
         for (int64_t b = 0; b < blocks; ++b) {
@@ -265,47 +324,47 @@ void dequantize_panel(const Job& j, int64_t nb, int nn, float* panel) {
     }
 }
 
-// Larger batches as a small GEMM: six output rows of W are dequantized into a panel (in L1),
-// and a 16 x 6 block of y is accumulated in twelve registers from a slab of x transposed (16
-// rows of x per vector pair) times each panel value broadcast: per k, two loads of x, six
-// broadcasts, twelve fused multiply-adds, and no horizontal sums. The slabs are taken a few at
+// Larger batches as a small GEMM: kNr output rows of W are dequantized into a panel, and a 16 x
+// kNr block of y is accumulated in twelve registers from a slab of x transposed (16 rows of x
+// per k: two vectors on AVX2, kNr = 6; one on AVX-512, kNr = 12) times each panel value
+// broadcast: per k, one or two loads of x, kNr broadcasts (AVX-512 folds them into the
+// multiply-adds), twelve fused multiply-adds, and no horizontal sums. The slabs are taken a few at
 // a time (kSlabFloatsPerPass), each panel dequantized again for every pass (~1% of the work at
 // 64 rows a pass): streaming all of a large batch's x once per panel ran at half the speed.
 template <int Type>
 void panel_rows(const Job& j, int64_t n0, int64_t n1) {
-    constexpr int kNr = 6;
+    constexpr int kSlabVecs = 16 / Simd::kLanes, kNr = 12 / kSlabVecs;
     const int64_t K = j.k, slab = 16 * K, slabs = j.m_pad / 16;
     const int64_t slabs_per_pass = std::max<int64_t>(1, kSlabFloatsPerPass / slab);
     static thread_local std::vector<float> panel_storage;
     panel_storage.resize(static_cast<size_t>(kNr * K));
     float* panel = panel_storage.data();
-    alignas(32) float block[kNr][16];
+    alignas(64) float block[kNr][16];
     for (int64_t pass = 0; pass < slabs; pass += slabs_per_pass) {
         const int64_t pass_end = std::min(slabs, pass + slabs_per_pass);
         for (int64_t nb = n0; nb < n1; nb += kNr) {
             const int nn = static_cast<int>(std::min<int64_t>(kNr, n1 - nb));
             dequantize_panel<Type, kNr>(j, nb, nn, panel);
             for (int64_t s = pass; s < pass_end; ++s) {
-                __m256 c[kNr][2];
-#pragma GCC unroll 6
-                for (int r = 0; r < kNr; ++r) c[r][0] = c[r][1] = _mm256_setzero_ps();
+                V c[kNr][kSlabVecs];
+#pragma GCC unroll 12
+                for (int r = 0; r < kNr; ++r)
+                    for (int v = 0; v < kSlabVecs; ++v) c[r][v] = Simd::zero();
                 const float* xt = j.xt + s * slab;
                 for (int64_t kk = 0; kk < K; ++kk) {
-                    const __m256 x0 = _mm256_loadu_ps(xt + 16 * kk), x1 = _mm256_loadu_ps(xt + 16 * kk + 8);
-#pragma GCC unroll 6
+                    V x[kSlabVecs];
+                    for (int v = 0; v < kSlabVecs; ++v) x[v] = Simd::load(xt + 16 * kk + v * Simd::kLanes);
+#pragma GCC unroll 12
                     for (int r = 0; r < kNr; ++r) {
-                        const __m256 wv = _mm256_broadcast_ss(panel + r * K + kk);
-                        c[r][0] = _mm256_fmadd_ps(wv, x0, c[r][0]);
-                        c[r][1] = _mm256_fmadd_ps(wv, x1, c[r][1]);
+                        const V wv = Simd::broadcast(panel + r * K + kk);
+                        for (int v = 0; v < kSlabVecs; ++v) c[r][v] = Simd::fmadd(wv, x[v], c[r][v]);
                     }
                 }
                 // (stored with constant indexes first: a runtime index into c would make the
                 // compiler keep c in memory and store it on every k)
-#pragma GCC unroll 6
-                for (int r = 0; r < kNr; ++r) {
-                    _mm256_store_ps(block[r], c[r][0]);
-                    _mm256_store_ps(block[r] + 8, c[r][1]);
-                }
+#pragma GCC unroll 12
+                for (int r = 0; r < kNr; ++r)
+                    for (int v = 0; v < kSlabVecs; ++v) Simd::store(block[r] + v * Simd::kLanes, c[r][v]);
                 const int64_t m0 = 16 * s, rows = std::min<int64_t>(16, j.m - m0);
                 for (int r = 0; r < nn; ++r)
                     for (int64_t i = 0; i < rows; ++i) j.y[(m0 + i) * j.n + nb + r] = block[r][i];
@@ -316,26 +375,22 @@ void panel_rows(const Job& j, int64_t n0, int64_t n1) {
 
 // Larger batches: each block is dequantized in registers once (d * q + m, rounded as GGUF's
 // reference does) and multiplied into T rows of x, one accumulator per row: per block and
-// row, four fused multiply-adds and no per-block scaling or offset work.
+// row, kVecs fused multiply-adds and no per-block scaling or offset work.
 template <int Type, int T>
 void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
     const int64_t blocks = j.k / 32;
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = j.w + n * j.row_bytes;
-        __m256 acc[T];
-        for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+        V acc[T];
+        for (int t = 0; t < T; ++t) acc[t] = Simd::zero();
         for (int64_t b = 0; b < blocks; ++b) {
-            __m256 w[4];
-            block_dequantized8(Type, row + b * j.block_bytes, w);
+            V w[kVecs];
+            block_dequantized(Type, row + b * j.block_bytes, w);
             const float* x = j.x + m0 * j.k + b * 32;
-            for (int t = 0; t < T; ++t, x += j.k) {
-                acc[t] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(x), acc[t]);
-                acc[t] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), acc[t]);
-                acc[t] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), acc[t]);
-                acc[t] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), acc[t]);
-            }
+            for (int t = 0; t < T; ++t, x += j.k)
+                for (int i = 0; i < kVecs; ++i) acc[t] = Simd::fmadd(w[i], Simd::load(x + i * Simd::kLanes), acc[t]);
         }
-        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = hsum(acc[t]);
+        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = Simd::hsum(acc[t]);
     }
 }
 #endif
@@ -370,15 +425,15 @@ void linear_rows(const Job& j, int64_t n0, int64_t n1) {
     }
 }
 
-// One row, dequantized exactly as GGUF's reference does (see block_dequantized8).
+// One row, dequantized exactly as GGUF's reference does (see block_dequantized).
 void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out) {
     for (int64_t b = 0; b < k / 32; ++b) {
         const uint8_t* blk = row + b * block_bytes;
         float* o = out + b * 32;
 #if QM_AVX2
-        __m256 w[4];
-        block_dequantized8(type, blk, w);
-        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, w[i]);
+        V w[kVecs];
+        block_dequantized(type, blk, w);
+        for (int i = 0; i < kVecs; ++i) Simd::store(o + i * Simd::kLanes, w[i]);
 #else
         const float d = fp16(blk);
         float q[32];
@@ -397,7 +452,11 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
 }  // namespace
 
 Kernels kernels() {
-#if QM_AVX2
+#if QM_AVX512 && defined(__AVX512VNNI__)
+    return {linear_rows, dequantize_row, "avx512+vnni", true};
+#elif QM_AVX512
+    return {linear_rows, dequantize_row, "avx512", true};
+#elif QM_AVX2
     return {linear_rows, dequantize_row, "avx2+fma", true};
 #else
     return {linear_rows, dequantize_row, "portable", false};

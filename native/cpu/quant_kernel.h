@@ -1,5 +1,6 @@
-// Internal to the packed-weight library: the per-row kernels, compiled twice (quant_kernel.cpp)
-// into namespaces qm_avx2 and qm_portable; quant_matmul.cpp picks one per call.
+// Internal to the packed-weight library: the per-row kernels, compiled four times
+// (quant_kernel.cpp) into namespaces qm_avx512_vnni, qm_avx512, qm_avx2 and qm_portable;
+// quant_matmul.cpp picks one per call.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +19,7 @@ struct Job {
     float* y;
     const float* xsum;  // [m, k / 32]: each block's sum of x (the row tiles; null with xt); with xq16, xd * sum qx
     // x transposed in slabs of 16 rows, [m_pad / 16][k][16] with rows past m zero (m_pad a
-    // multiple of 16), for the panel products of larger batches (AVX2); null below
+    // multiple of 16), for the panel products of larger batches (vector paths); null below
     // kPanelMinRows rows. A slab is contiguous, so a product walks it in order (a plain
     // [k][m_pad] transpose strode by m_pad: at m = 512 a power-of-two stride, and cache conflicts).
     const float* xt = nullptr;
@@ -29,7 +30,7 @@ struct Job {
     const float* xd = nullptr;
 };
 
-constexpr int64_t kPanelMinRows = 16;  // from this many rows of x, the AVX2 path multiplies panels
+constexpr int64_t kPanelMinRows = 16;  // from this many rows of x, the vector paths multiply panels
 
 struct Kernels {
     void (*linear_rows)(const Job&, int64_t n0, int64_t n1);
@@ -38,6 +39,8 @@ struct Kernels {
     bool panels;  // multiplies larger batches in panels (Job::xt); the portable path does not
 };
 
+namespace qm_avx512_vnni { Kernels kernels(); }
+namespace qm_avx512 { Kernels kernels(); }
 namespace qm_avx2 { Kernels kernels(); }
 namespace qm_portable { Kernels kernels(); }
 

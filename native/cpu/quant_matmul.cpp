@@ -9,10 +9,20 @@
 // batches are better served by dequantizing a tile of rows (qm_dequantize_range) and an
 // optimized GEMM; the caller picks by M.
 //
-// The arithmetic (quant_kernel.cpp) is compiled twice, AVX2+FMA+F16C and portable; the best the
-// CPU runs is picked at load time, never by compile flags of the library.
+// The arithmetic (quant_kernel.cpp) is compiled four times: AVX-512 with VNNI, AVX-512
+// (F/BW/VL/DQ), AVX2+FMA+F16C and portable. The best one the CPU runs and the OS enables is
+// picked at load time, never by compile flags of the library; QM_CPU_ISA in the environment
+// (portable, avx2, avx512 or avx512+vnni) caps the choice, for a machine that reports more
+// than it runs.
 
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(QM_NO_AVX2)
+#define QM_X86 1
+#include <cpuid.h>
+#endif
 #include <omp.h>
+
+#include <cstdlib>
+#include <cstring>
 
 #include <algorithm>
 #include <cmath>
@@ -31,16 +41,47 @@ int fail(const std::string& message) {
     return 1;
 }
 
-bool has_avx2() {
-#if (defined(__x86_64__) || defined(_M_X64)) && !defined(QM_NO_AVX2)
+// The isa argument of the C API; names as qm_isa() reports them.
+enum Isa { kBest = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Vnni = 4 };
+constexpr const char* kIsaNames[] = {"best", "portable", "avx2+fma", "avx512", "avx512+vnni"};
+
+// The vector paths this CPU runs: what CPUID reports and the OS saves across context switches
+// (XCR0: a VM may report AVX-512 and leave its registers off, and its instructions then fault).
+// Each path needs the ones below it.
+int highest_isa_supported() {
+#if QM_X86
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_OSXSAVE)) return kPortable;
+    uint32_t xcr0, xcr0_high;
+    __asm__ volatile("xgetbv" : "=a"(xcr0), "=d"(xcr0_high) : "c"(0));
+    const bool ymm = (xcr0 & 0x06) == 0x06;  // SSE and AVX state
+    const bool zmm = (xcr0 & 0xe6) == 0xe6;  // and the opmask and both halves of the ZMM registers
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");  // F16C comes with them
+    if (!ymm || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+        !(ecx & bit_F16C))
+        return kPortable;
+    if (!zmm || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
+        return kAvx2;
+    return __builtin_cpu_supports("avx512vnni") ? kAvx512Vnni : kAvx512;
 #else
-    return false;
+    return kPortable;
 #endif
 }
 
-const bool kHasAvx2 = has_avx2();
+const int kHighestIsa = highest_isa_supported();
+
+// What isa 0 (best) means: the highest this CPU runs, capped by QM_CPU_ISA.
+int best_isa() {
+    const char* cap = std::getenv("QM_CPU_ISA");
+    if (cap == nullptr) return kHighestIsa;
+    for (int isa = kPortable; isa <= kAvx512Vnni; ++isa)
+        if (std::strcmp(cap, kIsaNames[isa]) == 0 || (isa == kAvx2 && std::strcmp(cap, "avx2") == 0))
+            return std::min(isa, kHighestIsa);
+    return kHighestIsa;  // (backends/packed.py refuses an unknown name before loading)
+}
+
+const int kBestIsa = best_isa();
 
 int64_t block_bytes(int type) {
     switch (type) {
@@ -55,20 +96,23 @@ int64_t block_bytes(int type) {
 // The kernels for isa (0: best), or nullptr with the error set.
 const qm::Kernels* pick(int isa) {
     static const qm::Kernels portable = qm::qm_portable::kernels();
-#if (defined(__x86_64__) || defined(_M_X64)) && !defined(QM_NO_AVX2)
-    static const qm::Kernels avx2 = qm::qm_avx2::kernels();
-    if (isa == 0) return kHasAvx2 ? &avx2 : &portable;
-    if (isa == 2) {
-        if (kHasAvx2) return &avx2;
-        fail("this CPU does not run AVX2+FMA");
+#if QM_X86
+    static const qm::Kernels avx2 = qm::qm_avx2::kernels(), avx512 = qm::qm_avx512::kernels(),
+                             avx512_vnni = qm::qm_avx512_vnni::kernels();
+    static const qm::Kernels* const table[] = {nullptr, &portable, &avx2, &avx512, &avx512_vnni};
+#else
+    static const qm::Kernels* const table[] = {nullptr, &portable};
+#endif
+    if (isa == kBest) isa = kBestIsa;
+    if (isa < kPortable || isa > kAvx512Vnni) {
+        fail("unknown isa " + std::to_string(isa));
         return nullptr;
     }
-#else
-    if (isa == 0) return &portable;
-#endif
-    if (isa == 1) return &portable;
-    fail("unknown isa " + std::to_string(isa));
-    return nullptr;
+    if (isa > kHighestIsa) {
+        fail(std::string("this CPU does not run ") + kIsaNames[isa]);
+        return nullptr;
+    }
+    return table[isa];
 }
 
 // Block-row products (or blocks dequantized) one thread should have before a second one
@@ -202,7 +246,7 @@ int qm_dequantize_range(int type, const void* w, int64_t k, int64_t row_begin, i
 
 const char* qm_isa(void) { return pick(0)->name; }
 
-int qm_isa_supported(int isa) { return isa == 0 || isa == 1 || (isa == 2 && kHasAvx2); }
+int qm_isa_supported(int isa) { return isa == kBest || (isa >= kPortable && isa <= kHighestIsa); }
 
 const char* qm_last_error(void) { return g_last_error.c_str(); }
 

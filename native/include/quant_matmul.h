@@ -9,7 +9,8 @@
  * In a nibble block, byte j holds value j (low nibble) and value j + 16 (high nibble).
  *
  * Activations and results are fp32, row-major and contiguous. Every call returns 0, or 1
- * with a message for qm_last_error(). isa: 0 = the best this CPU runs, 1 = portable, 2 = AVX2+FMA.
+ * with a message for qm_last_error(). isa: 0 = the best this CPU runs (capped by QM_CPU_ISA in
+ * the environment), 1 = portable, 2 = AVX2+FMA, 3 = AVX-512 (F/BW/VL/DQ), 4 = AVX-512 with VNNI.
  */
 #pragma once
 
@@ -39,7 +40,8 @@ int qm_dequantize_range(int type, const void *w, int64_t k, int64_t row_begin, i
 /* Bytes of one packed row of k values (0 for an unknown type or a k that is not whole blocks). */
 int64_t qm_row_bytes(int type, int64_t k);
 
-/* The vector path isa 0 picks on this CPU ("avx2+fma" or "portable"); whether an isa runs here. */
+/* The vector path isa 0 picks on this CPU ("avx512+vnni", "avx512", "avx2+fma" or "portable");
+ * whether an isa runs here. */
 const char *qm_isa(void);
 int qm_isa_supported(int isa);
 const char *qm_last_error(void);
