@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--activation-quantization", choices=ACTIVATION_QUANTIZATIONS, default="none",
                    help="int16: round the packed products' activations to int16 (a scale per 32 values) "
                         "in batches of one or two rows, for integer dot products: a faster decode for one or "
-                        "two streams, results within 1.5e-5 of each block's largest value of fp32 activations")
+                        "two streams, results within 1.5e-5 of each block's largest value of fp32 activations; "
+                        "bf16: round them to bf16 in batches of 16 rows or more (prefill, many streams) for "
+                        "AVX512_BF16 dot products (needs such a CPU): faster large batches")
     _add_scheduler_flags(p)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
     p.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",

@@ -1,7 +1,8 @@
 """Matrix products with weights kept in GGUF's packed block formats (Q4_0, Q4_1, Q8_0; and Q8_M,
 which ``--quantization int8`` makes at load), through
 the native library ``libqm_cpu.so`` (cffi, ABI mode; AVX-512 with or without VNNI, AVX2+FMA or
-portable: the best this CPU runs, chosen at load; ``QM_CPU_ISA`` caps it).
+portable: the best this CPU runs, chosen at load; ``QM_CPU_ISA`` caps it; AVX512_BF16 also
+multiplies activations rounded to bf16).
 
 A packed weight is a uint8 tensor ``[N, row_bytes]``: N output rows of K values each, in
 blocks of 32 exactly as the GGUF file stores them.
@@ -24,15 +25,18 @@ TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34), "Q8_M": (100, 36)}
 BLOCK = 32
 # vector path -> the C API's isa argument; the names after "best" are also what qm_isa reports
 # (with "avx2+fma" for avx2) and what QM_CPU_ISA accepts
-ISAS = {"best": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512+vnni": 4}
+ISAS = {"best": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512+vnni": 4, "avx512+vnni+bf16": 5}
 ISA_CAP_VARIABLE = "QM_CPU_ISA"
+# How a product takes its fp32 activations -> the kernel: as they are; rounded to int16 per block
+# of 32 (integer dot products); rounded to bf16 (bf16 dot products, AVX512_BF16 only)
+ACTIVATIONS = {"float32": "qm_linear", "int16": "qm_linear_q16", "bfloat16": "qm_linear_bf16"}
 
 
 @cache
 def library():
     cap = os.environ.get(ISA_CAP_VARIABLE)
     if cap is not None and cap not in (*list(ISAS)[1:], "avx2+fma"):
-        raise ValueError(f"{ISA_CAP_VARIABLE}={cap!r}: expected one of portable, avx2, avx512, avx512+vnni")
+        raise ValueError(f"{ISA_CAP_VARIABLE}={cap!r}: expected one of {', '.join(list(ISAS)[1:])}")
     return native.load_library("qm_cpu", "cpu", HEADER, "packed-weight kernels")
 
 
@@ -41,12 +45,18 @@ def _ffi():
 
 
 def isa() -> str:
-    """The vector path the library uses on this CPU ("avx512+vnni", "avx512", "avx2+fma" or "portable")."""
+    """The vector path the library uses on this CPU ("avx512+vnni+bf16", "avx512+vnni", "avx512",
+    "avx2+fma" or "portable")."""
     return _ffi().string(library().qm_isa()).decode()
 
 
 def isa_supported(name: str) -> bool:
     return bool(library().qm_isa_supported(ISAS[name]))
+
+
+def bf16_supported() -> bool:
+    """Whether this CPU multiplies bf16 activations (AVX512_BF16) on the path the library uses."""
+    return isa() == "avx512+vnni+bf16"
 
 
 def row_bytes(kind: str, k: int) -> int:
@@ -78,13 +88,15 @@ def _rc(rc: int, what: str) -> None:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, k: int, isa: str = "best",
-           int16_activations: bool = False) -> torch.Tensor:
+           activations: str = "float32") -> torch.Tensor:
     """``x @ W.T`` for fp32 ``x`` ``[M, K]``: the packed kernel (reads each block once for all M
-    rows); with ``int16_activations``, ``x`` rounded to int16 per block of 32 for integer dot products."""
+    rows). ``activations``: how the kernel takes ``x`` (``ACTIVATIONS``)."""
     matrix = PackedMatrix(packed, kind, k)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous():
         raise ValueError(f"x must be a contiguous float32 [M, {k}] tensor; got {x.dtype} {tuple(x.shape)}")
-    return matrix.linear(x, isa, int16_activations)
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(ACTIVATIONS)}; got {activations!r}")
+    return matrix.linear(x, isa, activations)
 
 
 class PackedMatrix:
@@ -98,13 +110,13 @@ class PackedMatrix:
         self._ptr = self._ffi.cast("void *", data.data_ptr())
         self._n = data.shape[0]
 
-    def linear(self, x: torch.Tensor, isa: str = "best", int16_activations: bool = False) -> torch.Tensor:
-        """``x @ W.T`` for ``x`` float32, contiguous, ``[M, K]`` (the caller guarantees it); with
-        ``int16_activations``, ``x`` rounded to int16 per block of 32 first (``qm_linear_q16``)."""
+    def linear(self, x: torch.Tensor, isa: str = "best", activations: str = "float32") -> torch.Tensor:
+        """``x @ W.T`` for ``x`` float32, contiguous, ``[M, K]`` (the caller guarantees it), with
+        ``x`` taken as ``activations`` says (``ACTIVATIONS``)."""
         m = x.shape[0]
         out = torch.empty(m, self._n, dtype=torch.float32)
         cast = self._ffi.cast
-        kernel = self._lib.qm_linear_q16 if int16_activations else self._lib.qm_linear
+        kernel = getattr(self._lib, ACTIVATIONS[activations])
         rc = kernel(self._type, self._ptr, self._n, self.k, cast("float *", x.data_ptr()), m,
                     cast("float *", out.data_ptr()), ISAS[isa])
         if rc:

@@ -5,8 +5,9 @@
    weight, and the tiled path (dequantize + GEMM) the engine takes above the crossover it
    measures at start (``packed_max_rows``). At M = 1: GB/s of packed weights read, as a fraction of this
    machine's copy bandwidth (a large ``Tensor.copy_``, bytes read per second).
-2. Each vector path this CPU runs (portable, AVX2, AVX-512, AVX-512 with VNNI), same shapes,
-   fp32 and int16 activations, as ratios to the AVX2 path measured alongside (``--paths``).
+2. Each vector path this CPU runs (AVX2, AVX-512, AVX-512 with VNNI), same shapes, fp32 and
+   int16 activations, and bf16 activations from 16 rows where the CPU has AVX512_BF16, as
+   ratios to the AVX2 path measured alongside (``--paths``).
 3. Decode inside the engine, batch 1 (schedule + forward + sample): ms per output token of
    the default model with ``quantization="auto"`` (packed), the same with
    ``activation_quantization="int16"``, and ``"none"`` (fp32), alternated, the lowest of
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends import packed  # noqa: E402
-from engine.models.linear import PACKED_MAX_ROWS, PackedLinear, packed_max_rows  # noqa: E402
+from engine.models.linear import (BF16_ACTIVATION_MIN_ROWS, PACKED_MAX_ROWS, PackedLinear,  # noqa: E402
+                                  packed_max_rows)
 
 SMOLLM = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
 LLAMA_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
@@ -99,26 +101,32 @@ def kernels(shapes, label: str, bandwidth: float, rows=(1, 8, 32, 128)) -> None:
 
 def vector_paths(shapes, label: str, rows=(1, 2, 8, 16, 64, 128)) -> None:
     """Every vector path this CPU runs on the same weights and x, alternated call by call, as
-    ratios to AVX2 (int16: ``--activation-quantization int16``'s kernel, at up to 2 rows)."""
+    ratios to AVX2 (int16: ``--activation-quantization int16``'s kernel, at up to 2 rows; bf16:
+    ``--activation-quantization bf16``'s, from 16 rows, where the CPU has AVX512_BF16)."""
     isas = [isa for isa in ("avx2", "avx512", "avx512+vnni") if packed.isa_supported(isa)]
     if len(isas) < 2:
         print(f"\n{label}: only {isas or ['portable']} here: nothing to compare")
         return
-    print(f"\n{label}, ms per call on {' / '.join(isas)} (and AVX2's time / each path's)")
+    bf16 = "bf16 (x as bf16)" if packed.bf16_supported() else ""
+    print(f"\n{label}, ms per call on {' / '.join(isas)}{' / ' + bf16 if bf16 else ''} "
+          "(and AVX2's time / each path's)")
     for kind in ("Q4_0", "Q4_1", "Q8_0"):
         for name, n, k in shapes:
             data = random_packed(kind, n, k)
             cells = []
             for m in rows:
                 x = torch.randn(m, k)
-                for int16 in (False, True) if m <= 2 else (False,):
-                    times = {isa: [] for isa in isas}
+                for activations in ("float32", "int16") if m <= 2 else ("float32",):
+                    calls = {isa: (isa, activations) for isa in isas}
+                    if bf16 and m >= BF16_ACTIVATION_MIN_ROWS:
+                        calls["bf16"] = ("best", "bfloat16")
+                    times = {path: [] for path in calls}
                     for _ in range(5):  # alternated, so that a noisy moment hits every path
-                        for isa in isas:
-                            times[isa].append(best(lambda: packed.linear(x, data, kind, k, isa, int16), 4))
-                    t = {isa: min(v) for isa, v in times.items()}
-                    ratios = "/".join(f"{t['avx2'] / t[isa]:.2f}" for isa in isas[1:])
-                    cells.append(f"M={m}{' int16' if int16 else ''}: "
+                        for path, (isa, how) in calls.items():
+                            times[path].append(best(lambda: packed.linear(x, data, kind, k, isa, how), 4))
+                    t = {path: min(v) for path, v in times.items()}
+                    ratios = "/".join(f"{t['avx2'] / t[path]:.2f}" for path in list(t)[1:])
+                    cells.append(f"M={m}{' int16' if activations == 'int16' else ''}: "
                                  f"{'/'.join(f'{v * 1e3:.3f}' for v in t.values())} ({ratios}x)")
             print(f"  {kind} {name:8s} {n:6d}x{k:<6d} " + "; ".join(cells), flush=True)
 

@@ -18,7 +18,7 @@ from engine.errors import ConfigError
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 QUANTIZATIONS = ("auto", "none", "int8")
-ACTIVATION_QUANTIZATIONS = ("none", "int16")
+ACTIVATION_QUANTIZATIONS = ("none", "int16", "bf16")
 BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -97,9 +97,11 @@ class EngineConfig:
         activation_quantization: ``int16`` also rounds the activations of the packed products
             to int16 (a scale per 32 values) in batches of one or two rows, for integer dot
             products: a faster decode for one or two streams, within 1.5e-5 of each block's
-            largest value of the fp32 activations of ``none`` (the default). Needs packed weights
-            on CPU. (int8 activations, as llama.cpp's CPU path rounds them, changed 4% of this
-            model's top-1 tokens: not offered.)
+            largest value of the fp32 activations of ``none`` (the default). ``bf16`` rounds them
+            to bf16 in batches of 16 rows or more (prefill, many streams), multiplied by
+            AVX512_BF16 dot products (twice the multiply-adds per instruction); needs such a CPU.
+            Both need packed weights on CPU. (int8 activations, as llama.cpp's CPU path rounds
+            them, changed 4% of this model's top-1 tokens: not offered.)
         max_model_len: longest prompt + output in tokens; defaults to the model's context length.
         block_size: tokens per KV cache block.
         num_kv_blocks: exact number of KV blocks (overrides ``kv_cache_memory``).

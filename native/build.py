@@ -56,7 +56,7 @@ def build_cpu(out: Path) -> Path:
 
 
 def build_quant_cpu(out: Path) -> Path:
-    """The packed-weight (GGUF Q4_0/Q4_1/Q8_0) matrix library: AVX-512 (with and without VNNI),
+    """The packed-weight (GGUF Q4_0/Q4_1/Q8_0) matrix library: AVX-512 (with VNNI and BF16, with VNNI, plain),
     AVX2+FMA+F16C and portable variants, the library picking one at load."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
@@ -69,7 +69,8 @@ def build_quant_cpu(out: Path) -> Path:
         objects = []
         avx2 = ["-mavx2", "-mfma", "-mf16c"]
         avx512 = [*avx2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-        for variant, flags in (("qm_avx512_vnni", [*avx512, "-mavx512vnni"]), ("qm_avx512", avx512),
+        for variant, flags in (("qm_avx512_bf16", [*avx512, "-mavx512vnni", "-mavx512bf16"]),
+                               ("qm_avx512_vnni", [*avx512, "-mavx512vnni"]), ("qm_avx512", avx512),
                                ("qm_avx2", avx2), ("qm_portable", [])):
             if flags and not _is_x86():
                 continue

@@ -6,6 +6,7 @@ the loader's checks; the default model's resident weight size."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from engine.errors import ConfigError
 from engine.models.linear import PackedLinear, quantize_q8_m
 
 KINDS = list(packed.TYPES)
-VECTOR_PATHS = ("avx2", "avx512", "avx512+vnni")  # each needs the one before it
+VECTOR_PATHS = ("avx2", "avx512", "avx512+vnni", "avx512+vnni+bf16")  # each needs the one before it
 ISAS = [isa for isa in ("portable", *VECTOR_PATHS) if packed.isa_supported(isa)]
 
 
@@ -88,12 +89,45 @@ def test_the_int16_activation_kernels_match_their_reference(kind, isa, n, k):
         x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
         x[0, :32] = 0  # an all-zero block: scale 0
         expected = int16_activations_reference(x, reference)
-        got = packed.linear(x, data, kind, k, isa=isa, int16_activations=True)
+        got = packed.linear(x, data, kind, k, isa=isa, activations="int16")
         magnitude = x.abs().double() @ reference.abs().double().T
         assert ((got.double() - expected).abs() <= 1e-5 * magnitude + 1e-6).all(), (kind, isa, m)
         # and within the rounding's bound of the fp32 product: half a step of 1/32767 per value
         exact = F.linear(x.double(), reference.double())
         assert ((got.double() - exact).abs() <= 5e-5 * magnitude + 1e-6).all(), (kind, isa, m)
+
+
+needs_bf16 = pytest.mark.skipif(not packed.bf16_supported(), reason="this CPU has no AVX512_BF16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n, k", [(1, 32), (7, 96), (37, 576), (193, 160)])
+def test_the_bf16_activation_kernels_match_their_reference(kind, n, k):
+    """--activation-quantization bf16: the bf16 dot products equal the dequantized weights (their
+    quantized values are exact in bf16) times x rounded to bf16, up to the order of the sums, at
+    row counts in one slab, several, and across passes over slabs (200)."""
+    data, reference = packed_weight(kind, n, k, seed=n * k + 2)
+    gen = torch.Generator().manual_seed(k + 2)
+    for m in (1, 5, 16, 17, 64, 200):
+        x = torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4
+        rounded = x.bfloat16().double()
+        expected = F.linear(rounded, reference.double())
+        got = packed.linear(x, data, kind, k, activations="bfloat16").double()
+        magnitude = rounded.abs() @ reference.abs().double().T
+        assert ((got - expected).abs() <= 1e-5 * magnitude + 1e-6).all(), (kind, m)
+        # and within bf16's rounding of the fp32 product: half a step of 2^-8 per value
+        exact = F.linear(x.double(), reference.double())
+        assert ((got - exact).abs() <= 2 ** -9 * 1.01 * magnitude + 1e-6).all(), (kind, m)
+
+
+def test_bf16_activations_need_avx512_bf16():
+    data, _ = packed_weight("Q4_1", 8, 64)
+    for isa in [isa for isa in ISAS if isa != "avx512+vnni+bf16"]:
+        with pytest.raises(packed.native.NativeKernelError, match=re.escape(f"need AVX512_BF16; the {isa}")):
+            packed.linear(torch.randn(16, 64), data, "Q4_1", 64, isa=isa, activations="bfloat16")
+    with pytest.raises(ValueError, match="activations must be one of float32, int16, bfloat16"):
+        packed.linear(torch.randn(16, 64), data, "Q4_1", 64, activations="int8")
 
 
 def test_packed_linear_rounds_activations_only_in_small_batches():
@@ -119,13 +153,32 @@ def test_packed_linear_rounds_activations_only_in_small_batches():
     assert [nearer_int16(batch(m)) for m in (1, 2, 3, 32)] == [True, True, False, False]
 
 
+@needs_bf16
+def test_packed_linear_rounds_activations_to_bf16_only_in_large_batches():
+    """bf16_activation_rows: batches of at least that many rows (past the kernel's crossover
+    too) take x rounded to bf16; smaller ones fp32."""
+    data, reference = packed_weight("Q4_1", 50, 64)
+    layer = PackedLinear(data, "Q4_1", 64, max_kernel_rows=32)
+    layer.bf16_activation_rows = 16
+
+    def nearer_bf16(m):
+        x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m))
+        got = layer(x).double()
+        to_bf16 = (got - F.linear(x.bfloat16().double(), reference.double())).abs().max()
+        to_fp32 = (got - F.linear(x.double(), reference.double())).abs().max()
+        assert min(to_bf16, to_fp32) < 1e-4 < max(to_bf16, to_fp32), (to_bf16, to_fp32)
+        return bool(to_bf16 < to_fp32)
+
+    assert [nearer_bf16(m) for m in (1, 15, 16, 33, 100)] == [False, False, True, True, True]
+
+
 @pytest.mark.parametrize("isa", [isa for isa in VECTOR_PATHS if isa in ISAS] or [pytest.param("avx2", marks=pytest.mark.skip("this CPU has no AVX2"))])
 def test_each_vector_path_agrees_with_the_portable_one(isa):
     data, _ = packed_weight("Q4_1", 64, 576)
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(5))
     for int16 in (False, True):
-        fast = packed.linear(x, data, "Q4_1", 576, isa=isa, int16_activations=int16)
-        portable = packed.linear(x, data, "Q4_1", 576, isa="portable", int16_activations=int16)
+        fast = packed.linear(x, data, "Q4_1", 576, isa=isa, activations="int16" if int16 else "float32")
+        portable = packed.linear(x, data, "Q4_1", 576, isa="portable", activations="int16" if int16 else "float32")
         assert torch.allclose(fast, portable, rtol=1e-4, atol=1e-4)  # the same sums; fused multiply-adds
 
 
@@ -146,8 +199,8 @@ def test_qm_cpu_isa_caps_the_path_and_an_unknown_one_is_a_clear_error():
     assert isa_with("portable").stdout.strip() == "portable"
     if "avx2" in ISAS:
         assert isa_with("avx2").stdout.strip() == "avx2+fma"
-    # a cap above what the CPU runs leaves the best it runs
-    assert isa_with("avx512+vnni").stdout.strip() == packed.isa()
+    # a cap at or above what the CPU runs leaves the best it runs
+    assert isa_with("avx512+vnni+bf16").stdout.strip() == packed.isa()
     unknown = isa_with("sse9")
     assert unknown.returncode != 0 and "QM_CPU_ISA='sse9': expected one of" in unknown.stderr
 
@@ -373,12 +426,22 @@ def test_int8_on_a_quantized_file_is_a_clear_error():
         load_model(resolve_model(None), "auto", torch.float32, "cpu", 0, quantization="int8")
 
 
-def test_int16_activations_need_packed_weights_on_cpu():
+@pytest.mark.parametrize("kind", ["int16", "bf16"])
+def test_activation_quantization_needs_packed_weights_on_cpu(kind):
     from engine.models.loader import load_model, resolve_model
 
-    with pytest.raises(ConfigError, match="needs packed weights") as error:
+    with pytest.raises(ConfigError, match=f"activation quantization {kind} needs packed weights") as error:
         load_model(resolve_model(None), "auto", torch.float32, "cpu", 0, quantization="none",
-                   activation_quantization="int16")
+                   activation_quantization=kind)
+    assert error.value.param == "activation_quantization"
+
+
+def test_bf16_activations_on_a_cpu_without_avx512_bf16_are_a_clear_error(monkeypatch):
+    import engine.models.loader as loader
+
+    monkeypatch.setattr(loader, "packed_bf16_supported", lambda: False)
+    with pytest.raises(ConfigError, match="needs a CPU with AVX512_BF16; this one runs the") as error:
+        loader.load_model(loader.resolve_model(None), "auto", torch.float32, "cpu", 0, activation_quantization="bf16")
     assert error.value.param == "activation_quantization"
 
 
@@ -399,13 +462,35 @@ def test_the_flag_turns_int16_activations_on_for_decodes_of_one_or_two_streams()
     assert together == alone and all(len(t) == 8 for t in together)
 
 
+@needs_bf16
+def test_the_flag_turns_bf16_activations_on_for_batches_of_16_rows_or_more():
+    from api.server import build_parser, engine_config
+    from engine.api import LLM, SamplingParams
+    from engine.models.linear import BF16_ACTIVATION_MIN_ROWS
+
+    config = engine_config(build_parser().parse_args(["--activation-quantization", "bf16"]))
+    assert config.activation_quantization == "bf16"
+    llm = LLM(backend="cpu", dtype="float32", num_kv_blocks=64, activation_quantization="bf16")
+    linears = llm.engine.model.linears()
+    assert {(lin.bf16_activation_rows, lin.int16_activation_rows) for lin in linears} == {(BF16_ACTIVATION_MIN_ROWS, 0)}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    fp32 = LLM(backend="cpu", dtype="float32", num_kv_blocks=64)
+    prompt = "The capital of France is a city of many bridges, museums and"  # a prefill of 16+ rows
+    tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert len(tokens) == 8 and tokens == fp32.generate(prompt, params)[0].outputs[0].token_ids
+
+
 @pytest.mark.slow
-def test_int16_activations_agree_with_fp32_activations_over_the_projects_own_text(tokenizer):
+@pytest.mark.parametrize("kind, rows", [("int16", 1 << 30), ("bf16", 1)])
+def test_rounded_activations_agree_with_fp32_activations_over_the_projects_own_text(tokenizer, kind, rows):
     """The default model's packed weights, teacher-forced over the README and the benchmark notes
     (read now), with every product's activations rounded to int16 (the engine does it only for
-    batches of one or two rows; here for every prefill row, to judge it over 3000 positions)
-    against fp32 activations: top-1 agreement >= 99%, only near-ties flip, perplexity within 2%.
-    (int8 activations, as llama.cpp rounds them, changed 121 of these 2999 top-1 tokens: 96.0%.)"""
+    batches of one or two rows; here for every prefill row, to judge it over 3000 positions) or
+    to bf16 (every batch here, of 16 rows or more in the engine) against fp32 activations: top-1
+    agreement >= 99%, only near-ties flip, perplexity within 2%. (int8 activations, as
+    llama.cpp rounds them, changed 121 of these 2999 top-1 tokens: 96.0%.)"""
+    if kind == "bf16" and not packed.bf16_supported():
+        pytest.skip("this CPU has no AVX512_BF16")
     import math
     from pathlib import Path
 
@@ -417,20 +502,21 @@ def test_int16_activations_agree_with_fp32_activations_over_the_projects_own_tex
     assert len(ids) == 3000
     llm = LLM(backend="cpu", dtype="float32", num_kv_blocks=256)
     results = {}
-    for rows in (0, 1 << 30):
-        assert llm.engine.model.quantize_activations(rows) == 121
+    for activations in ("none", kind):
+        assert llm.engine.model.quantize_activations(activations, rows) == 121
         output = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
         positions = [sorted(p.items(), key=lambda item: item[1].rank) for p in output.prompt_logprobs[1:]]
         nll = -sum(dict(p)[t].logprob for p, t in zip(positions, ids[1:])) / len(positions)
-        results[rows] = positions, math.exp(nll)
-    (fp32, fp32_ppl), (int16, int16_ppl) = results[0], results[1 << 30]
-    assert fp32 != int16  # the rounding did happen
-    flips = [a for a, b in zip(fp32, int16) if a[0][0] != b[0][0]]
+        results[activations] = positions, math.exp(nll)
+    (fp32, fp32_ppl), (rounded, rounded_ppl) = results["none"], results[kind]
+    assert fp32 != rounded  # the rounding did happen
+    flips = [a for a, b in zip(fp32, rounded) if a[0][0] != b[0][0]]
     margins = [a[0][1].logprob - next(lp.logprob for _, lp in a if lp.rank == 2) for a in flips]
     assert len(flips) <= 0.01 * len(fp32), len(flips)
     assert all(m < 0.3 for m in margins), max(margins)
-    assert abs(int16_ppl / fp32_ppl - 1) <= 0.02, (int16_ppl, fp32_ppl)
-    print(f"int16 activations: {len(flips)} of {len(fp32)} top-1 differ; perplexity {int16_ppl:.5f} vs {fp32_ppl:.5f}")
+    assert abs(rounded_ppl / fp32_ppl - 1) <= 0.02, (rounded_ppl, fp32_ppl)
+    print(f"{kind} activations: {len(flips)} of {len(fp32)} top-1 differ (largest fp32 margin {max(margins, default=0):.3f}); "
+          f"perplexity {rounded_ppl:.5f} vs {fp32_ppl:.5f}")
 
 
 @pytest.fixture(scope="module")

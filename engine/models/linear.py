@@ -22,10 +22,10 @@ from backends import packed as packed_kernels
 
 # Up to a crossover in rows of x, the packed kernel (each block read once for every row) beats
 # dequantizing the weight and a GEMM; above it, the weight is dequantized a tile of rows at a
-# time into a scratch buffer and multiplied by torch's GEMM. The kernel (AVX2): up to 15 rows,
-# each block is dequantized in registers and fed to 8 rows at once; from 16 rows, six output
-# rows at a time are dequantized into an L1 panel and multiplied as a small GEMM (16 x 6
-# blocks of y in registers). The crossover differs by machine, so it is measured once per
+# time into a scratch buffer and multiplied by torch's GEMM. The kernel (AVX2 or AVX-512): up
+# to 15 rows, each block is dequantized in registers and fed to 8 rows at once; from 16 rows,
+# six (AVX-512: twelve) output rows at a time are dequantized into a panel and multiplied as a
+# small GEMM (16 x 6 or 16 x 12 blocks of y in registers). The crossover differs by machine, so it is measured once per
 # process (packed_max_rows). Measured on the default model's layer shapes (2 threads):
 # AMD EPYC Zen 3, ms for four layers: M=64 kernel 3.22-3.26 / tiled 3.68 / fp32 3.09; M=96
 # 5.04 / 4.87 / 4.31; M=128 7.1 / 6.1 / 5.5 (crossover ~90). AMD EPYC family 23, the seven
@@ -38,6 +38,11 @@ PACKED_MAX_ROWS = 64  # the least crossover: what packed_max_rows starts from
 # Q4_1 1536 x 576 M=1 0.165 / 0.125, M=2 0.197 / 0.160, M=4 0.199 / 0.188; 576 x 1536 M=1 0.099 /
 # 0.078, M=4 0.195 / 0.202; the Q8_0 LM head (49152 x 576) M=1 3.13 / 2.26, M=2 4.12 / 3.21.
 INT16_ACTIVATION_MAX_ROWS = 2
+# --activation-quantization bf16 rounds x to bf16 for batches of at least this many rows, where
+# the products are compute-bound and AVX512_BF16's dot products do twice the multiply-adds of an
+# fp32 FMA per instruction (bench/packed.py --paths); below it the products stream the weights
+# and rounding x gains nothing.
+BF16_ACTIVATION_MIN_ROWS = 16
 _CROSSOVER_CANDIDATES = (128, 256)
 # Rows of the dequantized tile hold at most this many floats (16 MiB): the LM head of a large
 # vocabulary is never dequantized whole.
@@ -162,7 +167,10 @@ class PackedLinear:
         if max_kernel_rows is None:
             max_kernel_rows = packed_max_rows() * (4 if large else 1)
         self.max_kernel_rows = max_kernel_rows
-        self.int16_activation_rows = 0  # batches of up to this many rows round x to int16 (LlamaModel.quantize_activations)
+        # LlamaModel.quantize_activations: batches of up to int16_activation_rows rows round x to
+        # int16; of at least bf16_activation_rows (when set), to bf16
+        self.int16_activation_rows = 0
+        self.bf16_activation_rows: int | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == self.in_features and x.is_contiguous():
@@ -177,7 +185,9 @@ class PackedLinear:
         """``x @ W.T (+ bias)`` for fp32 contiguous ``x`` ``[M, in_features]``."""
         m = x.shape[0]
         if m <= self.int16_activation_rows:
-            y = self._matrix.linear(x, int16_activations=True)
+            y = self._matrix.linear(x, activations="int16")
+        elif self.bf16_activation_rows is not None and m >= self.bf16_activation_rows:
+            y = self._matrix.linear(x, activations="bfloat16")  # (panels at every size: faster than _tiled)
         else:
             y = self._matrix.linear(x) if m <= self.max_kernel_rows else self._tiled(x)
         if self.bias is not None:

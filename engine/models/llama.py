@@ -273,12 +273,14 @@ class LlamaModel:
                                                 (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
         return list({id(linear): linear for linear in linears}.values())
 
-    def quantize_activations(self, max_rows: int) -> int:
-        """Round the activations of the packed products to int16 (per 32 values) for batches of up
-        to ``max_rows`` rows (``--activation-quantization int16``); returns how many products do."""
+    def quantize_activations(self, kind: str, rows: int) -> int:
+        """Round the activations of the packed products (``--activation-quantization``): ``int16``
+        (a scale per 32 values) for batches of up to ``rows`` rows, ``bf16`` for batches of at
+        least ``rows`` rows (``none``: neither). Returns how many products do."""
         packed = [linear for linear in self.linears() if isinstance(linear, PackedLinear)]
         for linear in packed:
-            linear.int16_activation_rows = max_rows
+            linear.int16_activation_rows = rows if kind == "int16" else 0
+            linear.bf16_activation_rows = rows if kind == "bf16" else None
         return len(packed)
 
     def weight_summary(self) -> tuple[dict[str, int], int]:

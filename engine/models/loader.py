@@ -16,11 +16,13 @@ import torch
 
 from backends.packed import ISA_CAP_VARIABLE
 from backends.packed import TYPES as _PACKED
+from backends.packed import bf16_supported as packed_bf16_supported
 from backends.packed import isa as packed_isa
 from backends.packed import unavailable_reason as packed_unavailable_reason
 from engine.errors import ConfigError
 from engine.models import families
-from engine.models.linear import INT16_ACTIVATION_MAX_ROWS, PackedWeight, q4_k_to_q4_1, quantize_q8_m
+from engine.models.linear import (BF16_ACTIVATION_MIN_ROWS, INT16_ACTIVATION_MAX_ROWS, PackedWeight, q4_k_to_q4_1,
+                                  quantize_q8_m)
 from engine.models.llama import LlamaConfig, LlamaModel
 
 log = logging.getLogger(__name__)
@@ -84,7 +86,7 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
 
     ``quantization`` ``auto`` keeps a GGUF file's packed tensors packed (on CPU); ``none``
     dequantizes them to ``dtype``. ``activation_quantization`` ``int16`` rounds the packed
-    products' activations to int16 in small batches (``EngineConfig``).
+    products' activations to int16 in small batches, ``bf16`` to bf16 in large ones (``EngineConfig``).
     """
     fmt = load_format if load_format != "auto" else ("gguf" if source.is_gguf else "safetensors")
     if fmt == "gguf" and not source.is_gguf:
@@ -96,10 +98,13 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     unpacked_reason = packed_unavailable_reason(device)
     if quantization == "int8" and unpacked_reason:
         raise ConfigError("quantization", f"quantization int8 cannot run on {device}: {unpacked_reason}")
-    if activation_quantization == "int16" and (unpacked_reason or quantization == "none"):
-        raise ConfigError("activation_quantization", "activation quantization int16 needs packed weights on CPU "
-                                                     "(quantization auto with a GGUF file, or int8); "
-                                                     f"here: {unpacked_reason or 'quantization none'}")
+    if activation_quantization != "none" and (unpacked_reason or quantization == "none"):
+        raise ConfigError("activation_quantization", f"activation quantization {activation_quantization} needs "
+                                                     "packed weights on CPU (quantization auto with a GGUF file, or "
+                                                     f"int8); here: {unpacked_reason or 'quantization none'}")
+    if activation_quantization == "bf16" and not packed_bf16_supported():
+        raise ConfigError("activation_quantization", "activation quantization bf16 needs a CPU with AVX512_BF16; "
+                                                     f"this one runs the {packed_isa()} kernels")
     if quantization == "int8" and fmt == "gguf":
         raise ConfigError("quantization", f"{source.path.name} is already quantized (GGUF): quantization int8 "
                                           "is for fp32/fp16/bf16 models; use auto (as stored) or none")
@@ -116,12 +121,13 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     if quantization == "int8":
         weights = {name: quantize_q8_m(w) if _is_layer_matrix(name, w) else w for name, w in weights.items()}
     model = LlamaModel.from_state_dict(config, weights, dtype, device)
-    if activation_quantization == "int16":
-        if model.quantize_activations(INT16_ACTIVATION_MAX_ROWS) == 0:
-            raise ConfigError("activation_quantization", f"activation quantization int16 needs packed weights; "
-                                                         f"{source.path.name} has none")
-        log.info("activations of the packed products rounded to int16 in batches of up to %d rows",
-                 INT16_ACTIVATION_MAX_ROWS)
+    if activation_quantization != "none":
+        rows = INT16_ACTIVATION_MAX_ROWS if activation_quantization == "int16" else BF16_ACTIVATION_MIN_ROWS
+        if model.quantize_activations(activation_quantization, rows) == 0:
+            raise ConfigError("activation_quantization", f"activation quantization {activation_quantization} needs "
+                                                         f"packed weights; {source.path.name} has none")
+        log.info("activations of the packed products rounded to %s in batches of %s %d rows", activation_quantization,
+                 "up to" if activation_quantization == "int16" else "at least", rows)
     kinds, resident = model.weight_summary()
     log.info("weights (quantization %s): %s; %.1f MB resident", quantization,
              ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())), resident / 1e6)

@@ -1,6 +1,7 @@
 // The per-row work of the packed-weight library (quant_matmul.cpp has the design). Compiled
-// four times: -DQM_NS=qm_portable (plain C++), qm_avx2 (-mavx2 -mfma -mf16c), qm_avx512 (the
-// same plus -mavx512f/bw/vl/dq) and qm_avx512_vnni (plus -mavx512vnni). The vector code is
+// five times: -DQM_NS=qm_portable (plain C++), qm_avx2 (-mavx2 -mfma -mf16c), qm_avx512 (the
+// same plus -mavx512f/bw/vl/dq), qm_avx512_vnni (plus -mavx512vnni) and qm_avx512_bf16 (plus
+// -mavx512bf16: also the bf16 panels of qm_linear_bf16). The vector code is
 // written once over `Simd` (8 fp32 lanes for AVX2, 16 for AVX-512): a block of 32 values is
 // kVecs vectors. Every path computes the same sums per block (the vector ones with fused
 // multiply-adds and sums in another order, so the last bits may differ).
@@ -19,6 +20,9 @@
 #endif
 #if QM_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define QM_AVX512 1
+#endif
+#if QM_AVX512 && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define QM_BF16 1  // bf16 dot products for x rounded to bf16 (qm_linear_bf16)
 #endif
 
 #ifndef QM_NS
@@ -373,6 +377,104 @@ void panel_rows(const Job& j, int64_t n0, int64_t n1) {
     }
 }
 
+#if QM_BF16
+// For the bf16 panels: output rows [nb, nb + nn) as the quantized values in bf16 pairs (exact:
+// integers of at most 8 bits), [kNr][k / 2] uint32 with value 2p in the low half, and each
+// block's scale and offset, [kNr][k / 32]; rows past nn as zeros.
+template <int Type, int kNr>
+void bf16_panel(const Job& j, int64_t nb, int nn, uint32_t* q, float* scale, float* offset) {
+    const int64_t pairs = j.k / 2, blocks = j.k / 32;
+    for (int r = 0; r < kNr; ++r) {
+        if (r >= nn) {
+            std::memset(q + r * pairs, 0, static_cast<size_t>(pairs) * sizeof(uint32_t));
+            std::memset(scale + r * blocks, 0, static_cast<size_t>(blocks) * sizeof(float));
+            std::memset(offset + r * blocks, 0, static_cast<size_t>(blocks) * sizeof(float));
+            continue;
+        }
+        const uint8_t* row = j.w + (nb + r) * j.row_bytes;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t* blk = row + b * j.block_bytes;
+            scale_offset(Type, blk, scale + r * blocks + b, offset + r * blocks + b);
+            const __m512i words = block_words<Type>(blk).v;  // 32 int16, in order
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(words)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(words, 1)));
+            _mm512_storeu_si512(q + r * pairs + b * 16, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+        }
+    }
+}
+
+// Batches of 16 rows or more with x rounded to bf16 (qm_linear_bf16; AVX512_BF16): twelve output
+// rows of W in a panel of bf16 pairs (bf16_panel) against slabs of x (16 rows, k in pairs).
+// Per pair of k: one load of the slab and twelve vdpbf16ps (each two multiply-adds per lane,
+// summed in fp32: twice the multiply-adds of an fp32 FMA per instruction), into per-block
+// sums; at each block's end those are scaled into the accumulators, and the block's offset
+// (-8d, m) is added through the sums of x. Twelve accumulators and twelve block sums: 24 of
+// the 32 registers. Slabs are taken a few at a time, as in panel_rows.
+template <int Type>
+void bf16_panel_rows(const Job& j, int64_t n0, int64_t n1) {
+    constexpr int kNr = 12;
+    const int64_t pairs = j.k / 2, blocks = j.k / 32, slab = 16 * pairs, slabs = j.m_pad / 16;
+    const int64_t slabs_per_pass = std::max<int64_t>(1, kSlabFloatsPerPass / slab);
+    static thread_local std::vector<uint32_t> q_storage;
+    static thread_local std::vector<float> scale_storage, offset_storage;
+    q_storage.resize(static_cast<size_t>(kNr * pairs));
+    scale_storage.resize(static_cast<size_t>(kNr * blocks));
+    offset_storage.resize(static_cast<size_t>(kNr * blocks));
+    uint32_t* q = q_storage.data();
+    float *scale = scale_storage.data(), *offset = offset_storage.data();
+    const auto* xt = reinterpret_cast<const uint32_t*>(j.xbf16);
+    alignas(64) float block[kNr][16];
+    for (int64_t pass = 0; pass < slabs; pass += slabs_per_pass) {
+        const int64_t pass_end = std::min(slabs, pass + slabs_per_pass);
+        for (int64_t nb = n0; nb < n1; nb += kNr) {
+            const int nn = static_cast<int>(std::min<int64_t>(kNr, n1 - nb));
+            bf16_panel<Type, kNr>(j, nb, nn, q, scale, offset);
+            for (int64_t s = pass; s < pass_end; ++s) {
+                __m512 c[kNr];
+#pragma GCC unroll 12
+                for (int r = 0; r < kNr; ++r) c[r] = _mm512_setzero_ps();
+                const uint32_t* xs = xt + s * slab;
+                const float* sums = j.xbf16_sums + s * blocks * 16;
+                for (int64_t b = 0; b < blocks; ++b) {
+                    __m512 t[kNr];
+#pragma GCC unroll 12
+                    for (int r = 0; r < kNr; ++r) t[r] = _mm512_setzero_ps();
+                    for (int p = 0; p < 16; ++p) {
+                        const int64_t pair = b * 16 + p;
+                        const auto xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(xs + pair * 16));
+#pragma GCC unroll 12
+                        for (int r = 0; r < kNr; ++r) {
+                            const auto wv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(q[r * pairs + pair])));
+                            t[r] = _mm512_dpbf16_ps(t[r], xv, wv);
+                        }
+                    }
+                    const __m512 xsum = _mm512_loadu_ps(sums + b * 16);
+#pragma GCC unroll 12
+                    for (int r = 0; r < kNr; ++r) {
+                        c[r] = _mm512_fmadd_ps(_mm512_set1_ps(scale[r * blocks + b]), t[r], c[r]);
+                        if constexpr (Type != kQ8_0) c[r] = _mm512_fmadd_ps(_mm512_set1_ps(offset[r * blocks + b]), xsum, c[r]);
+                    }
+                }
+#pragma GCC unroll 12
+                for (int r = 0; r < kNr; ++r) _mm512_store_ps(block[r], c[r]);
+                const int64_t m0 = 16 * s, rows = std::min<int64_t>(16, j.m - m0);
+                for (int r = 0; r < nn; ++r)
+                    for (int64_t i = 0; i < rows; ++i) j.y[(m0 + i) * j.n + nb + r] = block[r][i];
+            }
+        }
+    }
+}
+
+void bf16_rows(const Job& j, int64_t n0, int64_t n1) {
+    switch (j.type) {
+        case kQ4_0: return bf16_panel_rows<kQ4_0>(j, n0, n1);
+        case kQ4_1: return bf16_panel_rows<kQ4_1>(j, n0, n1);
+        case kQ8_0: return bf16_panel_rows<kQ8_0>(j, n0, n1);
+        case kQ8_M: return bf16_panel_rows<kQ8_M>(j, n0, n1);
+    }
+}
+#endif
+
 // Larger batches: each block is dequantized in registers once (d * q + m, rounded as GGUF's
 // reference does) and multiplied into T rows of x, one accumulator per row: per block and
 // row, kVecs fused multiply-adds and no per-block scaling or offset work.
@@ -452,14 +554,16 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
 }  // namespace
 
 Kernels kernels() {
-#if QM_AVX512 && defined(__AVX512VNNI__)
-    return {linear_rows, dequantize_row, "avx512+vnni", true};
+#if QM_BF16
+    return {linear_rows, dequantize_row, bf16_rows, "avx512+vnni+bf16", true};
+#elif QM_AVX512 && defined(__AVX512VNNI__)
+    return {linear_rows, dequantize_row, nullptr, "avx512+vnni", true};
 #elif QM_AVX512
-    return {linear_rows, dequantize_row, "avx512", true};
+    return {linear_rows, dequantize_row, nullptr, "avx512", true};
 #elif QM_AVX2
-    return {linear_rows, dequantize_row, "avx2+fma", true};
+    return {linear_rows, dequantize_row, nullptr, "avx2+fma", true};
 #else
-    return {linear_rows, dequantize_row, "portable", false};
+    return {linear_rows, dequantize_row, nullptr, "portable", false};
 #endif
 }
 

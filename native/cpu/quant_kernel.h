@@ -1,6 +1,6 @@
-// Internal to the packed-weight library: the per-row kernels, compiled four times
-// (quant_kernel.cpp) into namespaces qm_avx512_vnni, qm_avx512, qm_avx2 and qm_portable;
-// quant_matmul.cpp picks one per call.
+// Internal to the packed-weight library: the per-row kernels, compiled five times
+// (quant_kernel.cpp) into namespaces qm_avx512_bf16 (AVX-512 with VNNI and BF16),
+// qm_avx512_vnni, qm_avx512, qm_avx2 and qm_portable; quant_matmul.cpp picks one per call.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +28,11 @@ struct Job {
     // xd [m, k / 32]; null for fp32 activations
     const int16_t* xq16 = nullptr;
     const float* xd = nullptr;
+    // x rounded to bf16 (qm_linear_bf16) in slabs of 16 rows with k in pairs,
+    // [m_pad / 16][k / 2][16][2] (rows past m zero), and each block's sum of the rounded values
+    // for every row of a slab, [m_pad / 16][k / 32][16]; null otherwise
+    const uint16_t* xbf16 = nullptr;
+    const float* xbf16_sums = nullptr;
 };
 
 constexpr int64_t kPanelMinRows = 16;  // from this many rows of x, the vector paths multiply panels
@@ -35,10 +40,12 @@ constexpr int64_t kPanelMinRows = 16;  // from this many rows of x, the vector p
 struct Kernels {
     void (*linear_rows)(const Job&, int64_t n0, int64_t n1);
     void (*dequantize_row)(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out);
+    void (*bf16_rows)(const Job&, int64_t n0, int64_t n1);  // x as bf16 (Job::xbf16); null without AVX512_BF16
     const char* name;
     bool panels;  // multiplies larger batches in panels (Job::xt); the portable path does not
 };
 
+namespace qm_avx512_bf16 { Kernels kernels(); }
 namespace qm_avx512_vnni { Kernels kernels(); }
 namespace qm_avx512 { Kernels kernels(); }
 namespace qm_avx2 { Kernels kernels(); }

@@ -9,11 +9,14 @@
 // batches are better served by dequantizing a tile of rows (qm_dequantize_range) and an
 // optimized GEMM; the caller picks by M.
 //
-// The arithmetic (quant_kernel.cpp) is compiled four times: AVX-512 with VNNI, AVX-512
-// (F/BW/VL/DQ), AVX2+FMA+F16C and portable. The best one the CPU runs and the OS enables is
-// picked at load time, never by compile flags of the library; QM_CPU_ISA in the environment
-// (portable, avx2, avx512 or avx512+vnni) caps the choice, for a machine that reports more
-// than it runs.
+// The arithmetic (quant_kernel.cpp) is compiled five times: AVX-512 with VNNI and BF16, with
+// VNNI, AVX-512 (F/BW/VL/DQ), AVX2+FMA+F16C and portable. The best one the CPU runs and the OS
+// enables is picked at load time, never by compile flags of the library; QM_CPU_ISA in the
+// environment (portable, avx2, avx512, avx512+vnni or avx512+vnni+bf16) caps the choice, for a
+// machine that reports more than it runs.
+//
+// qm_linear_bf16 rounds x to bf16 and multiplies it in panels with bf16 dot products
+// (AVX512_BF16), for batches of 16 rows or more (--activation-quantization bf16).
 
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(QM_NO_AVX2)
 #define QM_X86 1
@@ -42,8 +45,8 @@ int fail(const std::string& message) {
 }
 
 // The isa argument of the C API; names as qm_isa() reports them.
-enum Isa { kBest = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Vnni = 4 };
-constexpr const char* kIsaNames[] = {"best", "portable", "avx2+fma", "avx512", "avx512+vnni"};
+enum Isa { kBest = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Vnni = 4, kAvx512Bf16 = 5 };
+constexpr const char* kIsaNames[] = {"best", "portable", "avx2+fma", "avx512", "avx512+vnni", "avx512+vnni+bf16"};
 
 // The vector paths this CPU runs: what CPUID reports and the OS saves across context switches
 // (XCR0: a VM may report AVX-512 and leave its registers off, and its instructions then fault).
@@ -63,7 +66,8 @@ int highest_isa_supported() {
     if (!zmm || !__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
         !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq"))
         return kAvx2;
-    return __builtin_cpu_supports("avx512vnni") ? kAvx512Vnni : kAvx512;
+    if (!__builtin_cpu_supports("avx512vnni")) return kAvx512;
+    return __builtin_cpu_supports("avx512bf16") ? kAvx512Bf16 : kAvx512Vnni;
 #else
     return kPortable;
 #endif
@@ -75,7 +79,7 @@ const int kHighestIsa = highest_isa_supported();
 int best_isa() {
     const char* cap = std::getenv("QM_CPU_ISA");
     if (cap == nullptr) return kHighestIsa;
-    for (int isa = kPortable; isa <= kAvx512Vnni; ++isa)
+    for (int isa = kPortable; isa <= kAvx512Bf16; ++isa)
         if (std::strcmp(cap, kIsaNames[isa]) == 0 || (isa == kAvx2 && std::strcmp(cap, "avx2") == 0))
             return std::min(isa, kHighestIsa);
     return kHighestIsa;  // (backends/packed.py refuses an unknown name before loading)
@@ -98,13 +102,13 @@ const qm::Kernels* pick(int isa) {
     static const qm::Kernels portable = qm::qm_portable::kernels();
 #if QM_X86
     static const qm::Kernels avx2 = qm::qm_avx2::kernels(), avx512 = qm::qm_avx512::kernels(),
-                             avx512_vnni = qm::qm_avx512_vnni::kernels();
-    static const qm::Kernels* const table[] = {nullptr, &portable, &avx2, &avx512, &avx512_vnni};
+                             avx512_vnni = qm::qm_avx512_vnni::kernels(), avx512_bf16 = qm::qm_avx512_bf16::kernels();
+    static const qm::Kernels* const table[] = {nullptr, &portable, &avx2, &avx512, &avx512_vnni, &avx512_bf16};
 #else
     static const qm::Kernels* const table[] = {nullptr, &portable};
 #endif
     if (isa == kBest) isa = kBestIsa;
-    if (isa < kPortable || isa > kAvx512Vnni) {
+    if (isa < kPortable || isa > kAvx512Bf16) {
         fail("unknown isa " + std::to_string(isa));
         return nullptr;
     }
@@ -155,19 +159,59 @@ void round_to_int16(const float* x, int64_t count, int16_t* q, float* scale, flo
     }
 }
 
-// qm_linear, and with int16_activations qm_linear_q16.
+// x rounded to bf16 (to nearest, ties to even) in the slabs the bf16 panels read
+// (Job::xbf16: 16 rows, k in pairs; rows past m zero), and each block's sum of the rounded
+// values per row (Job::xbf16_sums).
+void round_to_bf16_slabs(const float* x, int64_t m, int64_t k, int64_t m_pad, uint16_t* xt, float* sums) {
+    const int64_t blocks = k / 32;
+    for (int64_t r = 0; r < m; ++r) {
+        const int64_t s = r / 16, i = r % 16;
+        uint16_t* slab = xt + s * 16 * k;
+        for (int64_t b = 0; b < blocks; ++b) {
+            float total = 0.f;
+            for (int64_t kk = b * 32; kk < b * 32 + 32; ++kk) {
+                uint32_t bits;
+                std::memcpy(&bits, x + r * k + kk, 4);
+                const uint16_t h = (bits & 0x7fffffffu) > 0x7f800000u
+                                       ? static_cast<uint16_t>((bits >> 16) | 0x40)  // NaN stays NaN
+                                       : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
+                slab[(kk / 2) * 32 + i * 2 + (kk & 1)] = h;
+                const uint32_t back = static_cast<uint32_t>(h) << 16;
+                float value;
+                std::memcpy(&value, &back, 4);
+                total += value;
+            }
+            sums[(s * blocks + b) * 16 + i] = total;
+        }
+    }
+    (void)m_pad;
+}
+
+enum class Activations { kFloat32, kInt16, kBfloat16 };
+
+// qm_linear, qm_linear_q16 (int16 activations) and qm_linear_bf16.
 int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa,
-           bool int16_activations) {
+           Activations activations) {
     if (check(type, w, k, y) || x == nullptr) return 1;
     const qm::Kernels* kern = pick(isa);
     if (kern == nullptr) return 1;
+    if (activations == Activations::kBfloat16 && kern->bf16_rows == nullptr)
+        return fail(std::string("bf16 activations need AVX512_BF16; the ") + kern->name + " path has none");
     if (n <= 0 || m <= 0) return n < 0 || m < 0 ? fail("negative size") : 0;
     const int64_t blocks = k / 32;
     qm::Job job{type, static_cast<const uint8_t*>(w), n, k, qm_row_bytes(type, k), block_bytes(type), x, m, y,
                 nullptr};
     std::vector<float> xt, xsum, xd;
     std::vector<int16_t> xq;
-    if (int16_activations) {  // the row tiles, on integers
+    std::vector<uint16_t> xbf16;
+    if (activations == Activations::kBfloat16) {  // the bf16 panels, whatever m
+        job.m_pad = (m + 15) / 16 * 16;
+        xbf16.assign(static_cast<size_t>(k * job.m_pad), 0);
+        xsum.assign(static_cast<size_t>(job.m_pad * blocks), 0.f);
+        round_to_bf16_slabs(x, m, k, job.m_pad, xbf16.data(), xsum.data());
+        job.xbf16 = xbf16.data();
+        job.xbf16_sums = xsum.data();
+    } else if (activations == Activations::kInt16) {  // the row tiles, on integers
         xq.resize(static_cast<size_t>(m * k));
         xd.resize(static_cast<size_t>(m * blocks));
         xsum.resize(static_cast<size_t>(m * blocks));
@@ -195,10 +239,12 @@ int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_
     }
     // Chunks of 16 output rows (48, whole panels of 6, for the panel products): enough work per
     // chunk, and whole cache lines of y per thread.
-    const int64_t chunk = job.xt != nullptr ? 48 : 16, chunks = (n + chunk - 1) / chunk;
+    const bool panels = job.xt != nullptr || job.xbf16 != nullptr;
+    const auto rows = job.xbf16 != nullptr ? kern->bf16_rows : kern->linear_rows;
+    const int64_t chunk = panels ? 48 : 16, chunks = (n + chunk - 1) / chunk;
     const int threads = threads_for(n * blocks * m, chunks);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t c = 0; c < chunks; ++c) kern->linear_rows(job, c * chunk, std::min(n, (c + 1) * chunk));
+    for (int64_t c = 0; c < chunks; ++c) rows(job, c * chunk, std::min(n, (c + 1) * chunk));
     return 0;
 }
 
@@ -212,11 +258,15 @@ int64_t qm_row_bytes(int type, int64_t k) {
 }
 
 int qm_linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa) {
-    return linear(type, w, n, k, x, m, y, isa, false);
+    return linear(type, w, n, k, x, m, y, isa, Activations::kFloat32);
 }
 
 int qm_linear_q16(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa) {
-    return linear(type, w, n, k, x, m, y, isa, true);
+    return linear(type, w, n, k, x, m, y, isa, Activations::kInt16);
+}
+
+int qm_linear_bf16(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa) {
+    return linear(type, w, n, k, x, m, y, isa, Activations::kBfloat16);
 }
 
 int qm_dequantize_rows(int type, const void* w, int64_t k, const int64_t* rows, int64_t count, float* out, int isa) {

@@ -10,7 +10,8 @@
  *
  * Activations and results are fp32, row-major and contiguous. Every call returns 0, or 1
  * with a message for qm_last_error(). isa: 0 = the best this CPU runs (capped by QM_CPU_ISA in
- * the environment), 1 = portable, 2 = AVX2+FMA, 3 = AVX-512 (F/BW/VL/DQ), 4 = AVX-512 with VNNI.
+ * the environment), 1 = portable, 2 = AVX2+FMA, 3 = AVX-512 (F/BW/VL/DQ), 4 = AVX-512 with VNNI,
+ * 5 = AVX-512 with VNNI and BF16.
  */
 #pragma once
 
@@ -30,6 +31,12 @@ int qm_linear(int type, const void *w, int64_t n, int64_t k, const float *x, int
  * rounding, at most 1.5e-5 of each block's largest value (--activation-quantization int16). */
 int qm_linear_q16(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int isa);
 
+/* qm_linear with x rounded to bf16 (to nearest, ties to even) and multiplied by bf16 dot products
+ * with fp32 sums: the weights' quantized values are exact in bf16, so y differs from qm_linear by
+ * x's rounding alone (relative 2^-9 per value). For batches of 16 rows or more, where the
+ * products are compute-bound (--activation-quantization bf16). Needs AVX512_BF16 (isa 0 or 5). */
+int qm_linear_bf16(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int isa);
+
 /* out[i, :] = W[rows[i], :] as fp32 (an embedding lookup). */
 int qm_dequantize_rows(int type, const void *w, int64_t k, const int64_t *rows, int64_t count, float *out, int isa);
 
@@ -40,7 +47,8 @@ int qm_dequantize_range(int type, const void *w, int64_t k, int64_t row_begin, i
 /* Bytes of one packed row of k values (0 for an unknown type or a k that is not whole blocks). */
 int64_t qm_row_bytes(int type, int64_t k);
 
-/* The vector path isa 0 picks on this CPU ("avx512+vnni", "avx512", "avx2+fma" or "portable");
+/* The vector path isa 0 picks on this CPU ("avx512+vnni+bf16", "avx512+vnni", "avx512", "avx2+fma"
+ * or "portable");
  * whether an isa runs here. */
 const char *qm_isa(void);
 int qm_isa_supported(int isa);
