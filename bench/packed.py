@@ -99,6 +99,9 @@ def kernels(shapes, label: str, bandwidth: float, rows=(1, 8, 32, 128)) -> None:
             del weight
 
 
+PATH_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the types --paths compares (those GGUF files hold)
+
+
 def vector_paths(shapes, label: str, rows=(1, 2, 8, 16, 64, 128)) -> None:
     """Every vector path this CPU runs on the same weights and x, alternated call by call, as
     ratios to AVX2 (int16: ``--activation-quantization int16``'s kernel, at up to 2 rows; bf16:
@@ -110,7 +113,7 @@ def vector_paths(shapes, label: str, rows=(1, 2, 8, 16, 64, 128)) -> None:
     bf16 = "bf16 (x as bf16)" if packed.bf16_supported() else ""
     print(f"\n{label}, ms per call on {' / '.join(isas)}{' / ' + bf16 if bf16 else ''} "
           "(and AVX2's time / each path's)")
-    for kind in ("Q4_0", "Q4_1", "Q8_0"):
+    for kind in PATH_KINDS:
         for name, n, k in shapes:
             data = random_packed(kind, n, k)
             cells = []

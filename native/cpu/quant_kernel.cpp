@@ -2,8 +2,8 @@
 // five times: -DQM_NS=qm_portable (plain C++), qm_avx2 (-mavx2 -mfma -mf16c), qm_avx512 (the
 // same plus -mavx512f/bw/vl/dq), qm_avx512_vnni (plus -mavx512vnni) and qm_avx512_bf16 (plus
 // -mavx512bf16: also the bf16 panels of qm_linear_bf16). The vector code is
-// written once over `Simd` (8 fp32 lanes for AVX2, 16 for AVX-512): a block of 32 values is
-// kVecs vectors. Every path computes the same sums per block (the vector ones with fused
+// written once over a vector width (Simd8: AVX2's 8 fp32 lanes; Simd16: AVX-512's 16): a block
+// of 32 values is kVecs<S> vectors. Every path computes the same sums per block (the vector ones with fused
 // multiply-adds and sums in another order, so the last bits may differ).
 
 #include <algorithm>
@@ -79,7 +79,7 @@ inline void block_values(int type, const uint8_t* b, float* q) {
 #if QM_AVX2
 #if QM_AVX512
 // 16 fp32 lanes; a block of 32 values is two vectors.
-struct Simd {
+struct Simd16 {
     using V = __m512;
     static constexpr int kLanes = 16;
     static V zero() { return _mm512_setzero_ps(); }
@@ -95,9 +95,9 @@ struct Simd {
     static V from_i8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }   // 16 bytes
     static V from_u8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
 };
-#else
+#endif
 // 8 fp32 lanes; a block of 32 values is four vectors.
-struct Simd {
+struct Simd8 {
     using V = __m256;
     static constexpr int kLanes = 8;
     static V zero() { return _mm256_setzero_ps(); }
@@ -117,44 +117,57 @@ struct Simd {
     static V from_i8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }   // the low 8 bytes
     static V from_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 };
-#endif
-using V = Simd::V;
-constexpr int kVecs = 32 / Simd::kLanes;  // vectors per block of 32 values
 
-// 32 bytes as kVecs vectors of floats, in order (Signed: int8, else uint8).
-template <bool Signed>
-inline void bytes_to_vectors(__m128i lo, __m128i hi, V* q) {
+// The row tiles (up to 7 rows, memory-bound) take the widest vectors. The 8-row tile and the
+// panels (compute-bound) stay at 8 lanes even with AVX-512: on Zen 4, where a 512-bit FMA is
+// two 256-bit halves, 16-lane versions of them (a 16 x 12 panel) ran 0.75-0.94x as fast on
+// Llama-3-8B's shapes (bench/packed.py --paths), and 1.0-1.1x on the default model's.
+#if QM_AVX512
+using Simd = Simd16;
+#else
+using Simd = Simd8;
+#endif
+template <class S>
+constexpr int kVecs = 32 / S::kLanes;  // vectors per block of 32 values
+
+// 32 bytes as kVecs<S> vectors of floats, in order (Signed: int8, else uint8).
+template <class S, bool Signed>
+inline void bytes_to_vectors(__m128i lo, __m128i hi, typename S::V* q) {
+    constexpr int kHalf = kVecs<S> / 2;  // vectors per 16 bytes (AVX2: two of 8)
     const __m128i halves[2] = {lo, hi};
     for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < kVecs / 2; ++i) {  // (AVX2: two vectors of 8 per 16 bytes)
+        for (int i = 0; i < kHalf; ++i) {
             const __m128i part = i ? _mm_srli_si128(halves[h], 8) : halves[h];
-            q[h * kVecs / 2 + i] = Signed ? Simd::from_i8(part) : Simd::from_u8(part);
+            q[h * kHalf + i] = Signed ? S::from_i8(part) : S::from_u8(part);
         }
 }
 
 // The block's quantized values, in order.
-inline void block_vectors(int type, const uint8_t* b, V* q) {
+template <class S>
+inline void block_vectors(int type, const uint8_t* b, typename S::V* q) {
     if (type == kQ8_0 || type == kQ8_M) {
         const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (type == kQ8_0 ? 2 : 4)));
         const __m128i lo = _mm256_castsi256_si128(all), hi = _mm256_extracti128_si256(all, 1);
-        return type == kQ8_0 ? bytes_to_vectors<true>(lo, hi, q) : bytes_to_vectors<false>(lo, hi, q);
+        return type == kQ8_0 ? bytes_to_vectors<S, true>(lo, hi, q) : bytes_to_vectors<S, false>(lo, hi, q);
     }
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (type == kQ4_1 ? 4 : 2)));
     const __m128i mask = _mm_set1_epi8(0x0f);
-    bytes_to_vectors<false>(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), q);
+    bytes_to_vectors<S, false>(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), q);
 }
 
 // The block's 32 values as GGUF's reference dequantizes them: d * q + m, rounded after each
 // step (Q8_M, which is not a GGUF type, the same way as Q4_1), or (q - 8) * d, or q * d.
-inline void block_dequantized(int type, const uint8_t* b, V* w) {
-    block_vectors(type, b, w);
-    const V vd = Simd::set1(fp16(b));
+template <class S>
+inline void block_dequantized(int type, const uint8_t* b, typename S::V* w) {
+    using V = typename S::V;
+    block_vectors<S>(type, b, w);
+    const V vd = S::set1(fp16(b));
     if (type == kQ4_1 || type == kQ8_M) {
-        const V vm = Simd::set1(fp16(b + 2));
-        for (int i = 0; i < kVecs; ++i) w[i] = Simd::add(Simd::mul(vd, w[i]), vm);
+        const V vm = S::set1(fp16(b + 2));
+        for (int i = 0; i < kVecs<S>; ++i) w[i] = S::add(S::mul(vd, w[i]), vm);
     } else {
-        const V shift = Simd::set1(type == kQ4_0 ? 8.f : 0.f);
-        for (int i = 0; i < kVecs; ++i) w[i] = Simd::mul(Simd::sub(w[i], shift), vd);
+        const V shift = S::set1(type == kQ4_0 ? 8.f : 0.f);
+        for (int i = 0; i < kVecs<S>; ++i) w[i] = S::mul(S::sub(w[i], shift), vd);
     }
 }
 #endif
@@ -196,7 +209,7 @@ inline Words block_words(const uint8_t* b) {
 // The block's integer dot product with 32 int16 of x, as kLanes partial sums in floats (int32
 // until then: exact, |q| <= 255 and |qx| <= 32767 over 32 terms). With VNNI one instruction
 // multiplies, pairs and accumulates.
-inline V int16_dot(const Words& w, const int16_t* qx) {
+inline Simd::V int16_dot(const Words& w, const int16_t* qx) {
 #if QM_AVX512
     const __m512i x = _mm512_loadu_si512(qx);
 #if defined(__AVX512VNNI__)
@@ -242,18 +255,19 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         const uint8_t* row = j.w + n * j.row_bytes;
         float acc[T] = {};
 #if QM_AVX2
+        using V = Simd::V;
         V vacc[T];
         for (int t = 0; t < T; ++t) vacc[t] = Simd::zero();
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* blk = row + b * j.block_bytes;
             float d, offset;
             scale_offset(Type, blk, &d, &offset);
-            V q[kVecs];
+            V q[kVecs<Simd>];
             Words w;
             if constexpr (Int16) {
                 w = block_words<Type>(blk);
             } else {
-                block_vectors(Type, blk, q);
+                block_vectors<Simd>(Type, blk, q);
             }
             const V vd = Simd::set1(d);
             for (int t = 0; t < T; ++t) {
@@ -263,7 +277,7 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
                 } else {
                     const float* x = j.x + xb * 32;
                     V s = Simd::mul(q[0], Simd::load(x));
-                    for (int i = 1; i < kVecs; ++i) s = Simd::fmadd(q[i], Simd::load(x + i * Simd::kLanes), s);
+                    for (int i = 1; i < kVecs<Simd>; ++i) s = Simd::fmadd(q[i], Simd::load(x + i * Simd::kLanes), s);
                     vacc[t] = Simd::fmadd(vd, s, vacc[t]);
                 }
                 acc[t] += offset * j.xsum[xb];
@@ -328,16 +342,17 @@ void dequantize_panel(const Job& j, int64_t nb, int nn, float* panel) {
     }
 }
 
-// Larger batches as a small GEMM: kNr output rows of W are dequantized into a panel, and a 16 x
-// kNr block of y is accumulated in twelve registers from a slab of x transposed (16 rows of x
-// per k: two vectors on AVX2, kNr = 6; one on AVX-512, kNr = 12) times each panel value
-// broadcast: per k, one or two loads of x, kNr broadcasts (AVX-512 folds them into the
-// multiply-adds), twelve fused multiply-adds, and no horizontal sums. The slabs are taken a few at
+// Larger batches as a small GEMM: six output rows of W are dequantized into a panel, and a
+// 16 x 6 block of y is accumulated in twelve registers from a slab of x transposed (16 rows of
+// x per vector pair) times each panel value broadcast: per k, two loads of x, six broadcasts,
+// twelve fused multiply-adds, and no horizontal sums. The slabs are taken a few at
 // a time (kSlabFloatsPerPass), each panel dequantized again for every pass (~1% of the work at
 // 64 rows a pass): streaming all of a large batch's x once per panel ran at half the speed.
 template <int Type>
 void panel_rows(const Job& j, int64_t n0, int64_t n1) {
-    constexpr int kSlabVecs = 16 / Simd::kLanes, kNr = 12 / kSlabVecs;
+    using S = Simd8;
+    using V = S::V;
+    constexpr int kSlabVecs = 16 / S::kLanes, kNr = 12 / kSlabVecs;
     const int64_t K = j.k, slab = 16 * K, slabs = j.m_pad / 16;
     const int64_t slabs_per_pass = std::max<int64_t>(1, kSlabFloatsPerPass / slab);
     static thread_local std::vector<float> panel_storage;
@@ -353,22 +368,22 @@ void panel_rows(const Job& j, int64_t n0, int64_t n1) {
                 V c[kNr][kSlabVecs];
 #pragma GCC unroll 12
                 for (int r = 0; r < kNr; ++r)
-                    for (int v = 0; v < kSlabVecs; ++v) c[r][v] = Simd::zero();
+                    for (int v = 0; v < kSlabVecs; ++v) c[r][v] = S::zero();
                 const float* xt = j.xt + s * slab;
                 for (int64_t kk = 0; kk < K; ++kk) {
                     V x[kSlabVecs];
-                    for (int v = 0; v < kSlabVecs; ++v) x[v] = Simd::load(xt + 16 * kk + v * Simd::kLanes);
+                    for (int v = 0; v < kSlabVecs; ++v) x[v] = S::load(xt + 16 * kk + v * S::kLanes);
 #pragma GCC unroll 12
                     for (int r = 0; r < kNr; ++r) {
-                        const V wv = Simd::broadcast(panel + r * K + kk);
-                        for (int v = 0; v < kSlabVecs; ++v) c[r][v] = Simd::fmadd(wv, x[v], c[r][v]);
+                        const V wv = S::broadcast(panel + r * K + kk);
+                        for (int v = 0; v < kSlabVecs; ++v) c[r][v] = S::fmadd(wv, x[v], c[r][v]);
                     }
                 }
                 // (stored with constant indexes first: a runtime index into c would make the
                 // compiler keep c in memory and store it on every k)
 #pragma GCC unroll 12
                 for (int r = 0; r < kNr; ++r)
-                    for (int v = 0; v < kSlabVecs; ++v) Simd::store(block[r] + v * Simd::kLanes, c[r][v]);
+                    for (int v = 0; v < kSlabVecs; ++v) S::store(block[r] + v * S::kLanes, c[r][v]);
                 const int64_t m0 = 16 * s, rows = std::min<int64_t>(16, j.m - m0);
                 for (int r = 0; r < nn; ++r)
                     for (int64_t i = 0; i < rows; ++i) j.y[(m0 + i) * j.n + nb + r] = block[r][i];
@@ -483,16 +498,17 @@ void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
     const int64_t blocks = j.k / 32;
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = j.w + n * j.row_bytes;
-        V acc[T];
-        for (int t = 0; t < T; ++t) acc[t] = Simd::zero();
+        using S = Simd8;
+        S::V acc[T];
+        for (int t = 0; t < T; ++t) acc[t] = S::zero();
         for (int64_t b = 0; b < blocks; ++b) {
-            V w[kVecs];
-            block_dequantized(Type, row + b * j.block_bytes, w);
+            S::V w[kVecs<S>];
+            block_dequantized<S>(Type, row + b * j.block_bytes, w);
             const float* x = j.x + m0 * j.k + b * 32;
             for (int t = 0; t < T; ++t, x += j.k)
-                for (int i = 0; i < kVecs; ++i) acc[t] = Simd::fmadd(w[i], Simd::load(x + i * Simd::kLanes), acc[t]);
+                for (int i = 0; i < kVecs<S>; ++i) acc[t] = S::fmadd(w[i], S::load(x + i * S::kLanes), acc[t]);
         }
-        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = Simd::hsum(acc[t]);
+        for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = S::hsum(acc[t]);
     }
 }
 #endif
@@ -533,9 +549,9 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
         const uint8_t* blk = row + b * block_bytes;
         float* o = out + b * 32;
 #if QM_AVX2
-        V w[kVecs];
-        block_dequantized(type, blk, w);
-        for (int i = 0; i < kVecs; ++i) Simd::store(o + i * Simd::kLanes, w[i]);
+        Simd::V w[kVecs<Simd>];
+        block_dequantized<Simd>(type, blk, w);
+        for (int i = 0; i < kVecs<Simd>; ++i) Simd::store(o + i * Simd::kLanes, w[i]);
 #else
         const float d = fp16(blk);
         float q[32];
