@@ -480,6 +480,28 @@ void bf16_panel_rows(const Job& j, int64_t n0, int64_t n1) {
     }
 }
 
+// x [m, k] rounded to bf16 into the slabs of the bf16 panels (Job::xbf16: 16 rows, k in pairs;
+// the caller zeroes rows past m), and each block's sum of the rounded values per row
+// (Job::xbf16_sums). vcvtne2ps2bf16 rounds 32 values at a time to nearest, ties to even (and,
+// as the instruction does, takes a denormal as zero).
+void round_to_bf16(const float* x, int64_t m, int64_t k, uint16_t* xbf16, float* sums) {
+    const int64_t blocks = k / 32;
+    alignas(64) uint32_t pairs[16];
+    for (int64_t r = 0; r < m; ++r) {
+        const int64_t s = r / 16, i = r % 16;
+        uint32_t* slab = reinterpret_cast<uint32_t*>(xbf16 + s * 16 * k) + i;  // pair p of this row: slab[16 p]
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float* v = x + r * k + b * 32;
+            const auto h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v)));
+            _mm512_store_si512(pairs, h);
+            for (int p = 0; p < 16; ++p) slab[(b * 16 + p) * 16] = pairs[p];
+            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+            sums[(s * blocks + b) * 16 + i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        }
+    }
+}
+
 void bf16_rows(const Job& j, int64_t n0, int64_t n1) {
     switch (j.type) {
         case kQ4_0: return bf16_panel_rows<kQ4_0>(j, n0, n1);
@@ -571,15 +593,15 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
 
 Kernels kernels() {
 #if QM_BF16
-    return {linear_rows, dequantize_row, bf16_rows, "avx512+vnni+bf16", true};
+    return {linear_rows, dequantize_row, bf16_rows, round_to_bf16, "avx512+vnni+bf16", true};
 #elif QM_AVX512 && defined(__AVX512VNNI__)
-    return {linear_rows, dequantize_row, nullptr, "avx512+vnni", true};
+    return {linear_rows, dequantize_row, nullptr, nullptr, "avx512+vnni", true};
 #elif QM_AVX512
-    return {linear_rows, dequantize_row, nullptr, "avx512", true};
+    return {linear_rows, dequantize_row, nullptr, nullptr, "avx512", true};
 #elif QM_AVX2
-    return {linear_rows, dequantize_row, nullptr, "avx2+fma", true};
+    return {linear_rows, dequantize_row, nullptr, nullptr, "avx2+fma", true};
 #else
-    return {linear_rows, dequantize_row, nullptr, "portable", false};
+    return {linear_rows, dequantize_row, nullptr, nullptr, "portable", false};
 #endif
 }
 

@@ -40,7 +40,10 @@ constexpr int64_t kPanelMinRows = 16;  // from this many rows of x, the vector p
 struct Kernels {
     void (*linear_rows)(const Job&, int64_t n0, int64_t n1);
     void (*dequantize_row)(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out);
-    void (*bf16_rows)(const Job&, int64_t n0, int64_t n1);  // x as bf16 (Job::xbf16); null without AVX512_BF16
+    // x as bf16 (Job::xbf16): the products, and x rounded into the slabs they read with each
+    // block's sums (Job::xbf16_sums); both null without AVX512_BF16
+    void (*bf16_rows)(const Job&, int64_t n0, int64_t n1);
+    void (*round_to_bf16)(const float* x, int64_t m, int64_t k, uint16_t* xbf16, float* sums);
     const char* name;
     bool panels;  // multiplies larger batches in panels (Job::xt); the portable path does not
 };

@@ -159,34 +159,6 @@ void round_to_int16(const float* x, int64_t count, int16_t* q, float* scale, flo
     }
 }
 
-// x rounded to bf16 (to nearest, ties to even) in the slabs the bf16 panels read
-// (Job::xbf16: 16 rows, k in pairs; rows past m zero), and each block's sum of the rounded
-// values per row (Job::xbf16_sums).
-void round_to_bf16_slabs(const float* x, int64_t m, int64_t k, int64_t m_pad, uint16_t* xt, float* sums) {
-    const int64_t blocks = k / 32;
-    for (int64_t r = 0; r < m; ++r) {
-        const int64_t s = r / 16, i = r % 16;
-        uint16_t* slab = xt + s * 16 * k;
-        for (int64_t b = 0; b < blocks; ++b) {
-            float total = 0.f;
-            for (int64_t kk = b * 32; kk < b * 32 + 32; ++kk) {
-                uint32_t bits;
-                std::memcpy(&bits, x + r * k + kk, 4);
-                const uint16_t h = (bits & 0x7fffffffu) > 0x7f800000u
-                                       ? static_cast<uint16_t>((bits >> 16) | 0x40)  // NaN stays NaN
-                                       : static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1)) >> 16);
-                slab[(kk / 2) * 32 + i * 2 + (kk & 1)] = h;
-                const uint32_t back = static_cast<uint32_t>(h) << 16;
-                float value;
-                std::memcpy(&value, &back, 4);
-                total += value;
-            }
-            sums[(s * blocks + b) * 16 + i] = total;
-        }
-    }
-    (void)m_pad;
-}
-
 enum class Activations { kFloat32, kInt16, kBfloat16 };
 
 // qm_linear, qm_linear_q16 (int16 activations) and qm_linear_bf16.
@@ -208,7 +180,7 @@ int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_
         job.m_pad = (m + 15) / 16 * 16;
         xbf16.assign(static_cast<size_t>(k * job.m_pad), 0);
         xsum.assign(static_cast<size_t>(job.m_pad * blocks), 0.f);
-        round_to_bf16_slabs(x, m, k, job.m_pad, xbf16.data(), xsum.data());
+        kern->round_to_bf16(x, m, k, xbf16.data(), xsum.data());
         job.xbf16 = xbf16.data();
         job.xbf16_sums = xsum.data();
     } else if (activations == Activations::kInt16) {  // the row tiles, on integers
@@ -237,8 +209,8 @@ int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_
             }
         job.xsum = xsum.data();
     }
-    // Chunks of 16 output rows (48, whole panels of 6, for the panel products): enough work per
-    // chunk, and whole cache lines of y per thread.
+    // Chunks of 16 output rows (48 for the panel products: whole panels of 6, or of 12 for the
+    // bf16 ones): enough work per chunk, and whole cache lines of y per thread.
     const bool panels = job.xt != nullptr || job.xbf16 != nullptr;
     const auto rows = job.xbf16 != nullptr ? kern->bf16_rows : kern->linear_rows;
     const int64_t chunk = panels ? 48 : 16, chunks = (n + chunk - 1) / chunk;
