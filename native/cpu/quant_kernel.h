@@ -44,6 +44,9 @@ struct Kernels {
     // block's sums (Job::xbf16_sums); both null without AVX512_BF16
     void (*bf16_rows)(const Job&, int64_t n0, int64_t n1);
     void (*round_to_bf16)(const float* x, int64_t m, int64_t k, uint16_t* xbf16, float* sums);
+    // x [m, k] into the slabs of the panel products (Job::xt), rows past m as zeros; null where
+    // there are no panels
+    void (*to_slabs)(const float* x, int64_t m, int64_t k, float* xt);
     const char* name;
     bool panels;  // multiplies larger batches in panels (Job::xt); the portable path does not
 };

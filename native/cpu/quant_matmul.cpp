@@ -193,11 +193,8 @@ int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_
         job.xsum = xsum.data();
     } else if (m >= qm::kPanelMinRows && kern->panels) {  // x transposed, in slabs of 16 rows, for the panels
         job.m_pad = (m + 15) / 16 * 16;
-        xt.assign(static_cast<size_t>(k * job.m_pad), 0.f);
-        for (int64_t r = 0; r < m; ++r) {
-            float* slab = xt.data() + (r / 16) * 16 * k + r % 16;
-            for (int64_t i = 0; i < k; ++i) slab[16 * i] = x[r * k + i];
-        }
+        xt.resize(static_cast<size_t>(k * job.m_pad));
+        kern->to_slabs(x, m, k, xt.data());
         job.xt = xt.data();
     } else {  // the row tiles fold the blocks' offsets through the sums of x
         xsum.resize(static_cast<size_t>(m * blocks));
