@@ -109,6 +109,7 @@ class PackedMatrix:
         self._lib, self._ffi = library(), _ffi()
         self._ptr = self._ffi.cast("void *", data.data_ptr())
         self._n = data.shape[0]
+        self._kernels = {kind: getattr(self._lib, name) for kind, name in ACTIVATIONS.items()}
 
     def linear(self, x: torch.Tensor, isa: str = "best", activations: str = "float32") -> torch.Tensor:
         """``x @ W.T`` for ``x`` float32, contiguous, ``[M, K]`` (the caller guarantees it), with
@@ -116,8 +117,7 @@ class PackedMatrix:
         m = x.shape[0]
         out = torch.empty(m, self._n, dtype=torch.float32)
         cast = self._ffi.cast
-        kernel = getattr(self._lib, ACTIVATIONS[activations])
-        rc = kernel(self._type, self._ptr, self._n, self.k, cast("float *", x.data_ptr()), m,
+        rc = self._kernels[activations](self._type, self._ptr, self._n, self.k, cast("float *", x.data_ptr()), m,
                     cast("float *", out.data_ptr()), ISAS[isa])
         if rc:
             _rc(rc, "packed linear")
