@@ -1,9 +1,9 @@
 // The per-row work of the packed-weight library (quant_matmul.cpp has the design). Compiled
 // five times: -DQM_NS=qm_portable (plain C++), qm_avx2 (-mavx2 -mfma -mf16c), qm_avx512 (the
 // same plus -mavx512f/bw/vl/dq), qm_avx512_vnni (plus -mavx512vnni) and qm_avx512_bf16 (plus
-// -mavx512bf16: also the bf16 panels of qm_linear_bf16). The vector code is
-// written once over a vector width (Simd8: AVX2's 8 fp32 lanes; Simd16: AVX-512's 16): a block
-// of 32 values is kVecs<S> vectors. Every path computes the same sums per block (the vector ones with fused
+// -mavx512bf16: also the bf16 panels of qm_linear_bf16). The vector code is written once over a
+// vector width (Simd8: AVX2's 8 fp32 lanes; Simd16: AVX-512's 16): a block of 32 values is
+// kVecs<S> vectors. Every path computes the same sums per block (the vector ones with fused
 // multiply-adds and sums in another order, so the last bits may differ).
 
 #include <algorithm>
@@ -26,7 +26,7 @@
 #endif
 
 #ifndef QM_NS
-#error "compile with -DQM_NS=qm_avx512_vnni, qm_avx512, qm_avx2 or qm_portable"
+#error "compile with -DQM_NS=qm_avx512_bf16, qm_avx512_vnni, qm_avx512, qm_avx2 or qm_portable"
 #endif
 
 namespace qm {
@@ -342,6 +342,15 @@ void dequantize_panel(const Job& j, int64_t nb, int nn, float* panel) {
     }
 }
 
+// A panel product's 16 x kNr block of y (block[r][i]: output row nb + r, row 16 s + i of x) into
+// y, without the rows past m and the panel rows past nn.
+template <int kNr>
+void store_block(const Job& j, int64_t s, int64_t nb, int nn, const float (&block)[kNr][16]) {
+    const int64_t m0 = 16 * s, rows = std::min<int64_t>(16, j.m - m0);
+    for (int r = 0; r < nn; ++r)
+        for (int64_t i = 0; i < rows; ++i) j.y[(m0 + i) * j.n + nb + r] = block[r][i];
+}
+
 // x [m, k] transposed into slabs of 16 rows (Job::xt: [m_pad / 16][k][16], rows past m zero),
 // eight rows by eight columns at a time in registers: a row-by-row copy wrote each value 64
 // bytes from the last, ~10% of a panel product's time at 64 rows.
@@ -414,9 +423,7 @@ void panel_rows(const Job& j, int64_t n0, int64_t n1) {
 #pragma GCC unroll 12
                 for (int r = 0; r < kNr; ++r)
                     for (int v = 0; v < kSlabVecs; ++v) S::store(block[r] + v * S::kLanes, c[r][v]);
-                const int64_t m0 = 16 * s, rows = std::min<int64_t>(16, j.m - m0);
-                for (int r = 0; r < nn; ++r)
-                    for (int64_t i = 0; i < rows; ++i) j.y[(m0 + i) * j.n + nb + r] = block[r][i];
+                store_block<kNr>(j, s, nb, nn, block);
             }
         }
     }
@@ -502,27 +509,28 @@ void bf16_panel_rows(const Job& j, int64_t n0, int64_t n1) {
                 }
 #pragma GCC unroll 12
                 for (int r = 0; r < kNr; ++r) _mm512_store_ps(block[r], c[r]);
-                const int64_t m0 = 16 * s, rows = std::min<int64_t>(16, j.m - m0);
-                for (int r = 0; r < nn; ++r)
-                    for (int64_t i = 0; i < rows; ++i) j.y[(m0 + i) * j.n + nb + r] = block[r][i];
+                store_block<kNr>(j, s, nb, nn, block);
             }
         }
     }
 }
 
 // x [m, k] rounded to bf16 into the slabs of the bf16 panels (Job::xbf16: 16 rows, k in pairs;
-// the caller zeroes rows past m), and each block's sum of the rounded values per row
-// (Job::xbf16_sums). vcvtne2ps2bf16 rounds 32 values at a time to nearest, ties to even (and,
-// as the instruction does, takes a denormal as zero).
+// rows past m zero), and each block's sum of the rounded values per row (Job::xbf16_sums).
+// vcvtne2ps2bf16 rounds 32 values at a time to nearest, ties to even (and, as the instruction
+// does, takes a denormal as zero).
 void round_to_bf16(const float* x, int64_t m, int64_t k, uint16_t* xbf16, float* sums) {
-    const int64_t blocks = k / 32;
+    const int64_t blocks = k / 32, m_pad = (m + 15) / 16 * 16;
     alignas(64) uint32_t pairs[16];
-    for (int64_t r = 0; r < m; ++r) {
+    for (int64_t r = 0; r < m_pad; ++r) {
         const int64_t s = r / 16, i = r % 16;
         uint32_t* slab = reinterpret_cast<uint32_t*>(xbf16 + s * 16 * k) + i;  // pair p of this row: slab[16 p]
         for (int64_t b = 0; b < blocks; ++b) {
-            const float* v = x + r * k + b * 32;
-            const auto h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v)));
+            __m512i h = _mm512_setzero_si512();
+            if (r < m) {
+                const float* v = x + r * k + b * 32;
+                h = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v)));
+            }
             _mm512_store_si512(pairs, h);
             for (int p = 0; p < 16; ++p) slab[(b * 16 + p) * 16] = pairs[p];
             const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
@@ -623,15 +631,15 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
 
 Kernels kernels() {
 #if QM_BF16
-    return {linear_rows, dequantize_row, bf16_rows, round_to_bf16, to_slabs, "avx512+vnni+bf16", true};
+    return {linear_rows, dequantize_row, bf16_rows, round_to_bf16, to_slabs, "avx512+vnni+bf16"};
 #elif QM_AVX512 && defined(__AVX512VNNI__)
-    return {linear_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx512+vnni", true};
+    return {linear_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx512+vnni"};
 #elif QM_AVX512
-    return {linear_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx512", true};
+    return {linear_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx512"};
 #elif QM_AVX2
-    return {linear_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx2+fma", true};
+    return {linear_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx2+fma"};
 #else
-    return {linear_rows, dequantize_row, nullptr, nullptr, nullptr, "portable", false};
+    return {linear_rows, dequantize_row, nullptr, nullptr, nullptr, "portable"};
 #endif
 }
 

@@ -30,7 +30,7 @@ struct Job {
     const float* xd = nullptr;
     // x rounded to bf16 (qm_linear_bf16) in slabs of 16 rows with k in pairs,
     // [m_pad / 16][k / 2][16][2] (rows past m zero), and each block's sum of the rounded values
-    // for every row of a slab, [m_pad / 16][k / 32][16]; null otherwise
+    // for every row of a slab, [m_pad / 16][k / 32][16] (zero past m); null otherwise
     const uint16_t* xbf16 = nullptr;
     const float* xbf16_sums = nullptr;
 };
@@ -45,10 +45,9 @@ struct Kernels {
     void (*bf16_rows)(const Job&, int64_t n0, int64_t n1);
     void (*round_to_bf16)(const float* x, int64_t m, int64_t k, uint16_t* xbf16, float* sums);
     // x [m, k] into the slabs of the panel products (Job::xt), rows past m as zeros; null where
-    // there are no panels
+    // larger batches are not multiplied in panels (the portable path)
     void (*to_slabs)(const float* x, int64_t m, int64_t k, float* xt);
     const char* name;
-    bool panels;  // multiplies larger batches in panels (Job::xt); the portable path does not
 };
 
 namespace qm_avx512_bf16 { Kernels kernels(); }

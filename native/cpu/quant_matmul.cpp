@@ -29,8 +29,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "quant_kernel.h"
 #include "quant_matmul.h"
@@ -161,6 +161,13 @@ void round_to_int16(const float* x, int64_t count, int16_t* q, float* scale, flo
 
 enum class Activations { kFloat32, kInt16, kBfloat16 };
 
+// A per-call buffer that is written whole before it is read: not zero-filled first, as a
+// std::vector's would be (the slabs of x are as large as x).
+template <class T>
+std::unique_ptr<T[]> scratch(int64_t count) {
+    return std::unique_ptr<T[]>(new T[static_cast<size_t>(count)]);
+}
+
 // qm_linear, qm_linear_q16 (int16 activations) and qm_linear_bf16.
 int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa,
            Activations activations) {
@@ -173,38 +180,39 @@ int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_
     const int64_t blocks = k / 32;
     qm::Job job{type, static_cast<const uint8_t*>(w), n, k, qm_row_bytes(type, k), block_bytes(type), x, m, y,
                 nullptr};
-    std::vector<float> xt, xsum, xd;
-    std::vector<int16_t> xq;
-    std::vector<uint16_t> xbf16;
+    const int64_t m_pad = (m + 15) / 16 * 16;  // rows of the slabs of x (the panels)
+    std::unique_ptr<float[]> xt, xsum, xd;
+    std::unique_ptr<int16_t[]> xq;
+    std::unique_ptr<uint16_t[]> xbf16;
     if (activations == Activations::kBfloat16) {  // the bf16 panels, whatever m
-        job.m_pad = (m + 15) / 16 * 16;
-        xbf16.assign(static_cast<size_t>(k * job.m_pad), 0);
-        xsum.assign(static_cast<size_t>(job.m_pad * blocks), 0.f);
-        kern->round_to_bf16(x, m, k, xbf16.data(), xsum.data());
-        job.xbf16 = xbf16.data();
-        job.xbf16_sums = xsum.data();
+        xbf16 = scratch<uint16_t>(k * m_pad);
+        xsum = scratch<float>(m_pad * blocks);
+        kern->round_to_bf16(x, m, k, xbf16.get(), xsum.get());
+        job.xbf16 = xbf16.get();
+        job.xbf16_sums = xsum.get();
+        job.m_pad = m_pad;
     } else if (activations == Activations::kInt16) {  // the row tiles, on integers
-        xq.resize(static_cast<size_t>(m * k));
-        xd.resize(static_cast<size_t>(m * blocks));
-        xsum.resize(static_cast<size_t>(m * blocks));
-        round_to_int16(x, m * blocks, xq.data(), xd.data(), xsum.data());
-        job.xq16 = xq.data();
-        job.xd = xd.data();
-        job.xsum = xsum.data();
-    } else if (m >= qm::kPanelMinRows && kern->panels) {  // x transposed, in slabs of 16 rows, for the panels
-        job.m_pad = (m + 15) / 16 * 16;
-        xt.resize(static_cast<size_t>(k * job.m_pad));
-        kern->to_slabs(x, m, k, xt.data());
-        job.xt = xt.data();
+        xq = scratch<int16_t>(m * k);
+        xd = scratch<float>(m * blocks);
+        xsum = scratch<float>(m * blocks);
+        round_to_int16(x, m * blocks, xq.get(), xd.get(), xsum.get());
+        job.xq16 = xq.get();
+        job.xd = xd.get();
+        job.xsum = xsum.get();
+    } else if (m >= qm::kPanelMinRows && kern->to_slabs != nullptr) {  // x transposed, in slabs of 16 rows, for the panels
+        xt = scratch<float>(k * m_pad);
+        kern->to_slabs(x, m, k, xt.get());
+        job.xt = xt.get();
+        job.m_pad = m_pad;
     } else {  // the row tiles fold the blocks' offsets through the sums of x
-        xsum.resize(static_cast<size_t>(m * blocks));
+        xsum = scratch<float>(m * blocks);
         for (int64_t r = 0; r < m; ++r)
             for (int64_t b = 0; b < blocks; ++b) {
                 float s = 0.f;
                 for (int i = 0; i < 32; ++i) s += x[r * k + b * 32 + i];
                 xsum[r * blocks + b] = s;
             }
-        job.xsum = xsum.data();
+        job.xsum = xsum.get();
     }
     // Chunks of 16 output rows (48 for the panel products: whole panels of 6, or of 12 for the
     // bf16 ones): enough work per chunk, and whole cache lines of y per thread.
