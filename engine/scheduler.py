@@ -200,8 +200,8 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, []
-        chunks = list(scheduled.values())
-        return SchedulerOutput(chunks, sum(c.num_new_tokens for c in chunks), preempted, finished)
+        num_batched_tokens = self.max_num_batched_tokens - budget.tokens  # (what the chunks took)
+        return SchedulerOutput(list(scheduled.values()), num_batched_tokens, preempted, finished)
 
     def _prefill_cap(self) -> float:
         """The prefill tokens this step may carry: capped when it also decodes.
@@ -323,8 +323,9 @@ class Scheduler:
         keep = 1 - 1 / PREFILL_RATE_WINDOW
         self._recent_prefill *= keep
         self._recent_output = keep * self._recent_output + len(sampled)
+        running = RequestStatus.RUNNING
         for request, start, num_new_tokens, _ in output.chunks:
-            if request.finished:  # aborted while the step ran
+            if request.status is not running:  # finished (aborted) while the step ran
                 continue
             request.num_computed_tokens = start + num_new_tokens
             token = sampled.get(request.request_id)
