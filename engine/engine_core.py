@@ -212,8 +212,8 @@ class EngineCore:
         return self.device_thread.run_sync(self._execute, plan)
 
     def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        tables = {c.request.request_id: self.block_manager.owned_blocks(c.request.request_id) for c in plan.chunks}
-        return self.runner.execute(plan, tables)
+        # (Aborts and frees happen between steps, in the event loop: the lists hold still meanwhile.)
+        return self.runner.execute(plan, self.block_manager.tables)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> tuple[list[TokenDelta], Decodes]:
         """Account for a finished step. Returns what it added to each completion: the common case

@@ -21,7 +21,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 
 import attrs
 
@@ -70,6 +71,12 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, KVBlock] = {}
         self._owned: dict[str, list[KVBlock]] = {}
+        # Request id -> its blocks in order, for the runner: a read-only view of the manager's
+        # own lists (not copied out request by request each step; do not modify them). While a
+        # request holds blocks its list only grows; once they are freed (finish, abort,
+        # preemption) a later allocation starts a new list. So a reader that remembers the list
+        # and how much of it it has seen can pick up just the new blocks.
+        self.tables: Mapping[str, list[KVBlock]] = MappingProxyType(self._owned)
         self.prefix_cache_queries = 0  # tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found
 
@@ -91,14 +98,6 @@ class BlockManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._owned.get(request_id, ())]
 
-    def owned_blocks(self, request_id: str) -> list[KVBlock]:
-        """The request's blocks in order: the manager's own list, not a copy (do not modify it).
-
-        While the request holds blocks the list only grows; once they are freed (finish,
-        abort, preemption) a later allocation starts a new list. So a reader that remembers
-        the list and how much of it it has seen can pick up just the new blocks.
-        """
-        return self._owned.get(request_id, [])
 
     # ---- prefix cache ----
 

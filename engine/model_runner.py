@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -121,9 +121,9 @@ class ModelRunner:
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, block_tables: dict[str, list[KVBlock]]) -> RunnerOutput:
-        """Run one step. ``block_tables`` maps each scheduled request id to its blocks: the
-        block manager's live list (see ``BlockManager.owned_blocks``)."""
+    def execute(self, output: SchedulerOutput, block_tables: Mapping[str, list[KVBlock]]) -> RunnerOutput:
+        """Run one step. ``block_tables`` maps (at least) each scheduled request id to its
+        blocks: the block manager's live lists (``BlockManager.tables``)."""
         self.sampler.forget(output.finished_ids)
         self.block_tables.release(output.finished_ids)
         self.block_tables.release(output.preempted_ids)
@@ -144,7 +144,7 @@ class ModelRunner:
         return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs, failed,
                             {ids[row] for row in result.grammar_finished})
 
-    def _prepare(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[KVBlock]]) -> _Batch:
+    def _prepare(self, chunks: list[ScheduledChunk], block_tables: Mapping[str, list[KVBlock]]) -> _Batch:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
