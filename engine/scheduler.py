@@ -41,6 +41,11 @@ class ScheduledChunk(NamedTuple):
         return self.start + self.num_new_tokens
 
 
+# ``ScheduledChunk(...)`` without the named tuple's generated ``__new__`` (0.23 -> 0.13 us: one
+# per decoding request per step).
+_chunk = tuple.__new__
+
+
 @attrs.frozen
 class SchedulerOutput:
     """What one step computes. ``chunks`` are in batch order; ``finished_ids`` are requests
@@ -250,7 +255,7 @@ class Scheduler:
             start = request.num_computed_tokens
             num_new = len(request.token_ids) - start
             if num_new == 1 and allocate(request, 1):  # a decode: most requests, every step
-                scheduled[request.request_id] = ScheduledChunk(request, start, 1, True)
+                scheduled[request.request_id] = _chunk(ScheduledChunk, (request, start, 1, True))
                 budget.tokens -= 1
                 continue
             num_new = budget.grant(num_new)
