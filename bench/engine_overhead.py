@@ -11,9 +11,11 @@
 
     python bench/engine_overhead.py
     python bench/engine_overhead.py --profile   # where the 256-request case spends its time (py-spy)
+    python bench/engine_overhead.py --instructions   # its instructions per step (callgrind)
 
 Timings on the shared development VMs swing by up to 2x from run to run; compare two trees
-by alternating runs and reading the minimum (``--repeat``).
+by alternating runs and reading the minimum (``--repeat``), or by their instruction counts
+(``--instructions``, deterministic within ~2%).
 """
 
 from __future__ import annotations
@@ -242,11 +244,69 @@ def profile(args) -> None:
         print(f"  {100 * count / total:5.1f}% own {100 * inclusive[frame] / total:5.1f}% incl  {frame}")
 
 
+async def counted_steps(tokenizer, num_requests: int, num_steps: int) -> None:
+    """The run that --instructions counts: callgrind's instrumentation is switched on for
+    ``num_steps`` steps once ``num_requests`` streams decode (from the 20th step), and off after."""
+    import os
+    import subprocess
+
+    def instrument(state: str) -> None:
+        subprocess.run(["callgrind_control", "--instr=" + state, str(os.getpid())], check=True,
+                       capture_output=True)
+
+    core = null_core(num_requests)
+    params = SamplingParams(max_tokens=num_steps + 60, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def consume(client, i):
+        async for _ in client.generate([100 + i % 500] * 16, params):
+            pass
+
+    async with Engine(core, tokenizer).serve() as client, trio.open_nursery() as nursery:
+        for i in range(num_requests):
+            nursery.start_soon(consume, client, i)
+        seen = 0
+        async for _ in client.steps():
+            seen += 1
+            if seen == 20:
+                instrument("on")
+            elif seen == 20 + num_steps:
+                instrument("off")
+                break
+        nursery.cancel_scope.cancel()
+
+
+def count_instructions(args) -> None:
+    """Instructions per step at 256 streams, counted by callgrind (valgrind): unlike the wall
+    clock of a shared VM, the same from run to run within ~2% (how the streams' wake-ups
+    coalesce varies a little), so two trees compare in one run each. Slow: ~50x under valgrind."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("--instructions needs valgrind (callgrind)")
+    steps = min(args.steps, 60)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "callgrind.out"
+        subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+                        sys.executable, __file__, "--counted", "--steps", str(steps)]
+                       + (["--model", args.model] if args.model else []), check=True, capture_output=True)
+        totals = re.search(r"^totals:\s+(\d+)", out.read_text(), re.MULTILINE)
+    if totals is None:
+        raise SystemExit("callgrind wrote no totals: did the counted run fail?")
+    print(f"256 running: {int(totals.group(1)) / steps / 1e6:.2f} M instructions per step "
+          f"(callgrind, {steps} steps)")
+
+
 async def main(args) -> None:
     import engine.async_engine
 
     engine.async_engine.DetokenizerActor = TimedDetokenizer
     tokenizer = load_tokenizer(resolve_model(args.model))
+    if args.counted:  # the run that --instructions counts
+        await counted_steps(tokenizer, 256, args.steps)
+        return
     if args.profiled:  # the run that --profile samples
         for _ in range(args.repeat):
             median, _, _ = await measure_overhead(tokenizer, 256, args.steps)
@@ -295,8 +355,13 @@ if __name__ == "__main__":
                              "clients (comma-separated; '' for none)")
     parser.add_argument("--profile", action="store_true", help="profile the 256-request case instead (py-spy)")
     parser.add_argument("--profiled", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--instructions", action="store_true",
+                        help="count the 256-request case's instructions per step instead (callgrind)")
+    parser.add_argument("--counted", action="store_true", help=argparse.SUPPRESS)
     cli = parser.parse_args()
     if cli.profile:
         profile(cli)
+    elif cli.instructions:
+        count_instructions(cli)
     else:
         trio.run(main, cli)
