@@ -98,7 +98,6 @@ class BlockManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._owned.get(request_id, ())]
 
-
     # ---- prefix cache ----
 
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
