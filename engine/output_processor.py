@@ -102,12 +102,7 @@ class RequestState:
         if completion.finish_reason is not None:
             return None
         self.times.on_tokens(stats)
-        completion.token_ids.append(token)  # (``_append``, one call fewer: every stream, every step)
-        stop = completion.detokenizer.add_token(token)
-        if stop is None:
-            return None
-        self._finish(completion, "stop", stop, stats)
-        return StopStringHit(index, stop)
+        return self._append(completion, index, token, stats)
 
     def _append(self, completion: CompletionState, index: int, token: int,
                 stats: IterationStats) -> StopStringHit | None:
