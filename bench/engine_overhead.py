@@ -73,6 +73,12 @@ class TimedDetokenizer(DetokenizerActor):
         self.times.append(time.perf_counter() - start)
 
 
+async def null_stream(client, i: int, params: SamplingParams) -> None:
+    """Stream ``i`` of a null-model run: a 16-token prompt (one of 500), read to its end."""
+    async for _ in client.generate([100 + i % 500] * 16, params):
+        pass
+
+
 async def measure_overhead(tokenizer, num_requests: int, num_steps: int,
                            kind: RequestOutputKind = RequestOutputKind.DELTA,
                            stream_interval: int = 1) -> tuple[float, float, float]:
@@ -86,10 +92,6 @@ async def measure_overhead(tokenizer, num_requests: int, num_steps: int,
     step_times: list[float] = []
     engine_times: list[float] = []
     TimedDetokenizer.times = []
-
-    async def consume(client, i):
-        async for _ in client.generate([100 + i % 500] * 16, params):
-            pass
 
     async def watch(client):
         last = None
@@ -107,7 +109,7 @@ async def measure_overhead(tokenizer, num_requests: int, num_steps: int,
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch, client)
             for i in range(num_requests):
-                nursery.start_soon(consume, client, i)
+                nursery.start_soon(null_stream, client, i, params)
             while len(step_times) < num_steps:
                 await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
@@ -257,13 +259,9 @@ async def counted_steps(tokenizer, num_requests: int, num_steps: int) -> None:
     core = null_core(num_requests)
     params = SamplingParams(max_tokens=num_steps + 60, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
 
-    async def consume(client, i):
-        async for _ in client.generate([100 + i % 500] * 16, params):
-            pass
-
     async with Engine(core, tokenizer).serve() as client, trio.open_nursery() as nursery:
         for i in range(num_requests):
-            nursery.start_soon(consume, client, i)
+            nursery.start_soon(null_stream, client, i, params)
         seen = 0
         async for _ in client.steps():
             seen += 1
