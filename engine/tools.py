@@ -45,6 +45,8 @@ TOOL_CHOICES = ("none", "auto", "required")
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # Consecutive whitespace allowed inside arguments (as for JSON output).
 _MAX_WHITESPACE = 20
+# What may follow the last call of a ``required`` output.
+_TRAILING_WHITESPACE = r"[ \n]{0,2}"
 
 Message = dict[str, Any]
 
@@ -99,10 +101,23 @@ class ToolPlan:
             return None
         if self.choice == "named":
             return self._hermes_tag({"type": "function", "function": {"name": self.named}})
-        if content is not None and self.choice == "auto":
+        if self.choice == "required":
+            return {**self._hermes_tag("required"), "format": self._calls_only()}
+        if content is not None:
             calls = self._hermes_tag("required")["format"]
             return {**self._hermes_tag("auto"), "format": {"type": "or", "elements": [_as_format(content), calls]}}
-        return self._hermes_tag(self.choice)
+        return self._hermes_tag("auto")
+
+    def _calls_only(self) -> dict[str, Any]:
+        """One call or more and nothing else, from the first token (xgrammar's builder for
+        ``required`` lets free text come around the calls: a triggered tag). Calls are
+        separated by a newline, and a little whitespace may follow the last (the parser drops
+        it), so that a model that ends its line before the end token is not forced into
+        another call."""
+        tags = self._hermes_tag("required")["format"]["tags"]
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+                 "stop_after_first": not self.parallel}
+        return {"type": "sequence", "elements": [calls, {"type": "regex", "pattern": _TRAILING_WHITESPACE}]}
 
     def _hermes_tag(self, tool_choice: Any) -> dict[str, Any]:
         """xgrammar's structural tag for Hermes-format calls to these tools."""

@@ -132,8 +132,9 @@ def manager(tokenizer):
 @pytest.mark.parametrize("choice, parallel, accepted, refused", [
     ("auto", True, ["Hello", CALL, "Hi " + CALL, CALL + "\n" + CALL + " bye"], ['<tool_call>\n{"name": "nope"']),
     ("auto", False, ["Hello", "Hi " + CALL], [CALL + "\n" + CALL, CALL + " bye"]),
-    ("required", True, [CALL, CALL + "\n" + CALL], ["Hello", "Hi " + CALL]),
-    ("required", False, [CALL], ["Hello", CALL + "\n" + CALL]),
+    ("required", True, [CALL, CALL + "\n" + CALL, CALL + "\n"], ["Hello", "Hi " + CALL, CALL + " bye", CALL + "\n" + CALL + " bye",
+                                                   " " + CALL]),
+    ("required", False, [CALL, CALL + "\n"], ["Hello", CALL + "\n" + CALL, CALL + " bye"]),
     ("add", True, [CALL], ["Hello", CALL.replace("add", "search"), CALL + "\n" + CALL]),
 ])
 def test_the_call_grammar_follows_tool_choice_and_parallel_tool_calls(manager, choice, parallel, accepted, refused):
@@ -267,7 +268,7 @@ def test_the_tool_matrix_through_the_openai_client(live):
         elif choice == "auto":
             assert finish == ("tool_calls" if calls else "stop"), label
         elif choice == "required":
-            assert calls and finish == "tool_calls", label
+            assert calls and content is None and finish == "tool_calls", label
         else:
             assert [c["function"]["name"] for c in calls] == ["add"] and content is None and finish == "stop", label
     # A stream says what the same request says at once (greedy).
@@ -282,7 +283,7 @@ def test_sampled_calls_stream_byte_equal_and_a_second_turn_answers(live):
     client = openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
     body = dict(messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=1.0, seed=7, max_tokens=200)
     content, calls, finish = ask(client, False, **body)
-    assert calls and finish == "tool_calls"
+    assert calls and content is None and finish == "tool_calls"  # required: calls and nothing else
     assert_well_formed(calls, "sampled")
     s_content, s_calls, s_finish = ask(client, True, **body)
     assert (s_content, s_finish) == (content, finish)
