@@ -5,7 +5,7 @@ The flow, as in vLLM:
 
 1. The front compiles a request's ``StructuredOutputsParams`` before the request is admitted
    (``StructuredOutputManager.compile_async``: a worker thread, bounded concurrency, a time
-   budget, a cache that also remembers failures). A constraint that fails to compile is an
+   budget, a cache that also remembers the compiler's refusals). A constraint that fails to compile is an
    ``InvalidParameterError`` and never reaches the engine core.
 2. The core gives each sequence its own ``Matcher`` of the compiled grammar (n > 1: one each).
 3. Each step, the sampler fills one preallocated bitmask row per constrained sequence that
@@ -20,6 +20,7 @@ implement, selected with ``StructuredOutputsConfig.backend``.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -27,12 +28,15 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
+import outcome
 import torch
 import trio
 
 from engine.errors import ConfigError, InvalidParameterError
 from engine.sampling_params import PARAM_STRUCTURED as PARAM
 from engine.sampling_params import StructuredOutputsParams, parse_json_constraint
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("xgrammar",)
 
@@ -234,9 +238,11 @@ class StructuredOutputsConfig:
 
     Attributes:
         backend: the grammar library (``xgrammar``).
-        compile_timeout_s: a constraint that takes longer to compile is refused (400).
-        max_concurrent_compiles: worker threads compiling at once (more requests wait).
-        cache_size: compiled constraints (and failures) remembered.
+        compile_timeout_s: a request whose constraint takes longer to compile is refused
+            (400); the compile goes on and its result is cached.
+        max_concurrent_compiles: worker threads compiling at once (more requests wait, and
+            that wait is not compile time).
+        cache_size: compiled constraints (and the compiler's refusals) remembered.
     """
 
     backend: str = "xgrammar"
@@ -264,11 +270,34 @@ class StructuredOutputsConfig:
             raise ConfigError("structured_outputs_config", f"not a valid structured outputs config: {exc}") from None
 
 
+@attrs.define(eq=False)
+class _CompileJob:
+    """One constraint compiling in a worker thread. The manager owns it, not the requests
+    waiting on it: a request that gives up (its time budget, a disconnect) leaves it running,
+    and what it produces is cached for the next request with that constraint."""
+
+    token: trio.lowlevel.TrioToken  # the trio run whose requests wait on ``done``
+    started: float  # trio time the compile began
+    lease_ends: float  # when its slot is free again, finished or not
+    done: trio.Event = attrs.field(factory=trio.Event)
+    result: CompiledGrammar | Exception | None = None
+
+
+# A compile that runs this many times its budget stops counting against
+# ``max_concurrent_compiles`` (its thread cannot be stopped; it is logged as lost), so that one
+# constraint that never finishes cannot take a compile slot for the life of the server.
+SLOT_LEASE = 3.0
+
+
 class StructuredOutputManager:
     """Compiles constraints for one tokenizer and vocabulary; thread-safe.
 
-    Resource handling: holds the backend (built on first use) and a bounded LRU cache of
-    compiled grammars and of compile errors, keyed by ``StructuredOutputsParams.key()``.
+    Resource handling: holds the backend (built on first use), a bounded LRU cache of
+    compiled grammars and of compile *errors* (a constraint the compiler refused is refused
+    again at once), keyed by ``StructuredOutputsParams.key()``, and the compiles running in
+    worker threads (``compile_async``), one per key, each holding one of
+    ``max_concurrent_compiles`` slots until it ends or its lease (``SLOT_LEASE`` times the
+    budget) runs out. A time-out is the request's, never remembered as the constraint's.
     """
 
     def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig | None = None) -> None:
@@ -278,8 +307,10 @@ class StructuredOutputManager:
         self._backend: GrammarBackend | None = None
         self._cache: OrderedDict[str, CompiledGrammar | InvalidParameterError] = OrderedDict()
         self._lock = threading.Lock()
-        self._limiter: trio.CapacityLimiter | None = None
+        self._jobs: dict[str, _CompileJob] = {}  # key -> its compile in a worker thread
+        self._slot_freed = trio.Event()  # (replaced each time it is set)
         self.num_compiles = 0  # compiles actually run (not answered from the cache)
+        self.num_lost_compiles = 0  # compiles whose lease ran out before they finished
 
     @property
     def backend(self) -> GrammarBackend:
@@ -304,32 +335,102 @@ class StructuredOutputManager:
         hit = self.cached(params)
         if hit is not None:
             return hit
-        try:
-            compiled: CompiledGrammar | InvalidParameterError = self.backend.compile(params)
-        except InvalidParameterError as exc:
-            compiled = exc
-        self.num_compiles += 1
-        self._remember(params.key(), compiled)
+        compiled = self._compile(params)
         if isinstance(compiled, InvalidParameterError):
             raise compiled
         return compiled
 
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar | InvalidParameterError:
+        """Run the compiler and remember what it said (a grammar, or its refusal)."""
+        try:
+            compiled: CompiledGrammar | InvalidParameterError = self.backend.compile(params)
+        except InvalidParameterError as exc:
+            compiled = exc
+        with self._lock:
+            self.num_compiles += 1
+        self._remember(params.key(), compiled)
+        return compiled
+
     async def compile_async(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """Compile in a worker thread, at most ``max_concurrent_compiles`` at once and within
-        ``compile_timeout_s`` (a compile past it is abandoned, remembered as failed, and refused)."""
+        """Compile in a worker thread, at most ``max_concurrent_compiles`` at once, and wait at
+        most ``compile_timeout_s`` from when the compile began (waiting for a slot does not
+        count). Requests for a key being compiled wait for that compile rather than start another.
+
+        Cancellation leaves the compile running (its result is cached); the caller's wait ends.
+
+        Raises:
+            InvalidParameterError: the compiler refused the constraint (remembered), or the
+                compile ran past its budget (not remembered: it goes on, and a later request
+                may find it done).
+        """
         hit = self.cached(params)
         if hit is not None:
             return hit
-        if self._limiter is None:
-            self._limiter = trio.CapacityLimiter(self.config.max_concurrent_compiles)
+        job = await self._job(params)
         timeout = self.config.compile_timeout_s
-        with trio.move_on_after(timeout):
-            return await trio.to_thread.run_sync(self.compile, params, limiter=self._limiter,
-                                                 abandon_on_cancel=True)
-        error = InvalidParameterError(PARAM, f"the constraint took longer than {timeout:g} s to compile "
-                                             f"(compile_timeout_s); simplify it")
-        self._remember(params.key(), error)
-        raise error
+        with trio.move_on_at(job.started + timeout):
+            await job.done.wait()
+        if isinstance(job.result, InvalidParameterError):
+            raise InvalidParameterError(job.result.param, str(job.result))
+        if isinstance(job.result, Exception):
+            raise job.result
+        if job.result is None:
+            raise InvalidParameterError(PARAM, f"the constraint took longer than {timeout:g} s to compile "
+                                               f"(compile_timeout_s); simplify it")
+        return job.result
+
+    async def _job(self, params: StructuredOutputsParams) -> _CompileJob:
+        """The compile of ``params``: running, started once a slot is free, or done already."""
+        key, token = params.key(), trio.lowlevel.current_trio_token()
+        while True:
+            hit = self.cached(params)  # (it may have been compiled while this request waited)
+            if hit is not None:
+                job = _CompileJob(token, trio.current_time(), trio.current_time(), result=hit)
+                job.done.set()
+                return job
+            job = self._jobs.get(key)
+            if job is not None and job.token is token:
+                return job
+            lease_ends = self._free_slot_at()
+            if lease_ends is None:
+                return self._start(key, params, token)
+            freed = self._slot_freed
+            with trio.move_on_at(lease_ends):
+                await freed.wait()
+
+    def _free_slot_at(self) -> float | None:
+        """None if a compile may start now; else when the earliest lease runs out."""
+        now = trio.current_time()
+        leases = [job.lease_ends for job in self._jobs.values() if job.lease_ends > now]
+        if len(leases) < self.config.max_concurrent_compiles:
+            return None
+        return min(leases)
+
+    def _start(self, key: str, params: StructuredOutputsParams, token: trio.lowlevel.TrioToken) -> _CompileJob:
+        now = trio.current_time()
+        job = _CompileJob(token, now, now + SLOT_LEASE * self.config.compile_timeout_s)
+        self._jobs[key] = job
+
+        def deliver(result: outcome.Outcome) -> None:  # (in the worker thread)
+            try:
+                token.run_sync_soon(self._finished, key, job, result)
+            except trio.RunFinishedError:  # nobody waits any more: the cache has what it made
+                self._jobs.pop(key, None)
+
+        trio.lowlevel.start_thread_soon(lambda: self._compile(params), deliver, name=f"compile {params.kind}")
+        return job
+
+    def _finished(self, key: str, job: _CompileJob, result: outcome.Outcome) -> None:
+        if isinstance(result, outcome.Error):
+            log.error("a constraint's compile raised (not the compiler refusing it)", exc_info=result.error)
+        if trio.current_time() > job.lease_ends:
+            self.num_lost_compiles += 1
+        job.result = result.value if isinstance(result, outcome.Value) else result.error
+        if self._jobs.get(key) is job:
+            del self._jobs[key]
+        job.done.set()
+        self._slot_freed.set()
+        self._slot_freed = trio.Event()
 
     def _remember(self, key: str, value: CompiledGrammar | InvalidParameterError) -> None:
         with self._lock:

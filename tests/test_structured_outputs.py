@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import re
-import time
+import threading
 from pathlib import Path
 
 import attrs
 import jsonschema
 import pytest
 import trio
+import trio.testing
 
 from engine.async_engine import Engine
 from engine.errors import InvalidParameterError
@@ -94,34 +95,126 @@ def test_compiles_are_cached_and_so_are_failures(manager):
     assert manager.num_compiles == before + 2  # one real compile each
 
 
-async def test_a_slow_compile_is_refused_within_its_budget_and_does_not_stall_the_loop(tokenizer):
-    manager = StructuredOutputManager(tokenizer, 49152, StructuredOutputsConfig(compile_timeout_s=0.2))
-    backend = manager.backend
-    real = backend.compile
+class GatedBackend:
+    """A grammar backend whose compiles of regex ``slow*`` wait for the test to let them end (a
+    ``threading.Event`` each); every other constraint compiles at once. No xgrammar, no clock."""
 
-    def slow(params):
-        time.sleep(1.0)
-        return real(params)
+    name = "gated"
 
-    backend.compile = slow
-    ticks = 0
+    def __init__(self) -> None:
+        self.gates: dict[str, threading.Event] = {}
+        self.started: list[str] = []
 
-    async def ticker():
-        nonlocal ticks
-        while True:
-            await trio.sleep(0.01)
-            ticks += 1
+    def gate(self, regex: str) -> threading.Event:
+        return self.gates.setdefault(regex, threading.Event())
+
+    def compile(self, params: StructuredOutputsParams):
+        self.started.append(params.regex)
+        if params.regex.startswith("slow"):
+            assert self.gate(params.regex).wait(timeout=30), "the test never let the compile end"
+        if params.regex == "bad":
+            raise InvalidParameterError("structured_outputs", "invalid regex: bad")
+        return ("compiled", params.regex)
+
+
+def gated_manager(tokenizer, **config) -> tuple[StructuredOutputManager, GatedBackend]:
+    manager = StructuredOutputManager(tokenizer, 49152, StructuredOutputsConfig(**config))
+    manager._backend = backend = GatedBackend()
+    return manager, backend
+
+
+def regex(text: str) -> StructuredOutputsParams:
+    return StructuredOutputsParams(regex=text)
+
+
+async def until(condition, timeout: float = 10) -> None:
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.005)
+
+
+async def test_a_compile_runs_off_the_event_loop(tokenizer):
+    manager, backend = gated_manager(tokenizer)
+    results = []
+
+    async def ask():
+        results.append(await manager.compile_async(regex("slow")))
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(ticker)
-        start = trio.current_time()
-        with pytest.raises(InvalidParameterError, match="longer than 0.2 s"):
-            await manager.compile_async(StructuredOutputsParams(regex="slow"))
-        assert trio.current_time() - start < 0.6
-        nursery.cancel_scope.cancel()
-    assert ticks >= 10  # the event loop ran meanwhile
-    with pytest.raises(InvalidParameterError, match="longer than"):  # remembered: no second thread
-        await manager.compile_async(StructuredOutputsParams(regex="slow"))
+        nursery.start_soon(ask)
+        await until(lambda: backend.started == ["slow"])
+        assert results == []  # compiling, and the loop runs meanwhile
+        backend.gate("slow").set()
+    assert results == [("compiled", "slow")]
+
+
+async def test_a_compile_past_its_budget_is_refused_but_not_remembered(tokenizer):
+    manager, backend = gated_manager(tokenizer, compile_timeout_s=0.2)
+    with pytest.raises(InvalidParameterError, match="longer than 0.2 s"):
+        await manager.compile_async(regex("slow"))
+    backend.gate("slow").set()  # the compile goes on without the request that gave up on it
+    await until(lambda: manager.num_compiles == 1)
+    assert await manager.compile_async(regex("slow")) == ("compiled", "slow")  # its result, cached
+    assert backend.started == ["slow"] and manager.num_compiles == 1
+
+
+async def test_requests_for_a_constraint_being_compiled_share_that_compile(tokenizer):
+    manager, backend = gated_manager(tokenizer)
+    results = []
+
+    async def ask():
+        results.append(await manager.compile_async(regex("slow")))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(ask)
+        await until(lambda: backend.started == ["slow"])
+        await trio.testing.wait_all_tasks_blocked()
+        backend.gate("slow").set()
+    assert results == [("compiled", "slow")] * 3 and backend.started == ["slow"]
+
+
+async def test_the_compilers_refusal_is_remembered(tokenizer):
+    manager, backend = gated_manager(tokenizer)
+    for _ in range(3):
+        with pytest.raises(InvalidParameterError, match="invalid regex: bad"):
+            await manager.compile_async(regex("bad"))
+    assert backend.started == ["bad"]
+
+
+async def test_waiting_for_a_compile_slot_is_not_compile_time(tokenizer):
+    # One slot, held by a slow compile for longer than the budget: the fast constraint queued
+    # behind it still gets its whole budget once it has the slot.
+    manager, backend = gated_manager(tokenizer, compile_timeout_s=0.3, max_concurrent_compiles=1)
+    outcomes = {}
+
+    async def ask(text):
+        try:
+            outcomes[text] = await manager.compile_async(regex(text))
+        except InvalidParameterError as exc:
+            outcomes[text] = str(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask, "slow")
+        await until(lambda: backend.started == ["slow"])
+        nursery.start_soon(ask, "fast")
+        await until(lambda: "slow" in outcomes)  # its request gives up at 0.3 s; the compile goes on
+        await trio.sleep(0.5)  # past the fast one's budget, had its wait been counted
+        assert "fast" not in outcomes and backend.started == ["slow"]  # no slot yet
+        backend.gate("slow").set()
+    assert "longer than" in outcomes["slow"] and outcomes["fast"] == ("compiled", "fast")
+
+
+async def test_a_compile_that_never_ends_gives_its_slot_back(tokenizer):
+    manager, backend = gated_manager(tokenizer, compile_timeout_s=0.2, max_concurrent_compiles=1)
+    try:
+        with pytest.raises(InvalidParameterError, match="longer than"):
+            await manager.compile_async(regex("slow-forever"))
+        with trio.fail_after(10):  # the lease (SLOT_LEASE x the budget) runs out; the slot is free
+            assert await manager.compile_async(regex("fast")) == ("compiled", "fast")
+        assert backend.started == ["slow-forever", "fast"]
+    finally:
+        backend.gate("slow-forever").set()  # (let the worker thread end)
 
 
 # ---- the real model, offline ----
