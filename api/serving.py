@@ -28,6 +28,15 @@ def _token_bytes(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
+# OpenAI's schema has numbers only; a token a constraint masked has logprob -inf (JSON's null
+# through orjson). vLLM writes such values as -9999.0 in every logprobs field; so do we.
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
 def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: int) -> dict:
     """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``."""
     content = []
@@ -35,9 +44,9 @@ def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: 
         chosen = position[token_id]
         alternatives = sorted((lp for lp in position.values()), key=lambda lp: lp.rank)[:top]
         content.append({
-            "token": chosen.decoded_token, "logprob": max(chosen.logprob, -9999.0),
+            "token": chosen.decoded_token, "logprob": _logprob(chosen.logprob),
             "bytes": _token_bytes(chosen.decoded_token or ""),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": max(lp.logprob, -9999.0),
+            "top_logprobs": [{"token": lp.decoded_token, "logprob": _logprob(lp.logprob),
                               "bytes": _token_bytes(lp.decoded_token or "")} for lp in alternatives],
         })
     return {"content": content, "refusal": None}
@@ -49,9 +58,9 @@ def completion_logprobs(positions: list[PositionLogprobs], token_ids: list[int],
     for token_id, position in zip(token_ids, positions):
         chosen = position[token_id]
         tokens.append(chosen.decoded_token)
-        token_logprobs.append(chosen.logprob)
+        token_logprobs.append(_logprob(chosen.logprob))
         best = sorted(position.items(), key=lambda kv: kv[1].rank)[:top]
-        top_logprobs.append({lp.decoded_token: lp.logprob for _, lp in best})
+        top_logprobs.append({lp.decoded_token: _logprob(lp.logprob) for _, lp in best})
         text_offset.append(offset)
         offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
@@ -63,7 +72,7 @@ def prompt_logprobs_json(positions: list[PositionLogprobs | None] | None) -> lis
     ``{token id: {"logprob", "rank", "decoded_token"}}``."""
     if positions is None:
         return None
-    return [None if p is None else {str(t): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank,
+    return [None if p is None else {str(t): {"logprob": _logprob(lp.logprob), "rank": lp.rank,
                                              "decoded_token": lp.decoded_token} for t, lp in p.items()}
             for p in positions]
 

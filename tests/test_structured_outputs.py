@@ -20,6 +20,7 @@ from engine.errors import InvalidParameterError
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import StructuredOutputManager, StructuredOutputsConfig, unsupported_schema_keywords
 from tests.conftest import serve_http, tiny_engine_core
+from tests.openapi_schemas import OpenAISchemas
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())["schemas"]
 PROMPT = [{"role": "user", "content": "Reply with a JSON value that fits the schema."}]
@@ -407,6 +408,33 @@ async def test_completions_take_the_constraints_too(server):
     response = await server.http.post("/v1/completions", json={
         "prompt": "Year:", "max_tokens": 10, "structured_outputs": {"regex": "(19|20)[0-9]{2}"}})
     assert re.fullmatch(r"(19|20)[0-9]{2}", response.json()["choices"][0]["text"])
+
+
+async def test_logprobs_of_masked_tokens_are_numbers_in_both_endpoints(server):
+    # Tokens the constraint forbids have logprob -inf; JSON has no such number (orjson writes
+    # null, which OpenAI's schema refuses). Both endpoints write -9999.0, as vLLM does.
+    schemas = OpenAISchemas()
+    body = {"prompt": "Pick a colour:", "max_tokens": 4, "guided_choice": ["red", "green"], "logprobs": 5}
+    for stream in (False, True):
+        response = await server.http.post("/v1/completions", json={**body, "stream": stream})
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+            for chunk in chunks:
+                schemas.validate_completion_chunk(chunk)
+            tops = [t for c in chunks for choice in c["choices"] if choice["logprobs"]
+                    for t in choice["logprobs"]["top_logprobs"]]
+        else:
+            schemas.validate("CreateCompletionResponse", response.json())
+            tops = response.json()["choices"][0]["logprobs"]["top_logprobs"]
+        values = [v for top in tops for v in top.values()]
+        assert len(values) > len(tops) and all(isinstance(v, float) for v in values), tops
+        assert -9999.0 in values  # the masked alternatives
+    reply = await chat(server, {"max_tokens": 4, "guided_choice": ["red", "green"], "logprobs": True,
+                                "top_logprobs": 20})
+    schemas.validate("CreateChatCompletionResponse", reply.json())
+    tops = reply.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert [t["logprob"] for t in tops].count(-9999.0) >= 1
 
 
 @pytest.mark.parametrize("body, param, message", [
