@@ -17,7 +17,9 @@ from engine.messages import (AbortRequest, AddRequest, Decodes, RequestRejected,
 
 log = logging.getLogger(__name__)
 
-Message = AddRequest | AbortRequest | StopRequest
+# (A RequestRejected in the inbox is a request refused before it reached the core: an engine
+# process's inlet sends one when the request's grammar would not compile there.)
+Message = AddRequest | AbortRequest | StopRequest | RequestRejected
 
 
 class CoreActor:
@@ -116,5 +118,7 @@ class CoreActor:
             delta = self.core.finish_request(message.request_id, message.index, message.stop_reason)
             if delta is not None:
                 self._extra_deltas.append(delta)
+        elif isinstance(message, RequestRejected):
+            self._rejected.append(message)
         else:
             raise TypeError(f"unexpected message {message!r}")

@@ -5,7 +5,7 @@ Started by ``engine.remote`` (never by hand): ``python -m engine.core_process --
 ``--api-server-count``). It sends each front ``EngineReady`` (or ``EngineFailed`` if the core
 cannot start), then runs:
 
-    links --> inlets (compile structured-output grammars) --> inbox --> core actor
+    links --> inlets (compile structured-output grammars, off the loop) --> inbox --> core actor
     core actor --> outlet (each front its own requests' deltas, and the stats) --> links
 
 A front that goes away (the link's orderly end, or its breaking: a dead front's socket is
@@ -31,7 +31,8 @@ from engine.config import EngineConfig
 from engine.core_actor import CoreActor
 from engine.engine_core import EngineCore
 from engine.async_engine import STEP_QUEUE_SIZE
-from engine.messages import AbortRequest, AddRequest
+from engine.errors import InvalidParameterError, RequestFailedError
+from engine.messages import AbortRequest, AddRequest, RequestRejected, StopRequest
 from engine.models.loader import resolve_model
 from engine.remote import CODEC, EngineFailed, EngineReady, RequestOwners
 from engine.wire import open_link
@@ -96,36 +97,64 @@ class Fronts:
         self._live = [True] * len(sends)
         self._owners = RequestOwners()  # request id -> front
         self._structured = None
+        self._structured_lock = trio.Lock()
 
     def gone(self, front: int) -> None:
         self._live[front] = False
 
     async def inlet(self, front: int, receive, inbox: trio.MemorySendChannel) -> None:
-        """One front's messages to the core actor, in order. A request with structured outputs
-        gets its grammar compiled here (the front's compiled grammar stays in the front)."""
-        async with inbox:
+        """One front's messages to the core actor. A request with structured outputs gets its
+        grammar compiled here (the front's compiled grammar stays in the front), in a task of
+        its own: what comes after it for other requests goes on at once, what comes for it
+        (an abort, a stop) waits behind it."""
+        held: dict[str, list[AbortRequest | StopRequest]] = {}  # request id -> behind its compile
+        async with inbox, trio.open_nursery() as compiles:
             try:
                 async for message in receive:
                     if isinstance(message, AddRequest):
                         self._owners.add(message, front)
-                        if message.params.structured_outputs is not None:
-                            message = await self._with_grammar(message)
-                    inbox.send_nowait(message)
+                    self._forward(message, inbox, held, compiles)
             except trio.BrokenResourceError as exc:
                 log.warning("the link to front %d broke (%s)", front, exc.__cause__ or exc)
             # This front is gone: nothing will read what its requests produce.
             self.gone(front)
-            inbox.send_nowait(AbortRequest(self._owners.of(front)))
+            self._forward(AbortRequest(self._owners.of(front)), inbox, held, compiles)
 
-    async def _with_grammar(self, message: AddRequest) -> AddRequest:
-        if self._structured is None:
-            self._structured = await trio.to_thread.run_sync(_structured_outputs, self._core)
+    def _forward(self, message, inbox: trio.MemorySendChannel, held: dict, compiles: trio.Nursery) -> None:
+        if isinstance(message, AddRequest) and message.params.structured_outputs is not None:
+            held[message.request_id] = []
+            compiles.start_soon(self._add_compiled, message, inbox, held)
+            return
+        if isinstance(message, AbortRequest) and any(r in held for r in message.request_ids):
+            for request_id in message.request_ids:
+                if request_id in held:
+                    held[request_id].append(AbortRequest((request_id,)))
+            message = AbortRequest(tuple(r for r in message.request_ids if r not in held))
+        elif isinstance(message, StopRequest) and message.request_id in held:
+            held[message.request_id].append(message)
+            return
+        inbox.send_nowait(message)
+
+    async def _add_compiled(self, message: AddRequest, inbox: trio.MemorySendChannel, held: dict) -> None:
+        """The request with its grammar (or its rejection), then what waited behind it."""
         try:
-            grammar = await self._structured.compile_async(message.params.structured_outputs)
-        except Exception as exc:  # the front compiled it: only a bug or a time-out gets here
-            log.warning("request %s: its grammar did not compile here: %s", message.request_id, exc)
-            grammar = None
-        return AddRequest(message.request_id, message.prompt_token_ids, message.params, message.priority, grammar)
+            grammar = await (await self._structured_outputs()).compile_async(message.params.structured_outputs)
+            ready: AddRequest | RequestRejected = attrs.evolve(message, grammar=grammar)
+        except InvalidParameterError as exc:  # the front compiled it: a time-out here, or a bug
+            log.warning("request %s: its grammar did not compile in the engine: %s", message.request_id, exc)
+            ready = RequestRejected(message.request_id, exc)
+        except Exception as exc:
+            log.exception("request %s: compiling its grammar failed", message.request_id)
+            ready = RequestRejected(message.request_id, RequestFailedError(f"compiling its grammar failed: {exc!r}"))
+        inbox.send_nowait(ready)
+        for later in held.pop(message.request_id):
+            inbox.send_nowait(later)
+
+    async def _structured_outputs(self):
+        async with self._structured_lock:  # (built once, by the first request that needs it)
+            if self._structured is None:
+                self._structured = await trio.to_thread.run_sync(_structured_outputs, self._core)
+        return self._structured
 
     async def outlet(self, steps: trio.MemoryReceiveChannel, sent: trio.Event) -> None:
         """Each step output up the links: to every front its own requests' deltas and

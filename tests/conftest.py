@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -123,6 +124,48 @@ def llm(shared_llm):
     return shared_llm
 
 
+class GatedBackend:
+    """A grammar backend whose compiles of regex ``slow*`` wait for the test to let them end (a
+    ``threading.Event`` each); every other constraint compiles at once. No xgrammar, no clock."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        self.gates: dict[str, threading.Event] = {}
+        self.started: list[str] = []
+
+    def gate(self, regex: str) -> threading.Event:
+        return self.gates.setdefault(regex, threading.Event())
+
+    def compile(self, params):
+        self.started.append(params.regex)
+        if params.regex.startswith("slow"):
+            assert self.gate(params.regex).wait(timeout=30), "the test never let the compile end"
+        if params.regex == "bad":
+            from engine.errors import InvalidParameterError
+
+            raise InvalidParameterError("structured_outputs", "invalid regex: bad")
+        return ("compiled", params.regex)
+
+
+def gated_manager(tokenizer, **config):
+    """A ``StructuredOutputManager`` over a ``GatedBackend``: (manager, backend)."""
+    from engine.structured_outputs import StructuredOutputManager, StructuredOutputsConfig
+
+    manager = StructuredOutputManager(tokenizer, 49152, StructuredOutputsConfig(**config))
+    manager._backend = backend = GatedBackend()
+    return manager, backend
+
+
+async def until(condition, timeout: float = 10) -> None:
+    """Return once ``condition()`` holds (polled), or fail the test after ``timeout`` seconds."""
+    import trio
+
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.005)
+
+
 def tiny_engine_core(model: LlamaModel, **fields):
     from engine.config import EngineConfig
     from engine.engine_core import EngineCore
@@ -199,8 +242,6 @@ class ThreadedServer:
     """
 
     def __init__(self, core, tokenizer, **state_fields) -> None:
-        import threading
-
         import trio
 
         self._ready = threading.Event()

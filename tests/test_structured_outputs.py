@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from pathlib import Path
 
 import attrs
@@ -18,8 +17,8 @@ import trio.testing
 from engine.async_engine import Engine
 from engine.errors import InvalidParameterError
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from engine.structured_outputs import StructuredOutputManager, StructuredOutputsConfig, unsupported_schema_keywords
-from tests.conftest import serve_http, tiny_engine_core
+from engine.structured_outputs import StructuredOutputManager, unsupported_schema_keywords
+from tests.conftest import gated_manager, serve_http, tiny_engine_core, until
 from tests.openapi_schemas import OpenAISchemas
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "json_schemas.json").read_text())["schemas"]
@@ -96,42 +95,8 @@ def test_compiles_are_cached_and_so_are_failures(manager):
     assert manager.num_compiles == before + 2  # one real compile each
 
 
-class GatedBackend:
-    """A grammar backend whose compiles of regex ``slow*`` wait for the test to let them end (a
-    ``threading.Event`` each); every other constraint compiles at once. No xgrammar, no clock."""
-
-    name = "gated"
-
-    def __init__(self) -> None:
-        self.gates: dict[str, threading.Event] = {}
-        self.started: list[str] = []
-
-    def gate(self, regex: str) -> threading.Event:
-        return self.gates.setdefault(regex, threading.Event())
-
-    def compile(self, params: StructuredOutputsParams):
-        self.started.append(params.regex)
-        if params.regex.startswith("slow"):
-            assert self.gate(params.regex).wait(timeout=30), "the test never let the compile end"
-        if params.regex == "bad":
-            raise InvalidParameterError("structured_outputs", "invalid regex: bad")
-        return ("compiled", params.regex)
-
-
-def gated_manager(tokenizer, **config) -> tuple[StructuredOutputManager, GatedBackend]:
-    manager = StructuredOutputManager(tokenizer, 49152, StructuredOutputsConfig(**config))
-    manager._backend = backend = GatedBackend()
-    return manager, backend
-
-
 def regex(text: str) -> StructuredOutputsParams:
     return StructuredOutputsParams(regex=text)
-
-
-async def until(condition, timeout: float = 10) -> None:
-    with trio.fail_after(timeout):
-        while not condition():
-            await trio.sleep(0.005)
 
 
 async def test_a_compile_runs_off_the_event_loop(tokenizer):
