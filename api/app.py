@@ -7,6 +7,8 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 import attrs
@@ -49,12 +51,15 @@ class Limits:
         max_json_depth: deeper JSON nesting is a 400 (nothing here needs more than a few levels).
         request_timeout: default deadline (seconds) of a generation request, from its arrival;
             a request's own ``X-Request-Timeout`` header may set another. None: no deadline.
+        max_prompts_per_request: prompts one ``/v1/completions`` request may hold (a 400
+            past it, before any is tokenized).
     """
 
     max_body_bytes: int = 8 * 1024 * 1024
     body_timeout: float = 60.0
     max_json_depth: int = 32
     request_timeout: float | None = None
+    max_prompts_per_request: int = 256
 
 
 @attrs.define
@@ -238,6 +243,15 @@ class _Handlers:
         if model is not None and model != self.state.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
 
+    def check_prompts(self, num_prompts: int, n: int) -> None:
+        """Refuse a request of too many prompts, or of more sequences than the waiting queue
+        has room for, before any work is done on it (the engine checks again as it queues)."""
+        limit = self.state.limits.max_prompts_per_request
+        if num_prompts > limit:
+            raise bad_request(f"the prompt holds {num_prompts} prompts; this server takes at most {limit} in one "
+                              f"request (--max-prompts-per-request)", "prompt")
+        self.client.check_room(num_prompts * n)
+
     def validate(self, prompt_ids: list[int], params, priority: int = 0) -> None:
         self.client.validate(prompt_ids, params, priority)
 
@@ -343,9 +357,15 @@ class _Handlers:
         return "".join(parts)
 
     async def chat_completions(self) -> Response:
+        deadline = self.deadline()  # from the request's arrival: reading, templating, compiling count
+        with _within(deadline):
+            return await self._chat_completions(deadline)
+
+    async def _chat_completions(self, deadline: float | None) -> Response:
         req: ChatCompletionRequest = await self.body(ChatCompletionRequest)
         req.check_supported()
         self.check_model(req.model)
+        self.check_prompts(1, req.n)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                      req.chat_template_kwargs, plan)
@@ -357,7 +377,7 @@ class _Handlers:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
-        stream = _before(self.deadline(), self.client.generate({"prompt_token_ids": ids}, params,
+        stream = _before(deadline, self.client.generate({"prompt_token_ids": ids}, params,
                                                                request_id=request_id, priority=req.priority))
         if req.stream:
             return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan))
@@ -394,10 +414,7 @@ class _Handlers:
         parsers = [ToolCallParser() for _ in range(req.n)] if plan is not None and plan.may_call else None
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(req.n)])
-        async for output in _guard(stream):
-            if isinstance(output, bytes):
-                yield output
-                return
+        async for output in stream:
             tracker.observe(output)
             choices = []
             for c in output.outputs:
@@ -425,10 +442,16 @@ class _Handlers:
     # ---- completions ----
 
     async def completions(self) -> Response:
+        deadline = self.deadline()
+        with _within(deadline):
+            return await self._completions(deadline)
+
+    async def _completions(self, deadline: float | None) -> Response:
         req: CompletionRequest = await self.body(CompletionRequest)
         req.check_supported()
         self.check_model(req.model)
         prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+        self.check_prompts(len(prompts), req.n)  # before tokenizing any of them
         inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p) for p in prompts]
         params = sampling_params(req, chat=False, defaults=self.state.client.default_sampling)
         for _, ids in inputs:  # every prompt is checked before any is queued
@@ -436,7 +459,7 @@ class _Handlers:
         await self.compile_constraint(req, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(sum(len(ids) for _, ids in inputs))
-        outputs = _before(self.deadline(), self.client.generate_many(
+        outputs = _before(deadline, self.client.generate_many(
             [{"prompt": text, "prompt_token_ids": ids} for text, ids in inputs], params,
             [f"{request_id}-{i}" for i in range(len(inputs))], req.priority))
         prompt_texts = [text if text is not None else self.client.tokenizer.decode(ids) for text, ids in inputs]
@@ -467,11 +490,7 @@ class _Handlers:
         if req.echo:
             yield chunk([{"index": p * req.n + i, "text": text, "logprobs": None, "finish_reason": None}
                          for p, text in enumerate(prompt_texts) for i in range(req.n)])
-        async for item in _guard(outputs):
-            if isinstance(item, bytes):
-                yield item
-                return
-            p, output = item
+        async for p, output in outputs:
             tracker.observe(output, p)
             choices = []
             for c in output.outputs:
@@ -499,7 +518,7 @@ class _Handlers:
 
     @staticmethod
     def sse_response(chunks) -> Response:
-        response = Response(chunks, content_type="text/event-stream")
+        response = Response(_guard(chunks), content_type="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # a long generation is not a stalled response
         return response
@@ -515,16 +534,28 @@ def _template_message(message, content: str) -> dict[str, Any]:
     return converted
 
 
-async def _guard(stream):
-    """Pass items through; if the engine or the request fails mid-stream, or its deadline
-    passes, end with an error event and [DONE] (the status line has long been sent)."""
+async def _guard(events):
+    """A response's SSE events; whatever fails once the status line has been sent (the engine,
+    the request, its deadline, a rejection from the engine core, a bug), the stream ends with
+    an error event and [DONE] rather than a cut connection."""
     try:
-        async for item in stream:
-            yield item
-    except APIError as error:
-        yield sse(error.body()) + SSE_DONE
-    except (EngineDeadError, EngineOverloadedError, RequestFailedError) as error:
-        yield sse(engine_api_error(error).body()) + SSE_DONE
+        async with aclosing(events):  # (closed now, not at garbage collection: its requests abort)
+            async for event in events:
+                yield event
+    except Exception as error:
+        yield sse(_stream_error(error).body()) + SSE_DONE
+
+
+def _stream_error(error: Exception) -> APIError:
+    """The error event for a failure in the middle of a stream: what its response would have been."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, InvalidParameterError):
+        return APIError(400, str(error), error.param)
+    if isinstance(error, (EngineDeadError, EngineOverloadedError, RequestFailedError)):
+        return engine_api_error(error)
+    log.error("a stream failed after its headers were sent", exc_info=error)
+    return APIError(500, "internal server error", type="server_error")
 
 
 _TIMED_OUT = object()
@@ -534,10 +565,28 @@ _OFF_LOOP_CHARS = 16_384
 
 
 async def _off_loop(num_chars: int, fn, *args):
-    """``fn(*args)``, in a worker thread when the text it works on could stall the event loop."""
+    """``fn(*args)``, in a worker thread when the text it works on could stall the event loop
+    (abandoned if the request is cancelled: ``fn`` only computes)."""
     if num_chars < _OFF_LOOP_CHARS:
         return fn(*args)
-    return await trio.to_thread.run_sync(fn, *args)
+    return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+
+def _deadline_passed() -> APIError:
+    return APIError(504, "the request did not finish before its deadline (X-Request-Timeout)",
+                    code="request_timeout")
+
+
+@contextmanager
+def _within(deadline: float | None) -> Iterator[None]:
+    """Work on a request that must end by ``deadline`` (trio time): past it, a 504."""
+    if deadline is None:
+        yield
+        return
+    with trio.move_on_at(deadline) as scope:
+        yield
+    if scope.cancelled_caught:
+        raise _deadline_passed()
 
 
 async def _before(deadline: float | None, stream):
@@ -556,8 +605,7 @@ async def _before(deadline: float | None, stream):
                 return
         if item is _TIMED_OUT:
             await stream.aclose()
-            raise APIError(504, "the request did not finish before its deadline (X-Request-Timeout)",
-                           code="request_timeout")
+            raise _deadline_passed()
         yield item
 
 

@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any)")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="requests that may wait for a place in the batch; past it new ones get 503 + Retry-After")
+                   help="sequences (prompts x n) that may wait for their first token, per API server; a "
+                        "request that would go past it gets 503 + Retry-After (400 if it alone is larger)")
+    p.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="prompts one /v1/completions request may hold (400 past it)")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds one engine step may take before the watchdog declares the engine dead")
     p.add_argument("--stream-interval", type=int, default=1,
@@ -169,7 +172,8 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
     source = resolve_model(config.model)
     template = Path(args.chat_template).read_text() if args.chat_template else None
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    limits = Limits(body_timeout=args.request_body_timeout, request_timeout=args.request_timeout)
+    limits = Limits(body_timeout=args.request_body_timeout, request_timeout=args.request_timeout,
+                    max_prompts_per_request=args.max_prompts_per_request)
     state = ServerState(args.served_model_name or source.name, api_key=args.api_key, allowed_origins=origins,
                         chat_template=template, limits=limits)
     app = create_app(state)

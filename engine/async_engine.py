@@ -254,12 +254,12 @@ class EngineClient:
 
         Raises:
             InvalidParameterError: bad prompt or parameters (before anything is queued).
-            EngineOverloadedError: ``max_waiting_requests`` are waiting already.
+            EngineOverloadedError: no room in the waiting queue (``check_room``).
             EngineDeadError: the engine failed or shut down.
             RequestFailedError: this request failed inside the engine (the engine goes on).
         """
-        self._check_room()
         grammar = await self.compile(sampling_params)
+        self.check_room((sampling_params or SamplingParams()).n)  # (no await between it and the submit)
         channel = self.submit(prompt, sampling_params, request_id, priority, grammar=grammar)
         request_id, receive = channel.state.request_id, channel.receive
         try:
@@ -285,7 +285,7 @@ class EngineClient:
 
         Raises:
             InvalidParameterError: a bad prompt or parameter (nothing is queued).
-            EngineOverloadedError: ``max_waiting_requests`` are waiting already.
+            EngineOverloadedError: no room in the waiting queue for all of them (``check_room``).
             EngineDeadError, RequestFailedError: the engine, or one of the requests, failed.
         """
         params = sampling_params or SamplingParams()
@@ -293,8 +293,8 @@ class EngineClient:
         inputs = [self.prepare(p) for p in prompts]
         for _, token_ids in inputs:
             self.validate(token_ids, params, priority)
-        self._check_room()
         grammar = await self.compile(params)
+        self.check_room(len(inputs) * params.n)  # all or none: no await from here to the last submit
         wakeup = Wakeup()
         channels = []
         try:
@@ -352,16 +352,31 @@ class EngineClient:
         engine.registry[request_id] = channel
         return channel
 
-    def _check_room(self) -> None:
-        """Refuse a request at once when ``max_waiting_requests`` are already waiting."""
-        core = self._engine.core
-        requests, limit = len(self._engine.registry), core.config.max_waiting_requests
-        if requests < limit:  # fewer in all than the limit (counting the running ones walks the batch)
-            return
-        waiting = requests - core.num_running_requests
-        if waiting >= limit:
-            raise EngineOverloadedError(f"the server is overloaded: {waiting} requests are waiting "
-                                        f"(max_waiting_requests); try again later")
+    def check_room(self, num_sequences: int) -> None:
+        """Refuse at once a request of ``num_sequences`` sequences (prompts x ``n``) that would
+        take the sequences waiting past ``max_waiting_requests``.
+
+        A sequence waits from its submission until its first token (or its end). This client
+        counts its own, from the outputs it reads, so the count is the same whether the core
+        runs here, in an engine process or in several (each API server counts its own).
+
+        Raises:
+            InvalidParameterError: more sequences than the limit: this request can never fit.
+            EngineOverloadedError: no room now (a 503: try again later).
+        """
+        limit = self._engine.core.config.max_waiting_requests
+        if num_sequences > limit:
+            raise InvalidParameterError("n", f"this request asks for {num_sequences} sequences (prompts x n), more "
+                                             f"than this server queues at once ({limit}, max_waiting_requests)")
+        waiting = self.num_waiting_sequences
+        if waiting + num_sequences > limit:
+            raise EngineOverloadedError(f"the server is overloaded: {waiting} sequences are waiting and this request "
+                                        f"adds {num_sequences} (max_waiting_requests {limit}); try again later")
+
+    @property
+    def num_waiting_sequences(self) -> int:
+        """Sequences this client submitted that have not produced a token yet, nor ended."""
+        return sum(channel.state.num_waiting for channel in self._engine.registry.values())
 
     def abort(self, request_id: str) -> None:
         """Abort a request; a no-op for unknown or finished ones (or a stopped engine)."""

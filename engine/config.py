@@ -126,9 +126,10 @@ class EngineConfig:
         seed: seeds dummy weights and requests that carry no seed of their own.
         backend: attention backend; ``auto`` picks the best one this machine can run.
         device: ``auto`` is cuda when a GPU is visible, else cpu.
-        max_waiting_requests: requests that may wait for a place in the batch; past it a new
-            request is refused at once (``EngineOverloadedError``, HTTP 503 with Retry-After)
-            instead of queueing without bound.
+        max_waiting_requests: sequences (prompts x ``n``) that may wait for their first token;
+            a request that would go past it is refused at once (``EngineOverloadedError``,
+            HTTP 503 with Retry-After) instead of queueing without bound, and one that alone
+            is larger with an ``InvalidParameterError``. Counted by each client (API server).
         step_timeout: seconds one engine step may take before the watchdog declares the
             engine dead (a hung kernel); None disables it.
         stream_interval: a streaming request's consumer is woken for its first token, then

@@ -31,6 +31,8 @@ class CompletionState:
     # The core has finished this sequence too. A stop string ends a completion here first; the
     # core hears of it a step later, and until then the request id stays taken.
     engine_finished: bool = False
+    # It has a token, or has ended: it no longer counts as waiting (``RequestState.num_waiting``).
+    started: bool = False
 
 
 class RequestState:
@@ -54,6 +56,7 @@ class RequestState:
         self.times = RequestTimes(time.monotonic() if arrival is None else arrival)
         self.error: str | None = None
         self._num_unfinished = params.n
+        self.num_waiting = params.n  # completions with no token yet that have not ended
 
     @property
     def finished(self) -> bool:
@@ -83,6 +86,8 @@ class RequestState:
         times = self.times
         if times.first_scheduled is None:
             times.first_scheduled = delta.first_scheduled_at
+        if not completion.started and (delta.new_token_ids or delta.finished):
+            self._start(completion)
         if delta.new_token_ids:
             times.on_tokens(stats)
             for i, token in enumerate(delta.new_token_ids):
@@ -94,6 +99,10 @@ class RequestState:
         if delta.finished:
             self._finish(completion, delta.finish_reason, delta.stop_reason, stats)
         return None
+
+    def _start(self, completion: CompletionState) -> None:
+        completion.started = True
+        self.num_waiting -= 1
 
     def add_token(self, index: int, token: int, stats: IterationStats) -> StopStringHit | None:
         """The common delta (``Decodes``): one more token of completion ``index``, which has
@@ -120,7 +129,8 @@ class RequestState:
             return
         for completion in self.completions:
             completion.finish_reason = completion.finish_reason or "error"
-        self._num_unfinished = 0
+            completion.started = True
+        self._num_unfinished = self.num_waiting = 0
         self._record_finish(stats)
 
     def _finish(self, completion: CompletionState, reason: str, stop_reason: int | str | None,

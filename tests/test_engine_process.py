@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import os
 
+import attrs
 import pytest
 import trio
+import trio.testing
 
 from engine.async_engine import open_engine
-from engine.errors import ConfigError, EngineDeadError, InvalidParameterError
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.errors import ConfigError, EngineDeadError, EngineOverloadedError, InvalidParameterError
+from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tests.conftest import gated_manager, until
 
 pytestmark = pytest.mark.slow
 
-CONFIG = dict(backend="cpu", num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+# float32: on a CPU with AMX, ``auto`` is bfloat16, whose sums depend on the batch a request
+# lands in; these tests compare logprobs across layouts that batch differently.
+CONFIG = dict(backend="cpu", num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=64, dtype="float32")
 PROMPTS = ["Hello, my name is", "The capital of France is", "List three colors:", "1, 2, 3,", "Once upon a time"]
 
 
@@ -162,3 +167,78 @@ def test_engine_processes_on_one_machine_share_its_cores_or_take_a_gpu_each(monk
     with pytest.raises(ConfigError, match="2 engine processes on this machine need a GPU each; 1 visible") as error:
         device_shares(gpu, 2)
     assert error.value.param == "data_parallel_size"
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["one process", "engine process"])
+async def test_the_waiting_limit_counts_sequences_the_same_in_every_layout(engine_process):
+    # Four sequences of one request run (max_num_seqs 4); six requests come: four wait, two are refused.
+    async with open_engine(**{**CONFIG, "max_num_seqs": 4}, max_waiting_requests=4,
+                           engine_process=engine_process) as client:
+        long = SamplingParams(max_tokens=2000, ignore_eos=True)
+        outcomes = []
+
+        async def run(params):
+            try:
+                async for _ in client.generate("Tell me a long story.", params):
+                    pass
+            except EngineOverloadedError:
+                outcomes.append("refused")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, attrs.evolve(long, n=4))
+            await until(lambda: client.num_unfinished == 1 and client.num_waiting_sequences == 0, timeout=60)
+            for _ in range(6):
+                nursery.start_soon(run, long)
+            await until(lambda: len(outcomes) == 2)
+            await trio.testing.wait_all_tasks_blocked()
+            assert outcomes == ["refused"] * 2 and client.num_waiting_sequences == 4
+            assert client.num_unfinished == 5
+            with pytest.raises(InvalidParameterError, match="5 sequences"):  # never fits
+                async for _ in client.generate("Hi", attrs.evolve(long, n=5)):
+                    pass
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_grammar_compiling_in_the_engine_process_holds_back_only_its_own_request(tokenizer):
+    """The engine process compiles each grammar again (the front's stays in the front): off
+    its message loop, so adds and aborts of other requests pass while it compiles; what comes
+    for that request (a stop, an abort) waits behind its add; a refusal is a rejection."""
+    import math
+
+    from engine.core_process import Fronts
+    from engine.messages import AbortRequest, AddRequest, RequestRejected, StopRequest
+
+    manager, backend = gated_manager(tokenizer)
+    fronts = Fronts(core=None, sends=[None])
+    fronts._structured = manager
+    link_send, link_receive = trio.open_memory_channel(math.inf)
+    inbox_send, inbox_receive = trio.open_memory_channel(math.inf)
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="slow"))
+    refused = SamplingParams(structured_outputs=StructuredOutputsParams(regex="bad"))
+    received = []
+
+    async def core():
+        async for message in inbox_receive:
+            received.append(message)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(core)
+        nursery.start_soon(fronts.inlet, 0, link_receive, inbox_send)
+        for message in [AddRequest("x", (1,), constrained), AddRequest("y", (1,), SamplingParams()),
+                        StopRequest("x", 0, "stop"), AbortRequest(("x", "z")), AddRequest("b", (1,), refused),
+                        AbortRequest(("y",))]:
+            link_send.send_nowait(message)
+        await until(lambda: len(received) == 4)
+        assert received[:2] == [AddRequest("y", (1,), SamplingParams()), AbortRequest(("z",))]
+        assert set(map(type, received[2:])) == {RequestRejected, AbortRequest}  # (b's compile is its own)
+        rejection = next(m for m in received if isinstance(m, RequestRejected))
+        assert rejection.request_id == "b" and "invalid regex: bad" in str(rejection.error)
+        backend.gate("slow").set()
+        await until(lambda: len(received) == 7)
+        add, stop, abort = received[4:]
+        assert add.request_id == "x" and add.grammar == ("compiled", "slow")
+        assert (stop, abort) == (StopRequest("x", 0, "stop"), AbortRequest(("x",)))
+        link_send.close()  # the front goes: its requests are aborted
+        await until(lambda: len(received) == 8)
+        assert isinstance(received[-1], AbortRequest) and "x" in received[-1].request_ids
+        nursery.cancel_scope.cancel()
