@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -28,18 +29,54 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def free_port() -> int:
+    """A port free a moment ago. Another process may take it before the server binds it: the
+    callers retry on a clash (``PortClash``) rather than fail by chance."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def start_server(*flags: str) -> tuple[str, subprocess.Popen, list[int]]:
-    """A server process on a free port, once healthy: (base URL, process, /health codes seen)."""
-    port = free_port()
+class PortClash(Exception):
+    """The server could not bind a port it was given (another process took it first)."""
+
+
+ADDRESS_IN_USE = "Address already in use"
+
+
+def _tee(pipe, seen: list[str]) -> None:
+    """Copy a server's stderr to ours (pytest shows it with a failure), keeping the first lines."""
+    for line in iter(pipe.readline, ""):
+        try:
+            sys.stderr.write(line)
+        except ValueError:  # (pytest's capture of a test that has ended)
+            pass
+        if len(seen) < 200:
+            seen.append(line)
+    pipe.close()
+
+
+def start_server(*flags: str, attempts: int = 5) -> tuple[str, subprocess.Popen, list[int]]:
+    """A server process on a free port, once healthy: (base URL, process, /health codes seen).
+    A port taken by someone else between ``free_port`` and the bind is tried again with another.
+
+    Raises:
+        PortClash: still a clash after ``attempts`` ports (a port among ``flags`` is taken).
+    """
+    for _ in range(attempts):
+        started = _start_server_on(free_port(), flags)
+        if started is not None:
+            return started
+    raise PortClash(f"the server could not bind its ports in {attempts} tries")
+
+
+def _start_server_on(port: int, flags) -> tuple[str, subprocess.Popen, list[int]] | None:
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "engine.api", "--port", str(port), "--backend", "torch",
                              "--num-kv-blocks", "512", "--log-level", "warning", *flags],
-                            cwd=os.path.dirname(os.path.dirname(__file__)))
+                            cwd=os.path.dirname(os.path.dirname(__file__)), stderr=subprocess.PIPE, text=True)
+    seen: list[str] = []
+    tee = threading.Thread(target=_tee, args=(proc.stderr, seen), daemon=True)
+    tee.start()
     health = []
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -50,6 +87,9 @@ def start_server(*flags: str) -> tuple[str, subprocess.Popen, list[int]]:
         except httpx.TransportError:
             pass
         if proc.poll() is not None:
+            tee.join(timeout=10)
+            if any(ADDRESS_IN_USE in line for line in seen):
+                return None
             pytest.fail("the server exited during start-up")
         time.sleep(0.05)
     proc.kill()
@@ -279,7 +319,7 @@ def test_metrics_names(server, client):
 def test_a_backend_this_machine_cannot_run_is_one_clear_line():
     if torch_cuda_available():
         pytest.skip("this machine can run the cuda backend")
-    result = subprocess.run([sys.executable, "-m", "engine.api", "--backend", "cuda", "--port", str(free_port())],
+    result = subprocess.run([sys.executable, "-m", "engine.api", "--backend", "cuda", "--port", "0"],
                             capture_output=True, text=True, timeout=120,
                             cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode != 0
@@ -432,6 +472,42 @@ def metric_total(base: str, name: str) -> float:
                if line.startswith(name + "{") or line.startswith(name + " "))
 
 
+NUMBER_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def constrained(base: str, headers: dict | None = None) -> list:
+    """A JSON-schema answer and a required tool call, streamed and not (the grammar is compiled
+    in the front and again in the engine process that runs it): (content, calls) of each."""
+    ask = [{"role": "user", "content": "What is the weather in Paris? Give a number."}]
+    bodies = [{"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": NUMBER_SCHEMA}}},
+              {"tools": WEATHER_TOOL, "tool_choice": "required"}]
+    results = []
+    for body in bodies:
+        body = {"messages": ask, "max_tokens": 40, "temperature": 0, **body}
+        reply = httpx.post(base + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+        assert reply.status_code == 200, reply.text
+        message = reply.json()["choices"][0]["message"]
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+        results.append((message["content"], calls))
+        with httpx.stream("POST", base + "/v1/chat/completions", json={**body, "stream": True}, headers=headers,
+                          timeout=120) as r:
+            deltas = [e["choices"][0]["delta"] for e in sse_events(r) if e != "[DONE]" and e.get("choices")]
+        streamed = [(c.get("function") or {}) for d in deltas for c in d.get("tool_calls") or []]
+        content = "".join(d.get("content") or "" for d in deltas) or None
+        names = [f["name"] for f in streamed if f.get("name")]
+        arguments = "".join(f.get("arguments") or "" for f in streamed)
+        assert (content, names, arguments) == (message["content"], [n for n, _ in calls],
+                                               "".join(a for _, a in calls)), body
+    assert json.loads(results[0][0])["n"] is not None and results[1][0] is None and results[1][1]
+    return results
+
+
+def test_structured_outputs_and_tools_in_both_layouts(server):
+    constrained(server[0], {"Authorization": f"Bearer {API_KEY}"})
+
+
 def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_does():
     """--data-parallel-size 2 and --api-server-count 2: 32 concurrent streamed chats give one
     engine's greedy text; /metrics adds up (each engine's counters; every front's requests);
@@ -454,7 +530,8 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
     layouts = {"one engine": [], "data parallel": ["--data-parallel-size", "2"],
                "two API servers": ["--api-server-count", "2"]}
     for layout, flags in layouts.items():
-        base, proc, _ = start_server(*flags)
+        # float32: on a CPU with AMX, auto is bfloat16, whose sums depend on how requests are batched
+        base, proc, _ = start_server("--dtype", "float32", *flags)
         children = child_pids(proc.pid)
         try:
             outputs[layout] = run(base)
@@ -477,23 +554,34 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
                 assert len(children) == 3  # two fronts and the engine
                 # whichever front answers, the request counter is the whole server's
                 assert all(metric_total(base, "vllm:request_success_total") == 32 for _ in range(4))
+            outputs[layout + ", constrained"] = constrained(base)
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0
         assert all(exited(pid) for pid in children)
     assert outputs["data parallel"] == outputs["one engine"] == outputs["two API servers"]
+    assert outputs["data parallel, constrained"] == outputs["one engine, constrained"] == \
+        outputs["two API servers, constrained"]
 
 
 def test_a_headless_engine_joins_the_server_over_tcp():
     """--data-parallel-size 2 with one local engine: the other is started apart with --headless
     (as on another machine) and joins over TCP; both serve, and both processes end cleanly."""
-    port = free_port()
+    for _ in range(3):  # (the RPC port may be taken between free_port and the front's bind)
+        try:
+            return _headless_engine_joins(free_port())
+        except PortClash:
+            continue
+    pytest.fail("no free RPC port in 3 tries")
+
+
+def _headless_engine_joins(port: int) -> None:
     group = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(port)]
     headless = subprocess.Popen([sys.executable, "-m", "engine.api", "--headless", "--backend", "torch",
                                  "--num-kv-blocks", "512", "--log-level", "warning", *group],
                                 cwd=os.path.dirname(os.path.dirname(__file__)))
     try:
-        base, proc, _ = start_server(*group)
+        base, proc, _ = start_server(*group, attempts=2)
         try:
             body = {"prompt": "Count with me: one, two,", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
             with ThreadPoolExecutor(max_workers=8) as pool:
@@ -538,22 +626,34 @@ def fail_the_engine_at_step(monkeypatch, step: int) -> None:
 
 @asynccontextmanager
 async def server_in_this_process(*flags: str):
-    """run_server in this trio run: yields (an httpx client for it, the list its result lands in)."""
+    """run_server in this trio run: yields (an httpx client for it, the list its result lands in).
+    A port taken between ``free_port`` and the bind is tried again with another."""
+    import errno
+
     import trio
 
     from api.server import run_server
 
-    args = server_args(*flags)
-    outcome = []
+    for _ in range(5):
+        args = server_args(*flags)
+        outcome = []
+        started = False
 
-    async def serve(task_status=trio.TASK_STATUS_IGNORED):
-        outcome.append(await run_server(args, task_status=task_status))
+        async def serve(task_status=trio.TASK_STATUS_IGNORED):
+            outcome.append(await run_server(args, task_status=task_status))
 
-    with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve)
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=30) as http:
-                yield http, outcome
+        try:
+            with trio.fail_after(120):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(serve)
+                    started = True
+                    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{args.port}", timeout=30) as http:
+                        yield http, outcome
+            return
+        except* OSError as group:
+            if started or not all(e.errno == errno.EADDRINUSE for e in group.exceptions):
+                raise
+    pytest.fail("no free port in 5 tries")
 
 
 async def test_an_engine_failure_ends_requests_and_exits_nonzero(monkeypatch):
