@@ -250,7 +250,7 @@ class _Handlers:
         if num_prompts > limit:
             raise bad_request(f"the prompt holds {num_prompts} prompts; this server takes at most {limit} in one "
                               f"request (--max-prompts-per-request)", "prompt")
-        self.client.check_room(num_prompts * n)
+        self.client.check_room(num_prompts * n, "n" if n > 1 else "prompt")
 
     def validate(self, prompt_ids: list[int], params, priority: int = 0) -> None:
         self.client.validate(prompt_ids, params, priority)
@@ -374,6 +374,7 @@ class _Handlers:
             params = plan.constrain(params)
         self.validate(ids, params, req.priority)
         await self.compile_constraint(req, params, plan)
+        self.check_prompts(1, req.n)  # again, after the awaits: a stream's 503 must come before its 200
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
@@ -414,7 +415,7 @@ class _Handlers:
         parsers = [ToolCallParser() for _ in range(req.n)] if plan is not None and plan.may_call else None
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(req.n)])
-        async for output in stream:
+        async for output in _closing(stream):
             tracker.observe(output)
             choices = []
             for c in output.outputs:
@@ -457,6 +458,7 @@ class _Handlers:
         for _, ids in inputs:  # every prompt is checked before any is queued
             self.validate(ids, params, req.priority)
         await self.compile_constraint(req, params)
+        self.check_prompts(len(prompts), req.n)  # again, after the awaits (as for chat)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(sum(len(ids) for _, ids in inputs))
         outputs = _before(deadline, self.client.generate_many(
@@ -490,7 +492,7 @@ class _Handlers:
         if req.echo:
             yield chunk([{"index": p * req.n + i, "text": text, "logprobs": None, "finish_reason": None}
                          for p, text in enumerate(prompt_texts) for i in range(req.n)])
-        async for p, output in outputs:
+        async for p, output in _closing(outputs):
             tracker.observe(output, p)
             choices = []
             for c in output.outputs:
@@ -546,6 +548,14 @@ async def _guard(events):
         yield sse(_stream_error(error).body()) + SSE_DONE
 
 
+async def _closing(stream):
+    """The items of ``stream``, which is closed however this ends (its requests abort now,
+    not when the garbage collector finds it)."""
+    async with aclosing(stream):
+        async for item in stream:
+            yield item
+
+
 def _stream_error(error: Exception) -> APIError:
     """The error event for a failure in the middle of a stream: what its response would have been."""
     if isinstance(error, APIError):
@@ -591,22 +601,23 @@ def _within(deadline: float | None) -> Iterator[None]:
 
 async def _before(deadline: float | None, stream):
     """The items of ``stream`` until ``deadline`` (trio time). Past it the stream is closed,
-    which aborts its requests, and a 504 is raised. No cancel scope spans a yield."""
-    if deadline is None:
-        async for item in stream:
+    which aborts its requests, and a 504 is raised. No cancel scope spans a yield. However
+    this ends, ``stream`` is closed."""
+    async with aclosing(stream):
+        if deadline is None:
+            async for item in stream:
+                yield item
+            return
+        while True:
+            item = _TIMED_OUT
+            with trio.move_on_at(deadline):
+                try:
+                    item = await stream.__anext__()
+                except StopAsyncIteration:
+                    return
+            if item is _TIMED_OUT:
+                raise _deadline_passed()
             yield item
-        return
-    while True:
-        item = _TIMED_OUT
-        with trio.move_on_at(deadline):
-            try:
-                item = await stream.__anext__()
-            except StopAsyncIteration:
-                return
-        if item is _TIMED_OUT:
-            await stream.aclose()
-            raise _deadline_passed()
-        yield item
 
 
 def _nested_deeper_than(data: Any, limit: int) -> bool:

@@ -352,7 +352,7 @@ class EngineClient:
         engine.registry[request_id] = channel
         return channel
 
-    def check_room(self, num_sequences: int) -> None:
+    def check_room(self, num_sequences: int, param: str = "n") -> None:
         """Refuse at once a request of ``num_sequences`` sequences (prompts x ``n``) that would
         take the sequences waiting past ``max_waiting_requests``.
 
@@ -361,12 +361,13 @@ class EngineClient:
         runs here, in an engine process or in several (each API server counts its own).
 
         Raises:
-            InvalidParameterError: more sequences than the limit: this request can never fit.
+            InvalidParameterError: more sequences than the limit: this request can never fit
+                (naming ``param``).
             EngineOverloadedError: no room now (a 503: try again later).
         """
         limit = self._engine.core.config.max_waiting_requests
         if num_sequences > limit:
-            raise InvalidParameterError("n", f"this request asks for {num_sequences} sequences (prompts x n), more "
+            raise InvalidParameterError(param, f"this request asks for {num_sequences} sequences (prompts x n), more "
                                              f"than this server queues at once ({limit}, max_waiting_requests)")
         waiting = self.num_waiting_sequences
         if waiting + num_sequences > limit:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import threading
 from collections import OrderedDict
@@ -32,7 +33,7 @@ import outcome
 import torch
 import trio
 
-from engine.errors import ConfigError, InvalidParameterError
+from engine.errors import ConfigError, InvalidParameterError, RequestFailedError
 from engine.sampling_params import PARAM_STRUCTURED as PARAM
 from engine.sampling_params import StructuredOutputsParams, parse_json_constraint
 
@@ -281,11 +282,13 @@ class _CompileJob:
     lease_ends: float  # when its slot is free again, finished or not
     done: trio.Event = attrs.field(factory=trio.Event)
     result: CompiledGrammar | Exception | None = None
+    lost: bool = False  # its lease ran out before it finished
 
 
 # A compile that runs this many times its budget stops counting against
 # ``max_concurrent_compiles`` (its thread cannot be stopped; it is logged as lost), so that one
-# constraint that never finishes cannot take a compile slot for the life of the server.
+# constraint that never finishes cannot take a compile slot for the life of the server. At most
+# as many lost compiles as slots may run at once: past that, new compiles wait for one to end.
 SLOT_LEASE = 3.0
 
 
@@ -366,14 +369,17 @@ class StructuredOutputManager:
         hit = self.cached(params)
         if hit is not None:
             return hit
+        arrived = trio.current_time()
         job = await self._job(params)
         timeout = self.config.compile_timeout_s
-        with trio.move_on_at(job.started + timeout):
+        # The budget runs from when the compile began, or from this request's arrival if it
+        # joined one already running (then it waited for no slot).
+        with trio.move_on_at(max(job.started, arrived) + timeout):
             await job.done.wait()
         if isinstance(job.result, InvalidParameterError):
             raise InvalidParameterError(job.result.param, str(job.result))
         if isinstance(job.result, Exception):
-            raise job.result
+            raise RequestFailedError(f"compiling the constraint failed: {job.result!r}")
         if job.result is None:
             raise InvalidParameterError(PARAM, f"the constraint took longer than {timeout:g} s to compile "
                                                f"(compile_timeout_s); simplify it")
@@ -391,31 +397,42 @@ class StructuredOutputManager:
             job = self._jobs.get(key)
             if job is not None and job.token is token:
                 return job
-            lease_ends = self._free_slot_at()
-            if lease_ends is None:
+            recheck_at = self._free_slot_at(token)
+            if recheck_at is None:
                 return self._start(key, params, token)
             freed = self._slot_freed
-            with trio.move_on_at(lease_ends):
+            with trio.move_on_at(recheck_at):
                 await freed.wait()
 
-    def _free_slot_at(self) -> float | None:
-        """None if a compile may start now; else when the earliest lease runs out."""
-        now = trio.current_time()
-        leases = [job.lease_ends for job in self._jobs.values() if job.lease_ends > now]
-        if len(leases) < self.config.max_concurrent_compiles:
+    def _free_slot_at(self, token: trio.lowlevel.TrioToken) -> float | None:
+        """None if a compile may start now; else when to look again (the earliest lease's end;
+        inf when only a compile's end can free a place). Jobs of another trio run, whose
+        clock this one cannot read, are not counted."""
+        now, slots = trio.current_time(), self.config.max_concurrent_compiles
+        with self._lock:
+            jobs = [job for job in self._jobs.values() if job.token is token]
+        leases = [job.lease_ends for job in jobs if job.lease_ends > now]
+        for job in jobs:
+            if job.lease_ends <= now and not job.lost:
+                job.lost = True
+                self.num_lost_compiles += 1
+                log.warning("a constraint has compiled for %.0f s (%g x compile_timeout_s): its slot is given "
+                            "back; its thread goes on", now - job.started, SLOT_LEASE)
+        if len(leases) < slots and len(jobs) < 2 * slots:
             return None
-        return min(leases)
+        return min(leases) if len(leases) >= slots else math.inf
 
     def _start(self, key: str, params: StructuredOutputsParams, token: trio.lowlevel.TrioToken) -> _CompileJob:
         now = trio.current_time()
         job = _CompileJob(token, now, now + SLOT_LEASE * self.config.compile_timeout_s)
-        self._jobs[key] = job
+        with self._lock:
+            self._jobs[key] = job
 
         def deliver(result: outcome.Outcome) -> None:  # (in the worker thread)
             try:
                 token.run_sync_soon(self._finished, key, job, result)
             except trio.RunFinishedError:  # nobody waits any more: the cache has what it made
-                self._jobs.pop(key, None)
+                self._forget(key, job)
 
         trio.lowlevel.start_thread_soon(lambda: self._compile(params), deliver, name=f"compile {params.kind}")
         return job
@@ -423,14 +440,16 @@ class StructuredOutputManager:
     def _finished(self, key: str, job: _CompileJob, result: outcome.Outcome) -> None:
         if isinstance(result, outcome.Error):
             log.error("a constraint's compile raised (not the compiler refusing it)", exc_info=result.error)
-        if trio.current_time() > job.lease_ends:
-            self.num_lost_compiles += 1
         job.result = result.value if isinstance(result, outcome.Value) else result.error
-        if self._jobs.get(key) is job:
-            del self._jobs[key]
+        self._forget(key, job)
         job.done.set()
         self._slot_freed.set()
         self._slot_freed = trio.Event()
+
+    def _forget(self, key: str, job: _CompileJob) -> None:
+        with self._lock:
+            if self._jobs.get(key) is job:
+                del self._jobs[key]
 
     def _remember(self, key: str, value: CompiledGrammar | InvalidParameterError) -> None:
         with self._lock:

@@ -287,7 +287,7 @@ async def test_every_sequence_counts_against_the_waiting_limit_all_or_none(tiny_
         client = server.client
         # Larger than the queue on its own (prompts x n), or more prompts than one request may hold: a 400.
         for path, body, param in [("/v1/completions", {"prompt": ["Hi"] * 4, "n": 2}, "n"),
-                                  ("/v1/completions", {"prompt": [[5, 6]] * 5}, "n"),
+                                  ("/v1/completions", {"prompt": [[5, 6]] * 5}, "prompt"),
                                   ("/v1/completions", {"prompt": ["Hi"] * 9}, "prompt"),
                                   ("/v1/chat/completions", {**CHAT, "n": 5}, "n")]:
             response = await server.http.post(path, json={**body, "max_tokens": 2})

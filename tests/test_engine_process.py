@@ -193,6 +193,10 @@ async def test_the_waiting_limit_counts_sequences_the_same_in_every_layout(engin
             await trio.testing.wait_all_tasks_blocked()
             assert outcomes == ["refused"] * 2 and client.num_waiting_sequences == 4
             assert client.num_unfinished == 5
+            with pytest.raises(EngineOverloadedError):  # several prompts: all or none
+                async for _ in client.generate_many(["a", "b"], long):
+                    pass
+            assert client.num_unfinished == 5
             with pytest.raises(InvalidParameterError, match="5 sequences"):  # never fits
                 async for _ in client.generate("Hi", attrs.evolve(long, n=5)):
                     pass
