@@ -468,9 +468,10 @@ class _Handlers:
         if req.stream:
             return self.sse_response(self._completion_chunks(req, request_id, outputs, tracker, prompt_texts))
         finals: list[RequestOutput | None] = [None] * len(inputs)
-        async for index, output in outputs:
-            tracker.observe(output, index)
-            finals[index] = output
+        async with aclosing(outputs):  # (cancelled, as by a disconnect: its requests abort now)
+            async for index, output in outputs:
+                tracker.observe(output, index)
+                finals[index] = output
         choices = []
         for p, final in enumerate(finals):
             for c in final.outputs:
@@ -513,9 +514,10 @@ class _Handlers:
     @staticmethod
     async def _final(stream, tracker: UsageTracker) -> RequestOutput:
         final = None
-        async for output in stream:
-            tracker.observe(output)
-            final = output
+        async with aclosing(stream):  # (as above)
+            async for output in stream:
+                tracker.observe(output)
+                final = output
         return final
 
     @staticmethod
