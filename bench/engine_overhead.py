@@ -36,7 +36,7 @@ from engine.async_engine import Engine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.detokenizer import DetokenizerActor  # noqa: E402
 from engine.engine_core import EngineCore  # noqa: E402
-from engine.model_runner import RunnerOutput  # noqa: E402
+from engine.plan import RunnerOutput, StepPlan  # noqa: E402
 from engine.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from engine.models.loader import dummy_weights, resolve_model  # noqa: E402
 from engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
@@ -55,10 +55,11 @@ def null_core(num_requests: int, stream_interval: int = 1) -> EngineCore:
                           stream_interval=stream_interval)
     core = EngineCore(config, model=model)
 
-    def execute(plan, tables=None) -> RunnerOutput:
-        return RunnerOutput({c.request.request_id: TOKEN for c in plan.chunks if c.samples}, {}, {})
+    def execute(plan: StepPlan) -> RunnerOutput:
+        ids = plan.request_ids
+        return RunnerOutput({ids[row]: TOKEN for row in plan.sample_rows}, {}, {})
 
-    core.runner.execute = lambda plan, tables: execute(plan)
+    core.runner.execute = execute
     return core
 
 

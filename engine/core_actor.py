@@ -9,7 +9,7 @@ import time
 import trio
 
 from engine.engine_core import EngineCore
-from engine.model_runner import RunnerOutput
+from engine.plan import RunnerOutput
 from engine.scheduler import SchedulerOutput
 from engine.errors import InvalidParameterError, RequestFailedError, StepTimeoutError
 from engine.messages import (AbortRequest, AddRequest, Decodes, RequestRejected, StepOutput, StepTimings,

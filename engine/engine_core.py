@@ -19,15 +19,21 @@ from engine.device_thread import DeviceThread
 from engine.errors import ConfigError, InvalidParameterError
 from engine.kv_cache import BlockManager
 from engine.messages import Decodes, EngineStats, TokenDelta
-from engine.model_runner import ModelRunner, RunnerOutput
+from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model, resolve_model
 from engine.request import Request, RequestStatus
 from engine.sampling_params import MIN_SEED, SamplingParams
+from engine.plan import RunnerOutput
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.structured_outputs import CompiledGrammar
+from engine.structured_outputs import CompiledGrammar, GrammarBitmask
 
 log = logging.getLogger(__name__)
+
+
+class GrammarRefusedError(Exception):
+    """A sampled token that the request's grammar does not allow (the mask should make this
+    impossible; if it happens, that request fails and the rest go on)."""
 
 
 class EngineCore:
@@ -58,7 +64,8 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = self.device_thread.run_sync(ModelRunner, self.model, self.backend, num_blocks,
-                                                  config.block_size, self.device, config.seed, config.max_num_seqs)
+                                                  config.block_size, self.device, config.seed)
+        self._bitmask = GrammarBitmask(config.max_num_seqs)
         self._arrivals = itertools.count()
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequences' ids
         self._num_prompt_tokens = 0
@@ -204,37 +211,57 @@ class EngineCore:
         return deltas + decodes.as_deltas()
 
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        """The next step: the scheduler's choice, with the token masks of its constrained rows
+        filled into the plan (here, in the caller's thread: the runner never sees a grammar)."""
+        output = self.scheduler.schedule()
+        return self._mask_grammar_rows(output) if output.constrained_rows else output
 
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def _mask_grammar_rows(self, output: SchedulerOutput) -> SchedulerOutput:
+        """``output`` with the bitmasks of its constrained rows in the plan (rows whose grammar
+        allows every token are left out; a row whose matcher raised fails its request after
+        the step, in ``update``)."""
+        plan, errors = output.plan, {}
+        matchers = [output.chunks[row].request.matcher for row in output.constrained_rows]
+        bitmask = self._bitmask.get(matchers[0].backend, len(matchers))
+        rows = []
+        for row, matcher in zip(output.constrained_rows, matchers):
+            try:
+                if matcher.fill_bitmask(bitmask, len(rows)):  # False: everything is allowed
+                    rows.append(row)
+            except Exception as exc:  # this request's own fault: it fails, the step goes on
+                errors[plan.request_ids[row]] = exc
+        plan = attrs.evolve(plan, grammar_rows=tuple(rows), grammar_bitmask=bitmask[:len(rows)].numpy().tobytes())
+        return attrs.evolve(output, plan=plan, grammar_errors=errors)
+
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """The device work of a step, on the device thread; touches no scheduler state (the
         core actor awaits it with ``device_thread.run`` while its event loop goes on)."""
-        return self.device_thread.run_sync(self._execute, plan)
-
-    def _execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        # (Aborts and frees happen between steps, in the event loop: the lists hold still meanwhile.)
-        return self.runner.execute(plan, self.block_manager.tables)
+        return self.device_thread.run_sync(self.runner.execute, output.plan)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> tuple[list[TokenDelta], Decodes]:
         """Account for a finished step. Returns what it added to each completion: the common case
         (a next token, no logprobs, not finished) as columns, the rest as ``TokenDelta``s."""
-        deltas, failed_parents = self._fail_requests(result.failed)
-        self.scheduler.update(plan, result.sampled, result.grammar_finished)
+        failed, grammar_finished = result.failed, ()
+        if plan.constrained_rows:
+            failed = {**failed, **plan.grammar_errors}
+            grammar_finished = self._advance_grammars(plan, result.sampled, failed)
+        deltas, failed_parents = self._fail_requests(failed)
+        self.scheduler.update(plan, result.sampled, grammar_finished)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled)
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
         ids, indices, tokens = [], [], []
         running = RequestStatus.RUNNING
-        for chunk in plan.chunks:
-            request = chunk.request
+        plain = not prompt_logprobs and not logprobs  # no row of this step has logprobs to send
+        for request, start, num_new, _ in plan.chunks:
             num_prompt = len(request.prompt_token_ids)
-            if chunk.start < num_prompt:
-                self._num_prompt_tokens += min(chunk.end, num_prompt) - chunk.start
+            if start < num_prompt:
+                self._num_prompt_tokens += min(start + num_new, num_prompt) - start
             if failed_parents and request.parent_id in failed_parents:
                 continue
             token = sampled.get(request.request_id)
-            if (token is not None and request.status is running and not prompt_logprobs
-                    and (not logprobs or request.request_id not in logprobs)
+            if (token is not None and request.status is running
+                    and (plain or (not prompt_logprobs and request.request_id not in logprobs))
                     and len(request.token_ids) > num_prompt + 1):  # not its first token
                 ids.append(request.parent_id)
                 indices.append(request.index)
@@ -248,6 +275,28 @@ class EngineCore:
             deltas.append(self._delta(request, () if token is None else (token,),
                                       () if new_lp is None else (new_lp,), tuple(prompt_lps)))
         return deltas, Decodes(tuple(ids), tuple(indices), tuple(tokens))
+
+    @staticmethod
+    def _advance_grammars(output: SchedulerOutput, sampled: dict[str, int], failed: dict[str, Exception]) -> set[str]:
+        """Move each constrained sequence's grammar on by its sampled token; the ids of those
+        whose grammar is now complete (their stop token is in). A token the grammar refuses
+        (the mask should make that impossible) fails its request alone (added to ``failed``),
+        as does a matcher that raises."""
+        finished = set()
+        for row in output.constrained_rows:
+            request = output.chunks[row].request
+            request_id = request.request_id
+            token = sampled.get(request_id)
+            if token is None or request_id in failed or request.finished:
+                continue
+            try:
+                if not request.matcher.accept(token):
+                    raise GrammarRefusedError(f"token {token} is not allowed by the request's grammar")
+                if request.matcher.terminated:
+                    finished.add(request_id)
+            except Exception as exc:
+                failed[request_id] = exc
+        return finished
 
     def _fail_requests(self, errors: dict[str, Exception]) -> tuple[list[TokenDelta], set[str]]:
         """Finish the sequences whose own part of the step raised, as 'error', and abort their

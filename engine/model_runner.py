@@ -1,32 +1,47 @@
-"""All device work of a step: flatten the scheduled chunks, run the model, sample."""
+"""All device work of a step: flatten the step plan's rows, run the model, sample."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 import numpy as np
 import torch
 
 from backends.base import AttentionBackend, AttentionMetadata
-from engine.kv_cache import KVBlock
 from engine.models.llama import LlamaModel
 from engine.outputs import TokenLogprobs
+from engine.plan import RunnerOutput, StepPlan
 from engine.sampler import Sampler, isolated, position_logprobs
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from engine.sampling_params import SamplingParams
 
 
-@attrs.frozen
-class RunnerOutput:
-    """Per request id: the sampled token (only for chunks that reach the last known token),
-    its logprobs if asked, prompt logprobs computed in this chunk if asked, and the error of
-    each request whose own part of the step failed (its other entries are to be ignored)."""
+@attrs.define(slots=True, eq=False)
+class RunnerRequest:
+    """The runner's own state of one request, built from the plans (``NewRequest`` and the
+    rows since): what the sampler and prompt logprobs read. ``token_ids`` is kept complete only
+    for requests with penalties (the only readers of past output tokens)."""
 
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
-    prompt_logprobs: dict[str, list[TokenLogprobs]]
-    failed: dict[str, Exception] = attrs.field(factory=dict)
-    grammar_finished: set[str] = attrs.field(factory=set)  # structured output complete (stop token in)
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None
+    num_prompt_logprobs: int
+    token_ids: list[int] | None  # prompt + output (None: not kept, no penalties)
+    num_tokens: int = 0  # tokens known at this step's sampling position (set per step)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        assert self.token_ids is not None, "output tokens are kept only for requests with penalties"
+        return self.token_ids[len(self.prompt_token_ids):self.num_tokens]
 
 
 @attrs.frozen
@@ -34,76 +49,73 @@ class _Batch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    sample_rows: list[int]  # row of each sampling chunk's last token
-    sample_chunks: list[ScheduledChunk]
+    sample_rows: list[int]  # token row of each sampling plan row's last token
 
 
 class BlockTables:
     """The block tables of the requests being run, kept in one persistent int32 array.
 
-    A request gets a row the first time it is scheduled and keeps it until it finishes or is
-    preempted. Each step copies into the rows only the block ids added since the previous
-    step (a request's block list only grows while it holds it), so preparing the tables
-    costs O(batch + new blocks) instead of O(every block of the batch): at 256 requests x
-    2000 tokens that is 32k ids a step not rebuilt from Python lists.
+    A request gets a row when its first block ids arrive and keeps it until it finishes or is
+    preempted. Each plan carries only the block ids appended since the previous one (a table
+    only grows while its request runs), so preparing the tables costs O(batch + new blocks)
+    instead of O(every block of the batch): at 256 requests x 2000 tokens that is 32k ids a
+    step not rebuilt from Python lists.
     """
 
     def __init__(self) -> None:
         self._ids = np.zeros((8, 8), dtype=np.int32)
         self._row_of: dict[str, int] = {}
-        self._source: list[list[KVBlock] | None] = [None] * 8  # the block list each row mirrors
-        self._filled = [0] * 8  # how many of its ids are copied
+        self._filled = [0] * 8  # how many ids each row holds
         self._free_rows = list(range(7, -1, -1))
 
     def release(self, request_ids: Iterable[str]) -> None:
         for request_id in request_ids:
             row = self._row_of.pop(request_id, None)
             if row is not None:
-                self._source[row] = None
                 self._free_rows.append(row)
 
-    def gather(self, request_ids: Sequence[str], blocks: Sequence[list[KVBlock]]) -> np.ndarray:
+    def extend(self, request_id: str, block_ids: Sequence[int]) -> None:
+        """Append ``block_ids`` to the table of ``request_id`` (a new table if it has none)."""
+        row = self._row_of.get(request_id)
+        if row is None:
+            row = self._row_of[request_id] = self._take_row()
+        done = self._filled[row]
+        n = done + len(block_ids)
+        if n > self._ids.shape[1]:
+            self._ids = np.pad(self._ids, ((0, 0), (0, max(n, 2 * self._ids.shape[1]) - self._ids.shape[1])))
+        self._ids[row, done:n] = block_ids
+        self._filled[row] = n
+
+    def gather(self, request_ids: Sequence[str]) -> np.ndarray:
         """``[len(request_ids), longest table]`` block ids (0 past each table's end), a new array."""
-        rows = []
-        for request_id, owned in zip(request_ids, blocks):
-            row = self._row_of.get(request_id)
-            if row is None:
-                row = self._row_of[request_id] = self._take_row()
-            done, n = self._filled[row], len(owned)
-            if self._source[row] is not owned or n < done:  # a new or re-allocated block list
-                self._source[row] = owned
-                self._ids[row] = 0
-                done = 0
-            if n > done:
-                if n > self._ids.shape[1]:
-                    self._ids = np.pad(self._ids, ((0, 0), (0, max(n, 2 * self._ids.shape[1]) - self._ids.shape[1])))
-                self._ids[row, done:n] = [b.block_id for b in owned[done:]]
-                self._filled[row] = n
-            rows.append(row)
-        width = max(len(owned) for owned in blocks)
-        return self._ids[rows, :width]
+        row_of, filled = self._row_of, self._filled
+        rows = [row_of[r] for r in request_ids]
+        return self._ids[rows, :max(filled[r] for r in rows)]
 
     def _take_row(self) -> int:
         if not self._free_rows:
             old = self._ids.shape[0]
             self._ids = np.pad(self._ids, ((0, old), (0, 0)))
-            self._source += [None] * old
             self._filled += [0] * old
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         row = self._free_rows.pop()
+        self._ids[row] = 0
         self._filled[row] = 0
         return row
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the sampler.
+    """Owns the model, the KV cache tensors, the sampler and its own state per request.
+
+    It is driven by ``StepPlan`` values only (plan.py): what it knows of a request is what the
+    plans said (``RunnerRequest``), dropped when a plan names the request finished or preempted.
 
     Resource handling: the KV cache (one tensor per layer) is allocated in the constructor
     and lives as long as the runner.
     """
 
     def __init__(self, model: LlamaModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 device: str, seed: int, max_num_seqs: int = 128) -> None:
+                 device: str, seed: int) -> None:
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -111,8 +123,10 @@ class ModelRunner:
         self.device = device
         shape = backend.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(cfg.num_layers)]
-        self.sampler = Sampler(seed, device, max_num_seqs)
+        self.sampler = Sampler(seed, device)
         self.block_tables = BlockTables()
+        self.requests: dict[str, RunnerRequest] = {}
+        self._block_ids: dict[str, list[int]] = {}
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
@@ -121,82 +135,107 @@ class ModelRunner:
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, block_tables: Mapping[str, list[KVBlock]]) -> RunnerOutput:
-        """Run one step. ``block_tables`` maps (at least) each scheduled request id to its
-        blocks: the block manager's live lists (``BlockManager.tables``)."""
-        self.sampler.forget(output.finished_ids)
-        self.block_tables.release(output.finished_ids)
-        self.block_tables.release(output.preempted_ids)
-        if output.is_empty:
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        """Run one step of ``plan`` (and take in what it says about requests' state)."""
+        self._take_in(plan)
+        if plan.is_empty:
             return RunnerOutput({}, {}, {})
-        batch = self._prepare(output.chunks, block_tables)
+        batch = self._prepare(plan)
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
         failed: dict[str, Exception] = {}
-        prompt_logprobs = self._prompt_logprobs(output.chunks, hidden, failed)
+        prompt_logprobs = self._prompt_logprobs(plan, hidden, failed)
         if not batch.sample_rows:
             return RunnerOutput({}, {}, prompt_logprobs, failed)
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
-        requests = [c.request for c in batch.sample_chunks]
-        result = self.sampler(logits, requests)
-        ids = [r.request_id for r in requests]
+        ids = [plan.request_ids[row] for row in plan.sample_rows]
+        rows = [self.requests[i] for i in ids]
+        result = self.sampler(logits, rows, self._grammar(plan))
         failed.update((ids[row], error) for row, error in result.errors.items())
         logprobs = {i: lp for i, lp in zip(ids, result.logprobs) if lp is not None}
-        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs, failed,
-                            {ids[row] for row in result.grammar_finished})
+        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs, failed)
 
-    def _prepare(self, chunks: list[ScheduledChunk], block_tables: Mapping[str, list[KVBlock]]) -> _Batch:
+    def _take_in(self, plan: StepPlan) -> None:
+        """Drop the state of requests that ended or were preempted; add new ones; grow tables."""
+        self.sampler.forget(plan.finished_ids)  # (a seeded request's draws go on across a preemption)
+        for gone in (plan.finished_ids, plan.preempted_ids):
+            self.block_tables.release(gone)
+            for request_id in gone:
+                self.requests.pop(request_id, None)
+                self._block_ids.pop(request_id, None)
+        for new in plan.new_requests:
+            history = list(new.token_ids) if new.params.needs_penalties else None
+            self.requests[new.request_id] = RunnerRequest(
+                new.request_id, list(new.token_ids[:new.num_prompt_tokens]), new.params, new.eos_token_id,
+                new.num_prompt_logprobs, history)
+            self._block_ids[new.request_id] = []
+        for request_id, block_ids in plan.new_block_ids:
+            self._block_ids[request_id] += block_ids
+            self.block_tables.extend(request_id, block_ids)
+
+    def _prepare(self, plan: StepPlan) -> _Batch:
         bs = self.block_size
-        input_ids: list[int] = []
+        requests, tables = self.requests, self._block_ids
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
-        request_ids: list[str] = []
-        tables: list[list[KVBlock]] = []
-        sample_rows: list[int] = []
-        sample_chunks: list[ScheduledChunk] = []
-        for chunk in chunks:
-            request_id = chunk.request.request_id
-            table = block_tables[request_id]
-            input_ids += chunk.request.token_ids[chunk.start:chunk.end]
-            positions += range(chunk.start, chunk.end)
-            slots += [table[p // bs].block_id * bs + p % bs for p in range(chunk.start, chunk.end)]
-            starts.append(len(input_ids))
-            seq_lens.append(chunk.end)
-            request_ids.append(request_id)
-            tables.append(table)
-            if chunk.samples:
-                sample_rows.append(len(input_ids) - 1)
-                sample_chunks.append(chunk)
+        offset = 0
+        for request_id, start, n in zip(plan.request_ids, plan.starts, plan.num_new_tokens):
+            table = tables[request_id]
+            end = start + n
+            if n == 1:
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            history = requests[request_id].token_ids
+            if history is not None and end > len(history):  # a request with penalties: keep its tokens
+                history += plan.token_ids[offset + len(history) - start:offset + n]
+            offset += n
+            starts.append(offset)
+            seq_lens.append(end)
+        for row in plan.sample_rows:
+            requests[plan.request_ids[row]].num_tokens = seq_lens[row]
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(self.block_tables.gather(request_ids, tables)).to(dev),
+            block_tables=torch.from_numpy(self.block_tables.gather(plan.request_ids)).to(dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            max_query_len=max(c.num_new_tokens for c in chunks),
+            max_query_len=max(plan.num_new_tokens),
             max_seq_len=max(seq_lens),
         )
-        return _Batch(torch.tensor(input_ids, device=dev), torch.tensor(positions, device=dev), meta,
-                      sample_rows, sample_chunks)
+        return _Batch(torch.tensor(plan.token_ids, device=dev), torch.tensor(positions, device=dev), meta,
+                      [starts[row + 1] - 1 for row in plan.sample_rows])
 
-    def _prompt_logprobs(self, chunks: list[ScheduledChunk], hidden: torch.Tensor,
+    def _grammar(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]] | None:
+        """The plan's grammar bitmask and, for each of its rows, the sampled row it masks."""
+        if not plan.grammar_rows:
+            return None
+        index = {row: i for i, row in enumerate(plan.sample_rows)}
+        words = np.frombuffer(plan.grammar_bitmask, dtype=np.int32).reshape(len(plan.grammar_rows), -1)
+        return torch.from_numpy(words.copy()), [index[row] for row in plan.grammar_rows]
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor,
                          failed: dict[str, Exception]) -> dict[str, list[TokenLogprobs]]:
-        """Logprobs of prompt tokens 1.. predicted by this chunk's positions (only for requests
+        """Logprobs of prompt tokens 1.. predicted by this step's positions (only for requests
         asking, and only for positions not reported before: a preempted request recomputes its
         prompt, but its prompt logprobs were already sent)."""
         result: dict[str, list[TokenLogprobs]] = {}
         row = 0
-        for chunk in chunks:
-            request = chunk.request
+        for request_id, start, n in zip(plan.request_ids, plan.starts, plan.num_new_tokens):
+            request = self.requests[request_id]
             k = request.params.prompt_logprobs
-            first = max(chunk.start, request.num_prompt_logprobs)
-            last = min(chunk.end, request.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
-            if k is not None and first < last:
-                with isolated(failed, request.request_id):
-                    rows = hidden[row + first - chunk.start:row + last - chunk.start]
-                    logprobs = self.model.compute_logits(rows).log_softmax(dim=-1)
-                    targets = request.prompt_token_ids[first + 1:last + 1]
-                    result[request.request_id] = [position_logprobs(lp, t, k) for lp, t in zip(logprobs, targets)]
-            row += chunk.num_new_tokens
+            if k is not None:
+                first = max(start, request.num_prompt_logprobs)
+                last = min(start + n, request.num_prompt_tokens - 1)  # position p predicts prompt token p + 1
+                if first < last:
+                    with isolated(failed, request_id):
+                        rows = hidden[row + first - start:row + last - start]
+                        logprobs = self.model.compute_logits(rows).log_softmax(dim=-1)
+                        targets = request.prompt_token_ids[first + 1:last + 1]
+                        result[request_id] = [position_logprobs(lp, t, k) for lp, t in zip(logprobs, targets)]
+                        request.num_prompt_logprobs = last
+            row += n
         return result

@@ -65,6 +65,9 @@ class Request:
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were reported (they survive preemption)
     first_scheduled_at: float | None = None  # time.monotonic() at first admission
     block_hashes: list[bytes] = attrs.field(factory=list)  # hashes of full blocks of token_ids, in order
+    # How many of its block ids the model runner has been sent; -1: the runner has no state for
+    # it (not scheduled since it was admitted or preempted). The scheduler's step plan keeps it.
+    num_runner_blocks: int = -1
     # This sequence's place in its structured-output grammar (None: unconstrained). Only the
     # sampler touches it; it survives preemption, since recomputing samples nothing twice.
     matcher: Any = None

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from engine.outputs import TokenLogprobs
-from engine.request import Request
-from engine.structured_outputs import GrammarBitmask, Matcher
+
+if TYPE_CHECKING:
+    from engine.model_runner import RunnerRequest as Request
 
 
 @attrs.frozen
@@ -30,13 +32,6 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None where not requested
     # Rows whose own set-up or processing raised: their request fails, the batch goes on.
     errors: dict[int, Exception] = attrs.field(factory=dict)
-    # Rows whose structured-output grammar accepted its stop token: their sequence is complete.
-    grammar_finished: set[int] = attrs.field(factory=set)
-
-
-class GrammarRefusedError(Exception):
-    """A sampled token that the request's grammar does not allow (the mask should make this
-    impossible; if it happens, that request fails and the rest go on)."""
 
 
 @contextmanager
@@ -56,24 +51,28 @@ class Sampler:
     finished request ids to drop them.
     """
 
-    def __init__(self, seed: int, device: str = "cpu", max_num_seqs: int = 128) -> None:
+    def __init__(self, seed: int, device: str = "cpu") -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)  # for unseeded requests
         self._generators: dict[str, torch.Generator] = {}
-        self._bitmask = GrammarBitmask(max_num_seqs)
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             self._generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        # logits: [N, vocab] float32, row i for requests[i]
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request],
+                 grammar: tuple[torch.Tensor, list[int]] | None = None) -> SamplerOutput:
+        """``logits``: [N, vocab] float32, row i for ``requests[i]``. ``grammar``: a token bitmask
+        (``apply_token_bitmask``) and the rows it masks, first of all processing: what is
+        reported and sampled is what the grammar allows."""
         errors: dict[int, Exception] = {}
-        constrained = [(row, r.matcher) for row, r in enumerate(requests) if r.matcher is not None]
-        if constrained:
-            self._apply_grammars(logits, constrained, errors)
+        constrained: frozenset[int] = frozenset()
+        if grammar is not None:
+            bitmask, rows = grammar
+            apply_token_bitmask(logits, bitmask, rows)
+            constrained = frozenset(rows)
         logprobs = self._logprobs(logits, requests)
-        logits = self._process(logits, requests, errors)
+        logits = self._process(logits, requests, errors, constrained)
         greedy = [r.params.greedy for r in requests]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
@@ -83,41 +82,9 @@ class Sampler:
         else:
             tokens = self._random(logits, requests, errors)
         token_ids = tokens.tolist()
-        finished = self._advance_grammars(constrained, token_ids, errors) if constrained else set()
         if logprobs is not None:
-            return SamplerOutput(token_ids, self._gather_logprobs(logprobs, token_ids, requests, errors), errors,
-                                 finished)
-        return SamplerOutput(token_ids, [None] * len(requests), errors, finished)
-
-    # ---- structured outputs ----
-
-    def _apply_grammars(self, logits: torch.Tensor, constrained: list[tuple[int, Matcher]],
-                        errors: dict[int, Exception]) -> None:
-        """Mask, in place, what each constrained row's grammar forbids next (first of all
-        processing: what is reported and sampled is what the grammar allows)."""
-        backend = constrained[0][1].backend
-        bitmask = self._bitmask.get(backend, logits.shape[0])
-        masked = []
-        for row, matcher in constrained:
-            with isolated(errors, row):
-                if matcher.fill_bitmask(bitmask, row):  # False: everything is allowed
-                    masked.append(row)
-        if masked:
-            backend.apply_bitmask(logits, bitmask, masked)
-
-    @staticmethod
-    def _advance_grammars(constrained: list[tuple[int, Matcher]], token_ids: list[int],
-                          errors: dict[int, Exception]) -> set[int]:
-        finished = set()
-        for row, matcher in constrained:
-            if row in errors:
-                continue
-            with isolated(errors, row):
-                if not matcher.accept(token_ids[row]):
-                    raise GrammarRefusedError(f"token {token_ids[row]} is not allowed by the request's grammar")
-                if matcher.terminated:
-                    finished.add(row)
-        return finished
+            return SamplerOutput(token_ids, self._gather_logprobs(logprobs, token_ids, requests, errors), errors)
+        return SamplerOutput(token_ids, [None] * len(requests), errors)
 
     # ---- logprobs ----
 
@@ -140,7 +107,8 @@ class Sampler:
 
     # ---- logits processors ----
 
-    def _process(self, logits: torch.Tensor, requests: Sequence[Request], errors: dict[int, Exception]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, requests: Sequence[Request], errors: dict[int, Exception],
+                 constrained: frozenset[int] = frozenset()) -> torch.Tensor:
         needs = [r.params.logit_bias or r.num_output_tokens < r.params.min_tokens or r.params.needs_penalties
                  for r in requests]
         if not any(needs):
@@ -149,7 +117,7 @@ class Sampler:
         for row, request in enumerate(requests):
             if needs[row]:
                 with isolated(errors, row):
-                    process_row(logits[row], request)
+                    process_row(logits[row], request, row in constrained)
         return logits
 
     # ---- random sampling ----
@@ -201,8 +169,22 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return tokens.squeeze(1)
 
 
-def process_row(logits: torch.Tensor, request: Request) -> None:
-    """Apply one request's logit bias, min_tokens mask and penalties to its logits row, in place."""
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set to -inf, in place, what ``bitmask`` forbids in the ``rows`` of ``logits``: row ``j``
+    of ``bitmask`` (int32 words, bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed,
+    xgrammar's layout) masks ``logits[rows[j]]``. Tokens past the mask's width are forbidden."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).to(torch.bool).flatten(1)  # [len(rows), words * 32]
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    index = torch.tensor(list(rows), device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab].to(logits.device), float("-inf"))
+
+
+def process_row(logits: torch.Tensor, request: Request, constrained: bool = False) -> None:
+    """Apply one request's logit bias, min_tokens mask and penalties to its logits row, in place
+    (``constrained``: its grammar mask is already applied)."""
     params = request.params
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=logits.device)
@@ -216,7 +198,7 @@ def process_row(logits: torch.Tensor, request: Request) -> None:
             ids = torch.tensor(stops, device=logits.device)
             kept = logits[ids]
             logits[ids] = float("-inf")
-            if request.matcher is not None and not torch.isfinite(logits).any():
+            if constrained and not torch.isfinite(logits).any():
                 logits[ids] = kept  # the grammar allows nothing but to stop: min_tokens cannot hold
     if params.needs_penalties:
         _apply_penalties(logits, request)

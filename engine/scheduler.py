@@ -17,6 +17,7 @@ import attrs
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockManager
+from engine.plan import NewRequest, StepPlan
 from engine.request import Request, RequestStatus
 
 
@@ -48,13 +49,19 @@ _chunk = tuple.__new__
 
 @attrs.frozen
 class SchedulerOutput:
-    """What one step computes. ``chunks`` are in batch order; ``finished_ids`` are requests
-    that ended since the previous step (so the runner can drop their per-request state)."""
+    """What one step computes: ``chunks`` (in batch order) for the core's own accounting, and
+    the same as a value, ``plan``, for the runner. ``finished_ids`` are requests that ended
+    since the previous step."""
 
     chunks: list[ScheduledChunk]
     num_batched_tokens: int
     preempted_ids: list[str]
     finished_ids: list[str]
+    plan: StepPlan
+    # Rows whose request has a structured-output grammar and samples: their matchers mask the
+    # next token (EngineCore fills the plan's bitmask) and take the sampled one.
+    constrained_rows: tuple[int, ...] = ()
+    grammar_errors: dict[str, Exception] = attrs.field(factory=dict)  # per request id: a matcher that raised
 
     @property
     def is_empty(self) -> bool:
@@ -136,6 +143,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        self._num_constrained = 0  # live requests with a structured-output grammar
         # Prompt tokens computed of requests finished, and output tokens made, recently (decayed per step).
         self._recent_prefill = self._recent_output = 0.0
         # Prompt tokens to compute and max_tokens of requests admitted recently (decayed per admission).
@@ -148,6 +156,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        self._num_constrained += request.matcher is not None
         bisect.insort(self.waiting, request, key=self._order_key)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
@@ -172,6 +181,7 @@ class Scheduler:
         request.stop_reason = stop_reason
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._num_constrained -= request.matcher is not None
         self._finished_ids.append(request.request_id)
 
     @property
@@ -206,7 +216,49 @@ class Scheduler:
             self._schedule_waiting(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, []
         num_batched_tokens = self.max_num_batched_tokens - budget.tokens  # (what the chunks took)
-        return SchedulerOutput(list(scheduled.values()), num_batched_tokens, preempted, finished)
+        chunks = list(scheduled.values())
+        plan = self._plan(chunks, preempted, finished)
+        return SchedulerOutput(chunks, num_batched_tokens, preempted, finished, plan, plan.grammar_rows)
+
+    def _plan(self, chunks: list[ScheduledChunk], preempted: list[str], finished: list[str]) -> StepPlan:
+        """The step as the runner's value: rows, their input tokens, and what the runner does
+        not know yet (new requests, grown block tables). One pass, every step over every row:
+        a decode row costs a few appends, and its block table is read only when its row starts
+        a block the runner does not know of (a request owns exactly the blocks its computed
+        tokens need), or the runner has no state for the request."""
+        ids: list[str] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        tokens: list[int] = []
+        sample_rows: list[int] = []
+        grammar_rows: list[int] = []
+        new: list[NewRequest] = []
+        new_blocks: list[tuple[str, tuple[int, ...]]] = []
+        tables, bs, constrained = self.kv.tables, self.kv.block_size, self._num_constrained > 0
+        for row, (request, start, num_new, samples) in enumerate(chunks):
+            request_id = request.request_id
+            ids.append(request_id)
+            starts.append(start)
+            counts.append(num_new)
+            if num_new == 1:
+                tokens.append(request.token_ids[start])
+            else:
+                tokens += request.token_ids[start:start + num_new]
+            if samples:
+                sample_rows.append(row)
+                if constrained and request.matcher is not None:
+                    grammar_rows.append(row)
+            have = request.num_runner_blocks
+            if start + num_new > have * bs:
+                if have < 0:
+                    new.append(NewRequest(request_id, tuple(request.token_ids), request.num_prompt_tokens,
+                                          request.params, request.eos_token_id, request.num_prompt_logprobs))
+                    have = 0
+                owned = tables[request_id]
+                new_blocks.append((request_id, tuple([b.block_id for b in owned[have:]])))
+                request.num_runner_blocks = len(owned)
+        return StepPlan(tuple(ids), tuple(starts), tuple(counts), tuple(tokens), tuple(sample_rows), tuple(new),
+                        tuple(new_blocks), tuple(finished), tuple(preempted), tuple(grammar_rows))
 
     def _prefill_cap(self) -> float:
         """The prefill tokens this step may carry: capped when it also decodes.
@@ -282,6 +334,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        request.num_runner_blocks = -1  # the plan names it preempted: the runner drops its state
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -328,7 +381,7 @@ class Scheduler:
         keep = 1 - 1 / PREFILL_RATE_WINDOW
         self._recent_prefill *= keep
         self._recent_output = keep * self._recent_output + len(sampled)
-        running = RequestStatus.RUNNING
+        running, max_model_len = RequestStatus.RUNNING, self.max_model_len
         for request, start, num_new_tokens, _ in output.chunks:
             if request.status is not running:  # finished (aborted) while the step ran
                 continue
@@ -336,12 +389,17 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            request.token_ids.append(token)
+            token_ids = request.token_ids
+            token_ids.append(token)
             if request.request_id in grammar_finished:
                 stop_reason = token if token in request.params.stop_token_ids else None
                 status = RequestStatus.FINISHED_STOPPED
-            else:
+            elif (token == request.eos_token_id or token in request.params.stop_token_ids
+                  or len(token_ids) - len(request.prompt_token_ids) >= request.max_tokens
+                  or len(token_ids) >= max_model_len):
                 status, stop_reason = self._check_stop(request, token)
+            else:  # the common case, checked inline: no stop token, no length reached
+                continue
             if status is not None:
                 self.finish(request, status, stop_reason)
                 finished.append(request)

@@ -181,10 +181,10 @@ def fail_logits_processing(monkeypatch, when, message: str = "injected logits-pr
 
     real = sampler_module.process_row
 
-    def faulty(logits, request):
+    def faulty(logits, request, *args):
         if when(request):
             raise RuntimeError(message)
-        real(logits, request)
+        real(logits, request, *args)
 
     monkeypatch.setattr(sampler_module, "process_row", faulty)
 

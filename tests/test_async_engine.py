@@ -285,7 +285,7 @@ async def test_the_watchdog_declares_a_hung_step_dead(tiny_model, tokenizer, mon
 
 
 async def test_a_request_failing_alone_leaves_the_others_running(tiny_core, tokenizer, monkeypatch):
-    fail_logits_processing(monkeypatch, lambda r: r.parent_id == "bad")
+    fail_logits_processing(monkeypatch, lambda r: r.request_id.endswith("_bad"))
     outcomes = {}
 
     async def one(client, request_id, params):

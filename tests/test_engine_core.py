@@ -54,7 +54,7 @@ def test_a_seed_at_the_top_of_the_range_serves_n_completions(tiny_core):
 
 
 def test_a_request_that_fails_in_its_own_sampling_ends_alone(tiny_core, monkeypatch):
-    fail_logits_processing(monkeypatch, lambda r: r.parent_id == "bad" and r.num_output_tokens == 2)
+    fail_logits_processing(monkeypatch, lambda r: r.request_id.endswith("_bad") and r.num_output_tokens == 2)
     biased = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True, logit_bias={5: 1.0})
     tiny_core.add_request("good", prompt(1), GREEDY)
     tiny_core.add_request("bad", prompt(2), biased)

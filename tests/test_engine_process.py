@@ -39,11 +39,13 @@ async def test_the_split_engine_gives_the_tokens_and_logprobs_of_one_process():
     split, split_stats = await greedy(engine_process=True)
     local, local_stats = await greedy()
     assert [tokens for tokens, _ in split] == [tokens for tokens, _ in local]
-    # (within float error: the requests may reach the engine in other steps, batched otherwise)
+    # Within float error: the requests may reach the engine in other steps, batched otherwise,
+    # and the native kernels' float32 sums depend on the batch's rows (4e-4 seen; not
+    # batch-invariant, which is another issue's work).
     import torch
 
     torch.testing.assert_close(torch.tensor([lp for _, lp in split]), torch.tensor([lp for _, lp in local]),
-                               atol=1e-5, rtol=1e-5)
+                               atol=2e-3, rtol=1e-3)
     # the stats ride on every step's output: the front sees the engine's counters
     assert split_stats.num_generation_tokens == local_stats.num_generation_tokens == 24 * len(PROMPTS)
     assert split_stats.kv_blocks_used == 0

@@ -5,21 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampler import Sampler, apply_top_k_top_p, inverse_cdf_sample
+from engine.model_runner import RunnerRequest
+from engine.sampler import Sampler, apply_token_bitmask, apply_top_k_top_p, inverse_cdf_sample
 from engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from tests.conftest import fail_logits_processing
 
 VOCAB = 8
 
 
-def req(request_id="r", prompt=(1, 2), output=(), **params) -> Request:
+def req(request_id="r", prompt=(1, 2), output=(), **params) -> RunnerRequest:
+    """The runner's state of a request at the step that samples its next token."""
     params.setdefault("max_tokens", 16)
-    request = Request(request_id, list(prompt), SamplingParams(**params), params["max_tokens"], eos_token_id=7,
-                      arrival_order=0)
-    for t in output:
-        request.append_token(t)
-    return request
+    tokens = [*prompt, *output]
+    return RunnerRequest(request_id, list(prompt), SamplingParams(**params), eos_token_id=7, num_prompt_logprobs=0,
+                         token_ids=tokens, num_tokens=len(tokens))
 
 
 def logits_of(*rows) -> torch.Tensor:
@@ -145,3 +144,22 @@ def test_an_error_in_one_rows_processing_fails_that_row_only(monkeypatch):
     out = Sampler(0)(logits_of(ROW, ROW, ROW), rows)
     assert list(out.errors) == [1] and "injected" in str(out.errors[1])
     assert out.token_ids[0] == 1 and out.token_ids[2] == 2  # the others sampled as usual
+
+
+def test_the_token_bitmask_forbids_what_its_bits_do_not_allow():
+    xgrammar = pytest.importorskip("xgrammar")
+    vocab = 70  # three words, the last one partly past the vocabulary
+    gen = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), dtype=torch.int32, generator=gen)
+    logits = torch.randn(3, vocab, generator=gen)
+    ours = logits.clone()
+    apply_token_bitmask(ours, bitmask, [2, 0])
+    theirs = logits.clone()
+    full = torch.full((3, 3), -1, dtype=torch.int32)  # xgrammar's layout: one bitmask row per logits row
+    full[2], full[0] = bitmask[0], bitmask[1]
+    xgrammar.apply_token_bitmask_inplace(theirs, full, vocab_size=vocab, indices=[2, 0])
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[1], logits[1])  # a row not named is left alone
+    allowed = [t for t in range(vocab) if (int(bitmask[1, t // 32]) >> (t % 32)) & 1]
+    assert 0 < len(allowed) < vocab
+    assert torch.isfinite(ours[0]).nonzero().flatten().tolist() == allowed
