@@ -32,7 +32,7 @@ BASE_REQUIREMENTS = [
     "gguf>=0.10",  # reads the default model's GGUF file
     "safetensors>=0.4",
     "trio>=0.27",
-    "outcome>=1.3",  # trio's own (it resumes tasks with one); engine/output_channel.py shares a wake-up outcome
+    "outcome>=1.3",  # trio's own (it resumes tasks with one); engine/frontend/output_channel.py shares a wake-up outcome
     "attrs>=23.1",
     "cattrs>=23.2",
     "orjson>=3.9",
@@ -41,7 +41,7 @@ BASE_REQUIREMENTS = [
     "quart-trio>=0.11",
     "hypercorn>=0.16",
     "prometheus_client>=0.20",
-    "msgspec>=0.18",  # engine.wire: msgpack frames of the attrs messages between processes (typed, no pickle)
+    "msgspec>=0.18",  # engine.transport.wire: msgpack frames of the attrs messages between processes (typed, no pickle)
     "xgrammar>=0.2.6",  # structured outputs: token masks for JSON schema / regex / grammar (accepts transformers 5)
 ]
 
@@ -56,6 +56,7 @@ TEST_REQUIREMENTS = [
     "httpx>=0.27",
     "schemathesis>=4.0",  # fuzzes the server from its own /openapi.json
     "requests>=2.31",  # the synchronous client schemathesis calls the server with
+    "import-linter>=2.1",  # the layer contract (.importlinter) that .ci/run checks: a wrong import fails by name
 ]
 
 setup(

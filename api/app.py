@@ -22,13 +22,32 @@ from werkzeug.exceptions import HTTPException
 from api.errors import APIError, bad_request
 from api.metrics import CONTENT_TYPE, Metrics
 from api.openapi import DOCS_HTML, openapi_document
-from api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, parse,
-                          sampling_params, structured_outputs)
-from api.serving import (SSE_DONE, ChunkWriter, UsageTracker, chat_logprobs, completion_logprobs,
-                         prompt_logprobs_json, sse)
-from engine.async_engine import EngineClient
-from engine.errors import (EngineDeadError, EngineOverloadedError, EngineShutdownError, InvalidParameterError,
-                           RequestFailedError)
+from api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse,
+    sampling_params,
+    structured_outputs,
+)
+from api.serving import (
+    SSE_DONE,
+    ChunkWriter,
+    UsageTracker,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_json,
+    sse,
+)
+from engine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShutdownError,
+    InvalidParameterError,
+    RequestFailedError,
+)
+from engine.frontend.async_engine import EngineClient
 from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams

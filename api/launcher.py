@@ -3,7 +3,7 @@
 The launcher binds the listening socket once and hands it to every front (each accepts on
 it; the kernel spreads the connections). It starts the engine processes
 (``--data-parallel-size`` of them) with one link per front, so each engine sends each front
-only its own requests' outputs (``engine.core_process.Fronts``). The fronts share one
+only its own requests' outputs (``engine.transport.engine_process.Fronts``). The fronts share one
 prometheus_client multiprocess directory, so any front's ``/metrics`` shows the whole server.
 
     launcher --(listening socket, one engine link each)--> front 1 .. front N
@@ -26,14 +26,14 @@ import tempfile
 
 import trio
 
-from engine.remote import EXIT_TIMEOUT, _reap, start_engines_for_fronts
+from api.cli import engine_config
+from engine.signals import on_stop_signals
+from engine.transport.processes import EXIT_TIMEOUT, reap, start_engines_for_fronts
 
 log = logging.getLogger("api.launcher")
 
 
 async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
-    from api.server import engine_config
-
     config = engine_config(args)
     if config.data_parallel_size_local is not None and config.data_parallel_size_local < config.data_parallel_size:
         raise SystemExit("error: --api-server-count does not combine with engines on other machines "
@@ -66,7 +66,7 @@ async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
         finally:
             with trio.CancelScope(shield=True):
                 for process in fronts + engines:
-                    await _reap(process, EXIT_TIMEOUT)
+                    await reap(process, EXIT_TIMEOUT)
     codes = [p.returncode for p in fronts]
     log.info("API servers exited with %s; engine processes with %s", codes, [p.returncode for p in engines])
     return max((c if c >= 0 else 1) for c in codes) if codes else 1
@@ -94,6 +94,4 @@ class _Stop:
 
     async def on_signals(self) -> None:
         """(A terminal's Ctrl-C reaches the fronts as well, being in this process group.)"""
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                self.stop()
+        await on_stop_signals(lambda sig: self.stop())

@@ -11,13 +11,13 @@ import os
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from engine.frontend.stats import IterationStats
 from engine.messages import EngineStats
-from engine.request import FINISH_REASONS
-from engine.stats import IterationStats
+from engine.sched.request import FINISH_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

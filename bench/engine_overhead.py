@@ -2,7 +2,7 @@
 
 1. A null model (the runner returns a fixed token at once) at 1, 64 and 256 running
    requests: steps per second and the per-step cost of scheduler + core actor +
-   detokenizer + output channels + consumers; at 256 also non-streaming, and streaming
+   output actor + output channels + consumers; at 256 also non-streaming, and streaming
    with a ``--stream-interval`` (consumers woken every few tokens). Then behind the HTTP
    server, with streaming clients in a second process (``--http-streams``): SSE and HTTP
    included.
@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections import Counter
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -32,13 +32,13 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.async_engine import Engine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.detokenizer import DetokenizerActor  # noqa: E402
-from engine.engine_core import EngineCore  # noqa: E402
-from engine.plan import RunnerOutput, StepPlan  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.frontend.async_engine import Engine  # noqa: E402
+from engine.frontend.output_actor import OutputActor  # noqa: E402
 from engine.models.llama import LlamaConfig, LlamaModel  # noqa: E402
 from engine.models.loader import dummy_weights, resolve_model  # noqa: E402
+from engine.plan import RunnerOutput, StepPlan  # noqa: E402
 from engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 from engine.tokenizer import load_tokenizer  # noqa: E402
 
@@ -63,8 +63,8 @@ def null_core(num_requests: int, stream_interval: int = 1) -> EngineCore:
     return core
 
 
-class TimedDetokenizer(DetokenizerActor):
-    """The detokenizer actor, timing its own work per step."""
+class TimedOutputActor(OutputActor):
+    """The output actor, timing its own work per step."""
 
     times: list[float] = []
 
@@ -92,14 +92,14 @@ async def measure_overhead(tokenizer, num_requests: int, num_steps: int,
     params = SamplingParams(max_tokens=num_steps + 20, ignore_eos=True, output_kind=kind)
     step_times: list[float] = []
     engine_times: list[float] = []
-    TimedDetokenizer.times = []
+    TimedOutputActor.times = []
 
     async def watch(client):
         last = None
         async for step in client.steps():
             now = time.perf_counter()
             if step.timings is not None:
-                engine_times.append(step.timings.schedule_s + step.timings.update_s + TimedDetokenizer.times[-1])
+                engine_times.append(step.timings.schedule_s + step.timings.update_s + TimedOutputActor.times[-1])
             if last is not None:
                 step_times.append(now - last)
             last = now
@@ -299,9 +299,9 @@ def count_instructions(args) -> None:
 
 
 async def main(args) -> None:
-    import engine.async_engine
+    import engine.frontend.async_engine
 
-    engine.async_engine.DetokenizerActor = TimedDetokenizer
+    engine.frontend.async_engine.OutputActor = TimedOutputActor
     tokenizer = load_tokenizer(resolve_model(args.model))
     if args.counted:  # the run that --instructions counts
         await counted_steps(tokenizer, 256, args.steps)
@@ -311,7 +311,7 @@ async def main(args) -> None:
             median, _, _ = await measure_overhead(tokenizer, 256, args.steps)
             print(f"256 running: {median * 1e3:.3f} ms/step (median) while sampled")
         return
-    print("null model: per-step overhead of scheduler + actors + detokenizer + consumers"
+    print("null model: per-step overhead of scheduler + actors + output actor + consumers"
           + (f" (the lowest of {args.repeat} runs)" if args.repeat > 1 else ""))
     for n in (1, 64, 256):
         runs = [await measure_overhead(tokenizer, n, args.steps) for _ in range(args.repeat)]

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.engine_core import EngineCore  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from local_server import ROOT, start_server
+
 LAYOUTS = {"one process": [], "engine process": ["--engine-process"], "2 API servers": ["--api-server-count", "2"]}
 # (name, bench/serve.py arguments): many short chat requests, then long prompts
 WORKLOADS = {
@@ -42,7 +43,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def is_engine(pid: int) -> bool:
-    return b"engine.core_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b"engine.transport.engine_process" in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
 def children(pid: int) -> list[int]:

@@ -32,8 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends import packed  # noqa: E402
-from engine.models.linear import (BF16_ACTIVATION_MIN_ROWS, PACKED_MAX_ROWS, PackedLinear,  # noqa: E402
-                                  packed_max_rows)
+from engine.models.linear import BF16_ACTIVATION_MIN_ROWS, PACKED_MAX_ROWS, PackedLinear, packed_max_rows  # noqa: E402
 
 SMOLLM = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576)]
 LLAMA_8B = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]

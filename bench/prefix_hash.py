@@ -17,10 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.config import EngineConfig  # noqa: E402
-from engine.engine_core import EngineCore  # noqa: E402
-from engine.kv_cache import block_hash  # noqa: E402
-from engine.request import Request  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sched.kv_cache import block_hash  # noqa: E402
+from engine.sched.request import Request  # noqa: E402
 
 
 def best_of(fn, repeats: int) -> float:

@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import engine.sched.scheduler  # noqa: E402
 from engine.config import SERVING_CPU_MIXED_PREFILL_PER_DECODE, EngineConfig  # noqa: E402
-from engine.kv_cache import BlockManager  # noqa: E402
-from engine.request import Request  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-import engine.scheduler  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
+from engine.sched.kv_cache import BlockManager  # noqa: E402
+from engine.sched.request import Request  # noqa: E402
+from engine.sched.scheduler import Scheduler  # noqa: E402
 
 # bench/step_cost.py (greedy, 8 / 32 / 64 decoding streams) on the AMD EPYC family-23 VM of
 # 2026-12-01 (packed Q4_1 weights, cpu backend, packed kernel up to 128 rows): ~50 ms a step
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="lengths uniform within this fraction of the means (serve.py's option)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefill-rate-margin", type=float, default=engine.scheduler.PREFILL_RATE_MARGIN,
+    parser.add_argument("--prefill-rate-margin", type=float, default=engine.sched.scheduler.PREFILL_RATE_MARGIN,
                         help="the per-decode ratio follows this many times the recent prompt tokens per output "
                              "token (the scheduler's PREFILL_RATE_MARGIN); 0: the configured ratio only")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -120,7 +120,7 @@ def main() -> None:
                         help="the cap that follows the batch (the server's CPU default); 0: none")
     parser.add_argument("--curve", default=DEFAULT_CURVE, help="tokens:ms points of a step's cost")
     args = parser.parse_args()
-    engine.scheduler.PREFILL_RATE_MARGIN = args.prefill_rate_margin
+    engine.sched.scheduler.PREFILL_RATE_MARGIN = args.prefill_rate_margin
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_mixed_prefill_tokens=args.max_num_mixed_prefill_tokens or None,
                           mixed_prefill_per_decode=args.mixed_prefill_per_decode or None)

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import httpx
 import trio
-
 from local_server import start_server
 
 TOPICS = ["the sea", "a robot", "mountains", "coffee", "the moon", "a library", "trains", "winter", "bees", "rain"]

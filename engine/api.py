@@ -14,16 +14,15 @@ from typing import Any, Union
 import attrs
 import trio
 
-from engine.async_engine import Engine, EngineClient, open_engine
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.errors import EngineDeadError, InvalidParameterError, first_leaf
+from engine.core.engine_core import EngineCore
+from engine.errors import EngineDeadError, InvalidParameterError, ungrouped
+from engine.frontend.async_engine import Engine, EngineClient, open_engine
 from engine.messages import EngineStats, StepOutput
-from engine.models.loader import resolve_model
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from engine.structured_outputs import StructuredOutputManager, StructuredOutputsConfig
-from engine.tokenizer import apply_chat_template, load_tokenizer
+from engine.structured_outputs import StructuredOutputManager
+from engine.tokenizer import apply_chat_template, tokenizer_for
 from engine.tools import plan_tools, render_inputs
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
@@ -50,9 +49,8 @@ class LLM:
     def __init__(self, model: str | None = None, **fields: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **fields)
         self.engine = EngineCore(self.config)
-        self.tokenizer = load_tokenizer(resolve_model(self.config.model), self.config.tokenizer)
-        self.structured_outputs = StructuredOutputManager(
-            self.tokenizer, self.engine.vocab_size, StructuredOutputsConfig.from_json(self.config.structured_outputs_config))
+        self.tokenizer = tokenizer_for(self.config)
+        self.structured_outputs = StructuredOutputManager.for_engine(self.tokenizer, self.engine.vocab_size, self.config)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -116,7 +114,7 @@ class LLM:
             async for output in channel:
                 results[i] = output
 
-        try:
+        with ungrouped():
             async with engine.serve() as client:
                 # Queue everything before the first step, so batches do not depend on task timing.
                 # Requests left unfinished by an error die with the engine when serve() exits.
@@ -125,11 +123,6 @@ class LLM:
                 async with trio.open_nursery() as nursery:
                     for i, channel in enumerate(channels):
                         nursery.start_soon(collect, i, channel)
-        except BaseExceptionGroup as group:
-            leaf = first_leaf(group)
-            if isinstance(leaf, Exception):
-                raise leaf from None
-            raise
         return results
 
     @staticmethod

@@ -145,8 +145,8 @@ class EngineConfig:
             ``generation_config.json`` (temperature, top_p, top_k, min_p, repetition_penalty)
             are the defaults of API requests that do not set them; ``vllm``: ignore them.
         engine_process: run the engine core (scheduler, model, KV cache) in a process of its
-            own, joined to this one by ``engine.wire``; this process keeps the client, the
-            detokenizer and the per-request channels (``engine.remote``).
+            own, joined to this one by ``engine.transport.wire``; this process keeps the client, the
+            detokenizer and the per-request channels (``engine.transport.remote``).
         data_parallel_size: engine processes, each with its own copy of the model and its own
             KV cache, behind this front; a new request goes to the least-loaded one.
         data_parallel_size_local: how many of them this machine starts (default: all; 0: none); the

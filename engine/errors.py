@@ -6,10 +6,14 @@ offending parameter, so that the HTTP layer can map it to a 400 with ``param`` f
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from backends.base import BackendUnavailableError
 
 __all__ = ["BackendUnavailableError", "ConfigError", "EngineDeadError", "EngineOverloadedError", "EngineShutdownError",
-           "InvalidParameterError", "RequestFailedError", "StepTimeoutError", "first_leaf"]
+           "InvalidParameterError", "RequestFailedError", "StepTimeoutError", "first_leaf",
+           "ungrouped"]
 
 
 class InvalidParameterError(ValueError):
@@ -71,3 +75,17 @@ def first_leaf(error: BaseException) -> BaseException:
     while isinstance(error, BaseExceptionGroup):
         error = error.exceptions[0]
     return error
+
+
+@contextmanager
+def ungrouped() -> Iterator[None]:
+    """Around a nursery whose caller expects one error: an exception group leaving the block is
+    raised as its first leaf (an ``Exception``; a group of only cancellations or the like stays a
+    group)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaf = first_leaf(group)
+        if isinstance(leaf, Exception):
+            raise leaf from None
+        raise

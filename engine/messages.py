@@ -140,7 +140,7 @@ class StepOutput:
         return [*self.deltas, *self.decodes.as_deltas()]
 
 
-# What crosses a process boundary (engine.wire): the messages to and from the core actor, and
+# What crosses a process boundary (engine.transport.wire): the messages to and from the core actor, and
 # every class their fields hold (all of them part of the wire's digest).
 WIRE_MESSAGES = (AddRequest, AbortRequest, StopRequest, StepOutput, TokenDelta, Decodes, RequestRejected,
                  EngineStats, StepTimings, TokenLogprobs, SamplingParams, StructuredOutputsParams)

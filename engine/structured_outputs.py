@@ -303,6 +303,11 @@ class StructuredOutputManager:
     budget) runs out. A time-out is the request's, never remembered as the constraint's.
     """
 
+    @classmethod
+    def for_engine(cls, tokenizer, vocab_size: int, engine_config) -> StructuredOutputManager:
+        """The manager an ``EngineConfig`` asks for (its ``structured_outputs_config`` JSON)."""
+        return cls(tokenizer, vocab_size, StructuredOutputsConfig.from_json(engine_config.structured_outputs_config))
+
     def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig | None = None) -> None:
         self.config = config or StructuredOutputsConfig()
         self._tokenizer = tokenizer

@@ -23,6 +23,13 @@ def _gguf_cache_key(path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
+def tokenizer_for(config) -> Any:
+    """The tokenizer an ``EngineConfig`` names: its ``tokenizer``, else its model's."""
+    from engine.models.loader import resolve_model
+
+    return load_tokenizer(resolve_model(config.model), config.tokenizer)
+
+
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
     """A transformers tokenizer for ``source`` (or for the explicit ``tokenizer`` path)."""
     from transformers import AutoTokenizer

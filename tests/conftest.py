@@ -168,7 +168,7 @@ async def until(condition, timeout: float = 10) -> None:
 
 def tiny_engine_core(model: LlamaModel, **fields):
     from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     config = dict(backend="torch", num_kv_blocks=64, max_model_len=256, max_num_seqs=32, max_num_batched_tokens=256)
     return EngineCore(EngineConfig(**{**config, **fields}), model=model)
@@ -177,7 +177,7 @@ def tiny_engine_core(model: LlamaModel, **fields):
 def fail_logits_processing(monkeypatch, when, message: str = "injected logits-processor fault") -> None:
     """Make the sampler's per-row logits processing raise for the requests ``when(request)`` picks
     (a fault that belongs to one request)."""
-    import engine.sampler as sampler_module
+    import engine.runner.sampler as sampler_module
 
     real = sampler_module.process_row
 
@@ -219,7 +219,7 @@ async def serve_http(core, tokenizer, **state_fields) -> AsyncIterator[LiveServe
     from hypercorn.trio import serve
 
     from api.app import ServerState, create_app
-    from engine.async_engine import Engine
+    from engine.frontend.async_engine import Engine
 
     state = ServerState("tiny", **state_fields)
     app = create_app(state)

@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from api.app import Limits, ServerState, create_app
-from engine.sampling_params import SamplingParams
 from engine.errors import InvalidParameterError
+from engine.sampling_params import SamplingParams
 from tests.conftest import fail_logits_processing, serve_http, tiny_engine_core, until
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

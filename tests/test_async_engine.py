@@ -11,11 +11,12 @@ import pytest
 import trio
 import trio.testing
 
-import engine.output_channel
-from engine.async_engine import STEP_QUEUE_SIZE, Engine
+import engine.frontend.output_channel
+from engine.core.core_actor import STEP_QUEUE_SIZE
 from engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError, StepTimeoutError
+from engine.frontend.async_engine import Engine
+from engine.frontend.output_channel import Wakeup
 from engine.messages import AddRequest
-from engine.output_channel import Wakeup
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import fail_logits_processing, tiny_engine_core
 
@@ -312,7 +313,7 @@ async def test_a_request_failing_alone_leaves_the_others_running(tiny_core, toke
 
 @pytest.mark.parametrize("failing_token", [1, 5])  # the first token comes as a delta, later ones as Decodes
 async def test_a_request_whose_output_processing_fails_fails_alone(tiny_core, tokenizer, monkeypatch, failing_token):
-    from engine.detokenizer import IncrementalDetokenizer
+    from engine.frontend.detokenizer import IncrementalDetokenizer
 
     add_token = IncrementalDetokenizer.add_token
     marker = "a stop string no output has"
@@ -482,8 +483,8 @@ def wakeup(request, monkeypatch):
     """A Wakeup parking with a kept trio message, and one parking through trio's public
     function (what it falls back to with a trio whose wait works otherwise)."""
     if request.param == "wait_task_rescheduled":
-        monkeypatch.setattr(engine.output_channel, "_WAIT_TRAP", None)
-    elif engine.output_channel._WAIT_TRAP is None:
+        monkeypatch.setattr(engine.frontend.output_channel, "_WAIT_TRAP", None)
+    elif engine.frontend.output_channel._WAIT_TRAP is None:
         pytest.skip("this trio's wait_task_rescheduled is not a yield of WaitTaskRescheduled")
     wakeup = Wakeup()
     assert (wakeup._trap is None) == (request.param == "wait_task_rescheduled")

@@ -306,9 +306,9 @@ def test_engine_matches_the_torch_backend(request, backend_name, layers, monkeyp
     greedy tokens and logprobs: chunked prefill, prefix-cache hits, several split-KV
     partitions, and (cuda) the per-step workspace shared by every layer. ``gemma2``: a
     sliding-window layer (shorter than most prompts) before a global one, scores soft-capped."""
-    import engine.engine_core
+    import engine.core.engine_core
     from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
     from engine.models.llama import LlamaConfig, LlamaModel
     from engine.models.loader import dummy_weights
     from engine.sampling_params import SamplingParams
@@ -332,7 +332,7 @@ def test_engine_matches_the_torch_backend(request, backend_name, layers, monkeyp
         """Each prompt's greedy tokens, and the logprob of every one of them."""
         if name == "cuda-emulated":
             emulated = request.getfixturevalue("emulated_cuda")
-            monkeypatch.setattr(engine.engine_core, "get_backend", lambda *_: emulated)
+            monkeypatch.setattr(engine.core.engine_core, "get_backend", lambda *_: emulated)
             name = "torch"  # a valid config value; the patched lookup ignores it
         core = EngineCore(EngineConfig(backend=name, device=device, dtype="float32", num_kv_blocks=128,
                                        max_num_batched_tokens=64, max_num_seqs=8), model=model)

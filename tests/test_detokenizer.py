@@ -9,10 +9,11 @@ import pytest
 import trio
 from hypothesis import given
 
-from engine.detokenizer import DetokenizerActor, IncrementalDetokenizer, _TextBuffer, longest_stop_prefix
+from engine.frontend.detokenizer import IncrementalDetokenizer, _TextBuffer, longest_stop_prefix
+from engine.frontend.output_actor import OutputActor
+from engine.frontend.output_channel import RequestOutputChannel
+from engine.frontend.request_state import RequestState
 from engine.messages import EngineStats, StepOutput, StopRequest, TokenDelta
-from engine.output_channel import RequestOutputChannel
-from engine.output_processor import RequestState
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -141,7 +142,7 @@ def test_a_stopped_request_keeps_its_id_until_the_core_has_finished_it(tokenizer
     arrives: a delta the core sent before it heard of the stop must not reach a new request."""
     inbox_send, inbox_receive = trio.open_memory_channel(10)
     registry = {}
-    actor = DetokenizerActor(None, inbox_send, registry, lambda step, stats: None)
+    actor = OutputActor(None, inbox_send, registry, lambda step, stats: None)
     ids = tokenizer.encode("one two three four")
     state = RequestState("x", None, [1, 2], SamplingParams(stop=["three"]), tokenizer)
     registry["x"] = channel = RequestOutputChannel(state)

@@ -1,5 +1,5 @@
 """The device thread: every engine's device work (load, KV cache, forward passes) runs on one
-thread per process, so OpenMP keeps one worker pool (engine/device_thread.py says why)."""
+thread per process, so OpenMP keeps one worker pool (engine/core/device_thread.py says why)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 import trio
 
-from engine.device_thread import DeviceThread
+from engine.core.device_thread import DeviceThread
 from engine.sampling_params import SamplingParams
 from tests.conftest import tiny_engine_core
 

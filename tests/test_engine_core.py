@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, child_id
+from engine.core.engine_core import EngineCore, child_id
 from engine.errors import InvalidParameterError
 from engine.sampling_params import MAX_SEED, SamplingParams
 from tests.conftest import fail_logits_processing

@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from engine.async_engine import open_engine
 from engine.errors import ConfigError, EngineDeadError, EngineOverloadedError, InvalidParameterError
+from engine.frontend.async_engine import open_engine
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tests.conftest import gated_manager, until
 
@@ -150,7 +150,7 @@ def test_engine_processes_on_one_machine_share_its_cores_or_take_a_gpu_each(monk
     """Two CPU engines with 2 threads each on 2 cores ran 4x slower than one engine (OpenMP
     pools spinning against each other): each gets its share of the cores, or a GPU of its own."""
     from engine.config import EngineConfig
-    from engine.remote import device_shares
+    from engine.transport.processes import device_shares
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(5)))
@@ -211,8 +211,8 @@ async def test_a_grammar_compiling_in_the_engine_process_holds_back_only_its_own
     for that request (a stop, an abort) waits behind its add; a refusal is a rejection."""
     import math
 
-    from engine.core_process import Fronts
     from engine.messages import AbortRequest, AddRequest, RequestRejected, StopRequest
+    from engine.transport.engine_process import Fronts
 
     manager, backend = gated_manager(tokenizer)
     fronts = Fronts(core=None, sends=[None])

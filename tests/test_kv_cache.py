@@ -7,9 +7,9 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kv_cache import BlockManager, block_hash
-from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.sched.kv_cache import BlockManager, block_hash
+from engine.sched.request import Request
 
 PARAMS = SamplingParams(max_tokens=8)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.errors import ConfigError
 from engine.sampling_params import SamplingParams
 from tests.conftest import Reference, assert_matches_reference

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.model_runner import BlockTables
+from engine.runner.model_runner import BlockTables
 
 REQUESTS = [f"r{i}" for i in range(12)]
 

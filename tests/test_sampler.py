@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model_runner import RunnerRequest
-from engine.sampler import Sampler, apply_token_bitmask, apply_top_k_top_p, inverse_cdf_sample
+from engine.runner.requests import RunnerRequest
+from engine.runner.sampler import Sampler, apply_token_bitmask, apply_top_k_top_p, inverse_cdf_sample
 from engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from tests.conftest import fail_logits_processing
 

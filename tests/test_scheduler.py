@@ -12,10 +12,10 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.config import EngineConfig
-from engine.kv_cache import BlockManager
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.sched.kv_cache import BlockManager
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler
 
 EOS = 0
 

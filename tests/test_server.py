@@ -552,7 +552,7 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
                 generated = metric_by_engine(base, "vllm:generation_tokens_total")
                 assert set(generated) == {"0", "1"} and all(v > 0 for v in generated.values())
                 assert len(children) == 2  # two engine processes
-                # each with its share of the cores (engine.remote.device_shares), or the user's setting
+                # each with its share of the cores (engine.transport.processes.device_shares), or the user's setting
                 threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // 2))).encode()
                 for pid in children:
                     with open(f"/proc/{pid}/environ", "rb") as f:
@@ -617,7 +617,7 @@ def server_args(*flags: str):
 
 
 def fail_the_engine_at_step(monkeypatch, step: int) -> None:
-    from engine.engine_core import EngineCore
+    from engine.core.engine_core import EngineCore
 
     real, calls = EngineCore.execute, 0
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from backends import get_backend
-from engine.model_runner import ModelRunner
 from engine.plan import NewRequest, RunnerOutput, StepPlan
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
-from engine.wire import Codec
+from engine.transport.wire import Codec
 from tests.conftest import tiny_engine_core
 
 CODEC = Codec([StepPlan, RunnerOutput])

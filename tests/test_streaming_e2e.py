@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from engine.async_engine import Engine
+from engine.frontend.async_engine import Engine
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.slow

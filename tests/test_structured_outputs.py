@@ -16,8 +16,8 @@ import trio
 import trio.testing
 
 from engine import structured_outputs
-from engine.async_engine import Engine
 from engine.errors import InvalidParameterError
+from engine.frontend.async_engine import Engine
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import StructuredOutputManager, unsupported_schema_keywords
 from tests.conftest import gated_manager, serve_http, tiny_engine_core, until

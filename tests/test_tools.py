@@ -15,8 +15,7 @@ import pytest
 from engine.errors import InvalidParameterError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import StructuredOutputManager
-from engine.tools import (ToolCallParser, parse_tool_calls, plan_tools, prepare_messages,
-                          template_renders_tools)
+from engine.tools import ToolCallParser, parse_tool_calls, plan_tools, prepare_messages, template_renders_tools
 from tests.conftest import ThreadedServer
 
 

@@ -11,11 +11,21 @@ import pytest
 import trio
 
 from engine.errors import ConfigError, InvalidParameterError
-from engine.messages import (WIRE_MESSAGES, AbortRequest, AddRequest, Decodes, EngineStats, RequestRejected,
-                             StepOutput, StepTimings, StopRequest, TokenDelta)
+from engine.messages import (
+    WIRE_MESSAGES,
+    AbortRequest,
+    AddRequest,
+    Decodes,
+    EngineStats,
+    RequestRejected,
+    StepOutput,
+    StepTimings,
+    StopRequest,
+    TokenDelta,
+)
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from engine.wire import Codec, WireProtocolError, open_link
+from engine.transport.wire import Codec, WireProtocolError, open_link
 
 CODEC = Codec(WIRE_MESSAGES)
 
@@ -138,7 +148,7 @@ async def test_a_stream_cut_mid_frame_breaks_the_link_cleanly():
         hello_seen = trio.Event()
 
         async def half_a_peer():
-            from engine.wire import PROTOCOL_VERSION, Hello, _frame
+            from engine.transport.wire import PROTOCOL_VERSION, Hello, _frame
 
             await left.send_all(_frame(CODEC.encode(Hello(PROTOCOL_VERSION, CODEC.digest, "engine"))))
             await left.receive_some()  # the link's Hello (unread data would make the close a reset)
@@ -162,7 +172,7 @@ async def test_a_stream_cut_mid_frame_breaks_the_link_cleanly():
     (lambda: struct.pack(">I", 6) + CODEC._encoder.encode(("NoSuchMessage", 1))[:6], "does not decode|unknown"),
 ])
 async def test_garbage_and_oversized_frames_break_the_link_with_the_reason(garbage, words):
-    from engine.wire import PROTOCOL_VERSION, Hello, _frame
+    from engine.transport.wire import PROTOCOL_VERSION, Hello, _frame
 
     garbage = garbage() if callable(garbage) else garbage
     left, right = await stream_pair()

@@ -17,9 +17,9 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from backends import packed as packed_kernels
 from backends.base import AttentionBackend, AttentionMetadata
 from backends.layer_ops import Rope, rms_norm
-from backends import packed as packed_kernels
 from engine.models import families
 from engine.models.linear import CudaPackedLinear, DenseLinear, Linear, PackedLinear, PackedWeight
 

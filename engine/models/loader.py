@@ -21,8 +21,13 @@ from backends.packed import isa as packed_isa
 from backends.packed import unavailable_reason as packed_unavailable_reason
 from engine.errors import ConfigError
 from engine.models import families
-from engine.models.linear import (BF16_ACTIVATION_MIN_ROWS, INT16_ACTIVATION_MAX_ROWS, PackedWeight, q4_k_to_q4_1,
-                                  quantize_q8_m)
+from engine.models.linear import (
+    BF16_ACTIVATION_MIN_ROWS,
+    INT16_ACTIVATION_MAX_ROWS,
+    PackedWeight,
+    q4_k_to_q4_1,
+    quantize_q8_m,
+)
 from engine.models.llama import LlamaConfig, LlamaModel
 
 log = logging.getLogger(__name__)

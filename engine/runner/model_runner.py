@@ -12,36 +12,8 @@ from backends.base import AttentionBackend, AttentionMetadata
 from engine.models.llama import LlamaModel
 from engine.outputs import TokenLogprobs
 from engine.plan import RunnerOutput, StepPlan
-from engine.sampler import Sampler, isolated, position_logprobs
-from engine.sampling_params import SamplingParams
-
-
-@attrs.define(slots=True, eq=False)
-class RunnerRequest:
-    """The runner's own state of one request, built from the plans (``NewRequest`` and the
-    rows since): what the sampler and prompt logprobs read. ``token_ids`` is kept complete only
-    for requests with penalties (the only readers of past output tokens)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_id: int | None
-    num_prompt_logprobs: int
-    token_ids: list[int] | None  # prompt + output (None: not kept, no penalties)
-    num_tokens: int = 0  # tokens known at this step's sampling position (set per step)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.num_tokens - len(self.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        assert self.token_ids is not None, "output tokens are kept only for requests with penalties"
-        return self.token_ids[len(self.prompt_token_ids):self.num_tokens]
+from engine.runner.requests import RunnerRequest
+from engine.runner.sampler import Sampler, isolated, position_logprobs
 
 
 @attrs.frozen

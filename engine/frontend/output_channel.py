@@ -15,7 +15,7 @@ import outcome
 import trio
 from trio.lowlevel import current_task, reschedule, wait_task_rescheduled
 
-from engine.output_processor import RequestState
+from engine.frontend.request_state import RequestState
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind
 

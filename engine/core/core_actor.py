@@ -5,21 +5,36 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 import trio
 
-from engine.engine_core import EngineCore
-from engine.plan import RunnerOutput
-from engine.scheduler import SchedulerOutput
 from engine.errors import InvalidParameterError, RequestFailedError, StepTimeoutError
-from engine.messages import (AbortRequest, AddRequest, Decodes, RequestRejected, StepOutput, StepTimings,
-                             StopRequest, TokenDelta)
+from engine.messages import (
+    AbortRequest,
+    AddRequest,
+    Decodes,
+    RequestRejected,
+    StepOutput,
+    StepTimings,
+    StopRequest,
+    TokenDelta,
+)
+from engine.plan import RunnerOutput
+
+if TYPE_CHECKING:  # (the core builds its own actor: ``EngineCore.actor``)
+    from engine.core.engine_core import EngineCore
+    from engine.sched.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 # (A RequestRejected in the inbox is a request refused before it reached the core: an engine
 # process's inlet sends one when the request's grammar would not compile there.)
 Message = AddRequest | AbortRequest | StopRequest | RequestRejected
+
+
+# Step outputs the core may run ahead of the output actor before it waits.
+STEP_QUEUE_SIZE = 4
 
 
 class CoreActor:
@@ -35,8 +50,8 @@ class CoreActor:
 
     Args:
         core: the synchronous engine core.
-        inbox: messages from clients and the detokenizer (unbounded: senders never block).
-        outbox: step outputs to the detokenizer.
+        inbox: messages from clients and the output actor (unbounded: senders never block).
+        outbox: step outputs to the output actor.
     """
 
     def __init__(self, core: EngineCore, inbox: trio.MemoryReceiveChannel, outbox: trio.MemorySendChannel) -> None:

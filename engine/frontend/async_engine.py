@@ -1,4 +1,4 @@
-"""The concurrent engine: the core and detokenizer actors in one trio nursery, and the client API.
+"""The concurrent engine: the core and output actors in one trio nursery, and the client API.
 
 Resource handling: ``Engine.run`` owns the actors; leaving it (cancellation, or a fault in
 the core) fails every open request stream with ``EngineDeadError``, so no consumer waits
@@ -18,35 +18,36 @@ from typing import Any
 
 import trio
 
-from engine.core_actor import CoreActor
-from engine.detokenizer import DetokenizerActor
-from engine.engine_core import EngineCore
+from engine.core.core_actor import STEP_QUEUE_SIZE
+from engine.core.engine_core import EngineCore
+from engine.core.interface import Core, CoreActorLike
 from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutdownError, InvalidParameterError
+from engine.frontend.output_actor import OutputActor
+from engine.frontend.output_channel import MergedOutputs, RequestOutputChannel, Wakeup
+from engine.frontend.request_state import RequestState
+from engine.frontend.stats import IterationStats, StatLogger
 from engine.messages import AbortRequest, AddRequest, EngineStats, StepOutput
-from engine.output_channel import MergedOutputs, RequestOutputChannel, Wakeup
-from engine.output_processor import RequestState
-from engine.remote import DataParallelCore, attached_engines, engine_processes
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import IterationStats, StatLogger
-from engine.structured_outputs import CompiledGrammar, StructuredOutputManager, StructuredOutputsConfig
+from engine.structured_outputs import CompiledGrammar, StructuredOutputManager
+from engine.transport.processes import attached_engines, engine_processes
+from engine.transport.remote import DataParallelCore
 
 log = logging.getLogger(__name__)
 
-# Step outputs the core may run ahead of the detokenizer before it waits.
-STEP_QUEUE_SIZE = 4
 # Step outputs a slow ``steps()`` subscriber may fall behind before steps are dropped for it.
 SUBSCRIBER_QUEUE_SIZE = 256
 
 
 class Engine:
-    """The actor graph over one ``EngineCore``; ``client`` is how requests get in."""
+    """The actor graph over one core (``Core``: here, in an engine process, or a data-parallel
+    group of them); ``client`` is how requests get in."""
 
-    def __init__(self, core: EngineCore, tokenizer, structured_outputs: StructuredOutputManager | None = None) -> None:
+    def __init__(self, core: Core, tokenizer, structured_outputs: StructuredOutputManager | None = None) -> None:
         self.core = core
         self.tokenizer = tokenizer
-        self.structured_outputs = structured_outputs or StructuredOutputManager(
-            tokenizer, core.vocab_size, StructuredOutputsConfig.from_json(core.config.structured_outputs_config))
+        self.structured_outputs = structured_outputs or StructuredOutputManager.for_engine(
+            tokenizer, core.vocab_size, core.config)
         self.client = EngineClient(self)
         self.error: EngineDeadError | None = None
         self.registry: dict[str, RequestOutputChannel] = {}
@@ -74,14 +75,13 @@ class Engine:
         inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
         steps_send, steps_recv = trio.open_memory_channel(STEP_QUEUE_SIZE)
         # In-process, the core actor itself; with the core in an engine process, its stand-in.
-        core = (CoreActor(self.core, inbox_recv, steps_send) if isinstance(self.core, EngineCore) else
-                self.core.actor(inbox_recv, steps_send))
-        detokenizer = DetokenizerActor(steps_recv, inbox_send, self.registry, self._publish)
+        core = self.core.actor(inbox_recv, steps_send)
+        outputs = OutputActor(steps_recv, inbox_send, self.registry, self._publish)
         self.error = None
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._run_core, core)
-                await nursery.start(detokenizer.run)
+                await nursery.start(outputs.run)
                 self._inbox = inbox_send
                 task_status.started(self.client)
         finally:
@@ -93,7 +93,7 @@ class Engine:
         if self.core.fault is not None:
             raise EngineDeadError(f"the engine failed earlier and cannot run again: {self.core.fault!r}")
 
-    async def _run_core(self, core: CoreActor, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_core(self, core: CoreActorLike, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             await core.run(task_status=task_status)
         except Exception as exc:
@@ -187,7 +187,7 @@ class EngineClient:
     def engine_stats(self) -> list[EngineStats]:
         """Each engine's counters (one, unless ``data_parallel_size`` > 1)."""
         core = self._engine.core
-        return core.engine_stats() if hasattr(core, "engine_stats") else [core.stats()]
+        return core.engine_stats()
 
     @property
     def num_unfinished(self) -> int:
@@ -418,8 +418,7 @@ async def open_engine(config=None, *, engine_fds: Sequence[int] | None = None,
         the ``EngineClient``.
     """
     from engine.config import EngineConfig
-    from engine.models.loader import resolve_model
-    from engine.tokenizer import load_tokenizer
+    from engine.tokenizer import tokenizer_for
 
     if config is None:
         config = EngineConfig.from_kwargs(**fields)
@@ -430,11 +429,11 @@ async def open_engine(config=None, *, engine_fds: Sequence[int] | None = None,
             config, config.data_parallel_size)
         async with engines as cores:
             core = cores[0] if len(cores) == 1 else DataParallelCore(cores)
-            tokenizer = await trio.to_thread.run_sync(load_tokenizer, resolve_model(config.model), config.tokenizer)
+            tokenizer = await trio.to_thread.run_sync(tokenizer_for, config)
             async with Engine(core, tokenizer).serve() as client:
                 yield client
         return
     core = await trio.to_thread.run_sync(EngineCore, config)
-    tokenizer = await trio.to_thread.run_sync(load_tokenizer, resolve_model(config.model), config.tokenizer)
+    tokenizer = await trio.to_thread.run_sync(tokenizer_for, config)
     async with Engine(core, tokenizer).serve() as client:
         yield client

@@ -1,6 +1,6 @@
-"""The engine process: an ``EngineCore`` and its core actor, joined to a front by ``engine.wire``.
+"""The engine process: an ``EngineCore`` and its core actor, joined to a front by ``engine.transport.wire``.
 
-Started by ``engine.remote`` (never by hand): ``python -m engine.core_process --fd N
+Started by ``engine.transport.processes`` (never by hand): ``python -m engine.transport.engine_process --fd N
 [--fd M ...] --config JSON``, each fd its end of a connected socket to a front (several with
 ``--api-server-count``). It sends each front ``EngineReady`` (or ``EngineFailed`` if the core
 cannot start), then runs:
@@ -17,27 +17,26 @@ from __future__ import annotations
 
 import argparse
 import json
-from contextlib import AsyncExitStack
 import logging
 import math
 import os
 import socket
 import sys
+from contextlib import AsyncExitStack
 
 import attrs
 import trio
 
 from engine.config import EngineConfig
-from engine.core_actor import CoreActor
-from engine.engine_core import EngineCore
-from engine.async_engine import STEP_QUEUE_SIZE
+from engine.core.core_actor import STEP_QUEUE_SIZE, CoreActor
+from engine.core.engine_core import EngineCore
 from engine.errors import InvalidParameterError, RequestFailedError
 from engine.messages import AbortRequest, AddRequest, RequestRejected, StopRequest
 from engine.models.loader import resolve_model
-from engine.remote import CODEC, EngineFailed, EngineReady, RequestOwners
-from engine.wire import open_link
+from engine.transport.protocol import CODEC, EngineFailed, EngineReady, RequestOwners
+from engine.transport.wire import open_link
 
-log = logging.getLogger("engine.core_process")
+log = logging.getLogger("engine.transport.engine_process")
 
 
 async def serve(fds: list[int], config: EngineConfig) -> int:
@@ -189,12 +188,10 @@ async def _send_last(send, message) -> None:
 
 
 def _structured_outputs(core: EngineCore):
-    from engine.structured_outputs import StructuredOutputManager, StructuredOutputsConfig
-    from engine.tokenizer import load_tokenizer
+    from engine.structured_outputs import StructuredOutputManager
+    from engine.tokenizer import tokenizer_for
 
-    tokenizer = load_tokenizer(resolve_model(core.config.model), core.config.tokenizer)
-    return StructuredOutputManager(tokenizer, core.vocab_size,
-                                   StructuredOutputsConfig.from_json(core.config.structured_outputs_config))
+    return StructuredOutputManager.for_engine(tokenizer_for(core.config), core.vocab_size, core.config)
 
 
 def main(argv: list[str] | None = None) -> None:

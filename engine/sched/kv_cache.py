@@ -26,7 +26,7 @@ from types import MappingProxyType
 
 import attrs
 
-from engine.request import Request
+from engine.sched.request import Request
 
 # The parent of a request's first block: a fixed value, so equal prompts (and salts) hit.
 _ROOT_HASH = hashlib.sha256(b"trio-llm-engine prefix cache v1").digest()
@@ -140,7 +140,9 @@ class BlockManager:
         at once, so a request admitted later in the same step can already hit them (their
         K/V is written, layer by layer, before anyone attends to it).
         """
-        owned = self._owned.setdefault(request.request_id, [])
+        owned = self._owned.get(request.request_id)
+        if owned is None:  # (not setdefault: that builds a list per call, and most calls own blocks)
+            owned = self._owned[request.request_id] = []
         num_done = request.num_computed_tokens + len(cached_prefix) * self.block_size
         num_tokens = num_done + num_new_tokens
         bs = self.block_size

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from engine.outputs import TokenLogprobs
-
-if TYPE_CHECKING:
-    from engine.model_runner import RunnerRequest as Request
+from engine.runner.requests import RunnerRequest as Request
 
 
 @attrs.frozen

@@ -6,11 +6,11 @@ import time
 
 import attrs
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.frontend.detokenizer import IncrementalDetokenizer
+from engine.frontend.stats import IterationStats, RequestTimes
 from engine.messages import TokenDelta
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.stats import IterationStats, RequestTimes
 
 
 @attrs.frozen

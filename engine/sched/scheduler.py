@@ -16,9 +16,9 @@ from typing import NamedTuple
 import attrs
 
 from engine.config import EngineConfig
-from engine.kv_cache import BlockManager
 from engine.plan import NewRequest, StepPlan
-from engine.request import Request, RequestStatus
+from engine.sched.kv_cache import BlockManager
+from engine.sched.request import Request, RequestStatus
 
 
 class ScheduledChunk(NamedTuple):

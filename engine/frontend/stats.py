@@ -1,6 +1,6 @@
 """Per-request timings the engine observes, handed to stat loggers (``/metrics`` is one).
 
-The detokenizer actor stamps each step's outputs as it applies them, whatever output kind
+The output actor stamps each step's outputs as it applies them, whatever output kind
 the consumer asked for, so time to first token and inter-token latency are the engine's
 own, not the moments a consumer happened to read its stream. Requests that end by abort or
 error are reported too.

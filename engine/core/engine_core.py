@@ -1,6 +1,6 @@
 """The synchronous engine core: validate and add requests, step the model, report deltas.
 
-No trio here: the core actor (and the offline ``LLM``) drive it. A step is three parts so
+No trio here: the core actor (``actor()``; and the offline ``LLM``) drive it. A step is three parts so
 that the actor can run only the middle one on the device thread (device_thread.py):
 ``schedule()`` -> ``execute(plan)`` (device work) -> ``update(plan, result)``.
 """
@@ -10,23 +10,34 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from backends import get_backend
-from engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, default_gpu_kv_cache_memory, resolve_device, resolve_dtype
-from engine.device_thread import DeviceThread
+from engine.config import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    EngineConfig,
+    default_gpu_kv_cache_memory,
+    resolve_device,
+    resolve_dtype,
+)
+from engine.core.core_actor import CoreActor
+from engine.core.device_thread import DeviceThread
 from engine.errors import ConfigError, InvalidParameterError
-from engine.kv_cache import BlockManager
 from engine.messages import Decodes, EngineStats, TokenDelta
-from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model, resolve_model
-from engine.request import Request, RequestStatus
-from engine.sampling_params import MIN_SEED, SamplingParams
 from engine.plan import RunnerOutput
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.runner.model_runner import ModelRunner
+from engine.sampling_params import MIN_SEED, SamplingParams
+from engine.sched.kv_cache import BlockManager
+from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import Scheduler, SchedulerOutput
 from engine.structured_outputs import CompiledGrammar, GrammarBitmask
+
+if TYPE_CHECKING:
+    import trio
 
 log = logging.getLogger(__name__)
 
@@ -325,6 +336,13 @@ class EngineCore:
         return TokenDelta(request.parent_id, request.index, new_tokens, new_logprobs, prompt_logprobs,
                           request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
                           request.first_scheduled_at, error)
+
+    def engine_stats(self) -> list[EngineStats]:
+        return [self.stats()]
+
+    def actor(self, inbox: trio.MemoryReceiveChannel, outbox: trio.MemorySendChannel) -> CoreActor:
+        """The actor that steps this core in a trio nursery (core_actor.py)."""
+        return CoreActor(self, inbox, outbox)
 
     def stats(self) -> EngineStats:
         kv = self.block_manager

