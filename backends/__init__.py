@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
-from backends.base import AttentionBackend, AttentionMetadata, BackendUnavailableError
+from backends.errors import BackendUnavailableError
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "BackendUnavailableError", "get_backend"]
+if TYPE_CHECKING:  # (torch is imported only with a backend: the package itself stays light)
+    from backends.base import AttentionBackend
+
+__all__ = ["BackendUnavailableError", "get_backend"]
 
 log = logging.getLogger(__name__)
 

@@ -34,10 +34,6 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
-class BackendUnavailableError(RuntimeError):
-    """The requested attention backend cannot run on this machine; the message says why and how to fix it."""
-
-
 class AttentionBackend(Protocol):
     """What the model needs from an attention implementation."""
 

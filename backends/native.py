@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from cffi import FFI
 
-from backends.base import AttentionMetadata, BackendUnavailableError
+from backends.base import AttentionMetadata
+from backends.errors import BackendUnavailableError
 
 HEADER = Path(__file__).resolve().parent.parent / "native" / "include" / "paged_attention.h"
 LIB_DIR = Path(os.environ.get("ENGINE_NATIVE_LIB_DIR") or Path(__file__).resolve().parent / "lib")

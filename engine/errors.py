@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from backends.base import BackendUnavailableError
+from backends.errors import BackendUnavailableError
 
 __all__ = ["BackendUnavailableError", "ConfigError", "EngineDeadError", "EngineOverloadedError", "EngineShutdownError",
            "InvalidParameterError", "RequestFailedError", "StepTimeoutError", "first_leaf",

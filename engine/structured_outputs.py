@@ -45,7 +45,8 @@ BACKENDS = ("xgrammar",)
 # ---- what a grammar backend provides ----
 
 class Matcher(Protocol):
-    """The state of one sequence in its grammar. Used only by the sampler (one thread at a time)."""
+    """The state of one sequence in its grammar. Used by the engine core, one thread at a time:
+    masks filled on the device thread before a step, tokens accepted after it."""
 
     backend: GrammarBackend
 
@@ -71,10 +72,8 @@ class GrammarBackend(Protocol):
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """Raises InvalidParameterError with the compiler's message."""
 
-    def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
-
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Set to -inf, in place, the logits of ``rows`` that their bitmask rows forbid."""
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """An int32 ``[rows, ceil(vocab / 32)]`` token bitmask (bit set = allowed) to fill."""
 
 
 # ---- xgrammar ----
@@ -215,9 +214,6 @@ class XGrammarBackend:
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return self._xgr.allocate_token_bitmask(rows, self.vocab_size)
 
-    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                              vocab_size=self.vocab_size, indices=rows)
 
 
 def _ebnf_string(text: str) -> str:
@@ -465,8 +461,8 @@ class StructuredOutputManager:
 
 
 class GrammarBitmask:
-    """The sampler's token bitmask: allocated once for ``rows`` sequences (grown only if a batch
-    is larger), filled per step for the constrained rows that sample."""
+    """The token bitmask of a step's constrained rows: allocated once for ``rows`` sequences
+    (grown only if a batch is larger), filled per step by the engine core into the step plan."""
 
     def __init__(self, rows: int) -> None:
         self._rows = rows

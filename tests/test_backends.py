@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from backends import get_backend, native
-from backends.base import AttentionMetadata, BackendUnavailableError
+from backends.base import AttentionMetadata
+from backends.errors import BackendUnavailableError
 from backends.cpu import CpuAttentionBackend
 from backends.cuda import CudaAttentionBackend
 from backends.reference import TorchAttentionBackend

@@ -41,6 +41,8 @@ def test_the_layers_hold():
     ("engine/sched/request.py", "engine.frontend.async_engine"),  # the scheduler reaching up to the front
     ("engine/runner/sampler.py", "engine.sched.scheduler"),  # the runner reading the scheduler
     ("engine/core/core_actor.py", "api.app"),  # the engine importing the HTTP layer
+    ("engine/sched/request.py", "engine.structured_outputs"),  # torch and trio into the scheduler, indirectly
+    ("engine/config.py", "engine.core.engine_core"),  # the vocabulary reaching up
 ])
 def test_a_wrong_import_breaks_the_contract_by_name(tmp_path, module, wrong):
     tree = copy_tree(tmp_path)
@@ -50,6 +52,16 @@ def test_a_wrong_import_breaks_the_contract_by_name(tmp_path, module, wrong):
     assert result.returncode != 0
     importer = module.removesuffix(".py").replace("/", ".")
     assert f"{importer} -> {wrong}" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("module, absent", [("engine.sched.scheduler", ("torch", "trio")),
+                                            ("engine.runner.model_runner", ("trio",))])
+def test_a_layer_loads_without_what_it_must_not_use(module, absent):
+    """What the contract says of the imports holds at run time too (nothing loads it lazily)."""
+    code = f"import sys, {module}; print(sorted(m for m in {absent!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_no_module_imports_itself_through_others():

@@ -14,26 +14,40 @@ from engine.transport.wire import Codec
 from tests.conftest import tiny_engine_core
 
 CODEC = Codec([StepPlan, RunnerOutput])
-GREEDY = SamplingParams(temperature=0, max_tokens=64)
+# Greedy with the top-5 logprobs: the tiny model's argmax often repeats its last input token
+# whatever came before, but its distribution depends on every token in the KV cache.
+GREEDY = SamplingParams(temperature=0, max_tokens=64, logprobs=5)
 
 
 def runner(model, num_blocks: int = 32, block_size: int = 4) -> ModelRunner:
     return ModelRunner(model, get_backend("torch", "cpu"), num_blocks, block_size, "cpu", seed=0)
 
 
-def next_token_from_scratch(model, tokens: list[int]) -> int:
-    """The greedy next token of ``tokens`` computed by a fresh runner in one prefill (blocks 0..)."""
+def from_scratch(model, tokens: list[int]):
+    """The next token's logprobs after ``tokens``, computed by a fresh runner in one prefill."""
     fresh = runner(model)
     blocks = tuple(range(-(-len(tokens) // 4)))
     plan = StepPlan(("x",), (0,), (len(tokens),), tuple(tokens), (0,),
                     new_requests=(NewRequest("x", tuple(tokens), len(tokens), GREEDY, None),),
                     new_block_ids=(("x", blocks),))
-    return fresh.execute(plan).sampled["x"]
+    return fresh.execute(plan).logprobs["x"]
+
+
+def assert_same_distribution(got, want) -> None:
+    assert got.token_id == want.token_id and got.top_ids == want.top_ids
+    assert got.top_logprobs == pytest.approx(want.top_logprobs, abs=1e-4)
+
+
+def check(model, out: RunnerOutput, request_id: str, tokens: list[int]) -> None:
+    """``out``'s token for ``request_id`` is the greedy one after ``tokens``, with the same logprobs."""
+    assert_same_distribution(out.logprobs[request_id], from_scratch(model, tokens))
+    assert out.sampled[request_id] == out.logprobs[request_id].token_id
 
 
 def test_a_runner_driven_by_hand_written_plans_computes_what_the_model_does(tiny_model):
     """Two requests, one prompt cut in two chunks, scattered block ids that grow as they decode,
-    then one finished: no scheduler anywhere, and each greedy token equals a from-scratch prefill."""
+    then one finished: no scheduler anywhere, and each step's distribution equals a from-scratch
+    prefill's."""
     r = runner(tiny_model)
     a, b = [5, 6, 7, 8, 9, 10], [11, 12, 13]
     new = (NewRequest("a", tuple(a), len(a), GREEDY, None), NewRequest("b", tuple(b), len(b), GREEDY, None))
@@ -41,14 +55,14 @@ def test_a_runner_driven_by_hand_written_plans_computes_what_the_model_does(tiny
     out = r.execute(StepPlan(("a", "b"), (0, 0), (4, 3), (*a[:4], *b), (1,), new_requests=new,
                              new_block_ids=(("a", (17, 3)), ("b", (9,)))))
     assert set(out.sampled) == {"b"}
+    check(tiny_model, out, "b", b)
     b.append(out.sampled["b"])
-    assert b[-1] == next_token_from_scratch(tiny_model, b[:-1])
     # Step 2: the rest of a's prompt and b's first decode (b's table grows: position 4 is in block 2).
     out = r.execute(StepPlan(("a", "b"), (4, 3), (2, 1), (*a[4:], b[3]), (0, 1), new_block_ids=(("b", (30,)),)))
+    check(tiny_model, out, "a", a)
+    check(tiny_model, out, "b", b)
     a.append(out.sampled["a"])
     b.append(out.sampled["b"])
-    assert a[-1] == next_token_from_scratch(tiny_model, a[:-1])
-    assert b[-1] == next_token_from_scratch(tiny_model, b[:-1])
     blocks = {"a": [17, 3], "b": [9, 30]}
     spare = iter([1, 2, 4, 6, 8, 10, 12, 14])
     for _ in range(6):  # decode both, a block more whenever a table is full
@@ -62,12 +76,29 @@ def test_a_runner_driven_by_hand_written_plans_computes_what_the_model_does(tiny
         plan = StepPlan(rows, (len(a) - 1, len(b) - 1), (1, 1), (a[-1], b[-1]), (0, 1), new_block_ids=tuple(grown))
         out = r.execute(plan)
         for rid in rows:
+            check(tiny_model, out, rid, seqs[rid])
             seqs[rid].append(out.sampled[rid])
-            assert seqs[rid][-1] == next_token_from_scratch(tiny_model, seqs[rid][:-1])
     # a finishes; b goes on alone, and a's state is gone.
     out = r.execute(StepPlan(("b",), (len(b) - 1,), (1,), (b[-1],), (0,), finished_ids=("a",)))
-    assert out.sampled["b"] == next_token_from_scratch(tiny_model, b)
+    check(tiny_model, out, "b", b)
     assert set(r.requests) == {"b"}
+
+
+def test_a_wrong_block_table_in_the_plan_gives_another_distribution(tiny_model):
+    """The check above can fail: the same decode step reading its first block from a block that
+    holds another prompt's K/V computes something else."""
+    def decode(first_block: int):
+        r = runner(tiny_model)
+        new = (NewRequest("a", (5, 6, 7, 8, 9), 5, GREEDY, None), NewRequest("b", (20, 21, 22, 23), 4, GREEDY, None))
+        r.execute(StepPlan(("a", "b"), (0, 0), (5, 4), (5, 6, 7, 8, 9, 20, 21, 22, 23), (), new_requests=new,
+                           new_block_ids=(("a", (0, 1)), ("b", (2,)))))
+        c = NewRequest("c", (5, 6, 7, 8, 9), 5, GREEDY, None)  # a's prompt again, its first block chosen here
+        r.execute(StepPlan(("c",), (4,), (1,), (9,), (), new_requests=(c,), new_block_ids=(("c", (first_block, 1)),)))
+        return r.execute(StepPlan(("c",), (5,), (1,), (9,), (0,), new_block_ids=(("c", (3,)),))).logprobs["c"]
+
+    right, wrong = decode(0), decode(2)  # block 0 holds a's first 4 tokens; block 2 holds b's
+    assert_same_distribution(right, from_scratch(tiny_model, [5, 6, 7, 8, 9, 9]))
+    assert right.top_logprobs != pytest.approx(wrong.top_logprobs, abs=1e-4)
 
 
 def test_a_grammar_bitmask_in_the_plan_masks_that_row_only(tiny_model):
@@ -81,7 +112,8 @@ def test_a_grammar_bitmask_in_the_plan_masks_that_row_only(tiny_model):
                     grammar_bitmask=words.tobytes())
     out = r.execute(plan)
     assert out.sampled["masked"] == 35
-    assert out.sampled["free"] == next_token_from_scratch(tiny_model, [5, 6, 7]) != 35
+    assert out.sampled["free"] == from_scratch(tiny_model, [5, 6, 7]).token_id != 35
+    assert out.logprobs["free"].top_ids[0] != 35
 
 
 def test_every_plan_of_an_engine_run_round_trips_the_wire_codec(tiny_model):
@@ -118,7 +150,11 @@ def test_every_plan_of_an_engine_run_round_trips_the_wire_codec(tiny_model):
         while core.has_unfinished_requests:
             deltas += core.step()
         assert core.scheduler.num_preemptions > 0  # the small cache made the plans carry preemptions
-        assert any(len(p.new_requests) for p in plans[1:]), "a preempted request came back as new"
+        preempted, resumed = set(), set()
+        for p in plans:
+            resumed |= preempted & {n.request_id for n in p.new_requests}
+            preempted |= set(p.preempted_ids)
+        assert resumed, "a preempted request came back as a NewRequest"
         core.step()  # an empty plan, naming the last finished requests
         assert core.runner.requests == {}  # every request's runner state was dropped
         return [(d.request_id, d.index, d.new_token_ids, d.new_logprobs, d.new_prompt_logprobs) for d in deltas]

@@ -28,7 +28,7 @@ from engine.errors import ConfigError, InvalidParameterError
 from engine.messages import Decodes, EngineStats, TokenDelta
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model, resolve_model
-from engine.plan import RunnerOutput
+from engine.plan import RunnerOutput, StepPlan
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import MIN_SEED, SamplingParams
 from engine.sched.kv_cache import BlockManager
@@ -222,16 +222,14 @@ class EngineCore:
         return deltas + decodes.as_deltas()
 
     def schedule(self) -> SchedulerOutput:
-        """The next step: the scheduler's choice, with the token masks of its constrained rows
-        filled into the plan (here, in the caller's thread: the runner never sees a grammar)."""
-        output = self.scheduler.schedule()
-        return self._mask_grammar_rows(output) if output.constrained_rows else output
+        return self.scheduler.schedule()
 
-    def _mask_grammar_rows(self, output: SchedulerOutput) -> SchedulerOutput:
-        """``output`` with the bitmasks of its constrained rows in the plan (rows whose grammar
-        allows every token are left out; a row whose matcher raised fails its request after
-        the step, in ``update``)."""
-        plan, errors = output.plan, {}
+    def _mask_grammar_rows(self, output: SchedulerOutput) -> StepPlan:
+        """The plan with the bitmasks of its constrained rows (rows whose grammar allows every
+        token are left out; a row whose matcher raised fails its request after the step, in
+        ``update``). On the device thread, where the step runs: filling masks takes time that
+        the event loop must not lose, and the runner never sees a grammar, only its mask."""
+        plan, errors = output.plan, output.grammar_errors
         matchers = [output.chunks[row].request.matcher for row in output.constrained_rows]
         bitmask = self._bitmask.get(matchers[0].backend, len(matchers))
         rows = []
@@ -241,13 +239,17 @@ class EngineCore:
                     rows.append(row)
             except Exception as exc:  # this request's own fault: it fails, the step goes on
                 errors[plan.request_ids[row]] = exc
-        plan = attrs.evolve(plan, grammar_rows=tuple(rows), grammar_bitmask=bitmask[:len(rows)].numpy().tobytes())
-        return attrs.evolve(output, plan=plan, grammar_errors=errors)
+        return attrs.evolve(plan, grammar_rows=tuple(rows), grammar_bitmask=bitmask[:len(rows)].numpy().tobytes())
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         """The device work of a step, on the device thread; touches no scheduler state (the
-        core actor awaits it with ``device_thread.run`` while its event loop goes on)."""
-        return self.device_thread.run_sync(self.runner.execute, output.plan)
+        core actor awaits it with ``device_thread.run`` while its event loop goes on), only
+        the constrained rows' matchers, to fill their masks."""
+        return self.device_thread.run_sync(self._execute, output)
+
+    def _execute(self, output: SchedulerOutput) -> RunnerOutput:
+        plan = self._mask_grammar_rows(output) if output.constrained_rows else output.plan
+        return self.runner.execute(plan)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> tuple[list[TokenDelta], Decodes]:
         """Account for a finished step. Returns what it added to each completion: the common case

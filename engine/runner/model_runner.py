@@ -135,6 +135,7 @@ class ModelRunner:
                 self.requests.pop(request_id, None)
                 self._block_ids.pop(request_id, None)
         for new in plan.new_requests:
+            self.block_tables.release((new.request_id,))  # (a plan names a new request's old state gone first)
             history = list(new.token_ids) if new.params.needs_penalties else None
             self.requests[new.request_id] = RunnerRequest(
                 new.request_id, list(new.token_ids[:new.num_prompt_tokens]), new.params, new.eos_token_id,
@@ -186,6 +187,10 @@ class ModelRunner:
         if not plan.grammar_rows:
             return None
         index = {row: i for i, row in enumerate(plan.sample_rows)}
+        words_per_row = -(-self.model.config.vocab_size // 32)
+        if len(plan.grammar_bitmask) != 4 * words_per_row * len(plan.grammar_rows):
+            raise ValueError(f"the plan's grammar bitmask holds {len(plan.grammar_bitmask)} bytes, not "
+                             f"{len(plan.grammar_rows)} rows of {words_per_row} int32 words")
         words = np.frombuffer(plan.grammar_bitmask, dtype=np.int32).reshape(len(plan.grammar_rows), -1)
         return torch.from_numpy(words.copy()), [index[row] for row in plan.grammar_rows]
 

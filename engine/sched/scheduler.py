@@ -11,11 +11,10 @@ import bisect
 import math
 import time
 from collections.abc import Collection, Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import attrs
 
-from engine.config import EngineConfig
 from engine.plan import NewRequest, StepPlan
 from engine.sched.kv_cache import BlockManager
 from engine.sched.request import Request, RequestStatus
@@ -59,14 +58,20 @@ class SchedulerOutput:
     finished_ids: list[str]
     plan: StepPlan
     # Rows whose request has a structured-output grammar and samples: their matchers mask the
-    # next token (EngineCore fills the plan's bitmask) and take the sampled one.
+    # next token (EngineCore fills the plan's bitmask when it executes the step) and take the
+    # sampled one (EngineCore.update).
     constrained_rows: tuple[int, ...] = ()
-    grammar_errors: dict[str, Exception] = attrs.field(factory=dict)  # per request id: a matcher that raised
+    # Per request id, a matcher that raised while its mask was filled (filled in by execute:
+    # the request fails after the step).
+    grammar_errors: dict[str, Exception] = attrs.field(factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
 
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 # The cap that follows the batch (EngineConfig.mixed_prefill_per_decode): never below this
 # many prefill tokens a step (a lone stream must not starve a prompt), and never below the
@@ -217,12 +222,14 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         num_batched_tokens = self.max_num_batched_tokens - budget.tokens  # (what the chunks took)
         chunks = list(scheduled.values())
-        plan = self._plan(chunks, preempted, finished)
-        return SchedulerOutput(chunks, num_batched_tokens, preempted, finished, plan, plan.grammar_rows)
+        plan, constrained = self._plan(chunks, preempted, finished)
+        return SchedulerOutput(chunks, num_batched_tokens, preempted, finished, plan, constrained)
 
-    def _plan(self, chunks: list[ScheduledChunk], preempted: list[str], finished: list[str]) -> StepPlan:
+    def _plan(self, chunks: list[ScheduledChunk], preempted: list[str],
+              finished: list[str]) -> tuple[StepPlan, tuple[int, ...]]:
         """The step as the runner's value: rows, their input tokens, and what the runner does
-        not know yet (new requests, grown block tables). One pass, every step over every row:
+        not know yet (new requests, grown block tables); and the rows whose grammar masks the
+        next token (EngineCore fills their masks into the plan). One pass, every step over every row:
         a decode row costs a few appends, and its block table is read only when its row starts
         a block the runner does not know of (a request owns exactly the blocks its computed
         tokens need), or the runner has no state for the request."""
@@ -258,7 +265,7 @@ class Scheduler:
                 new_blocks.append((request_id, tuple([b.block_id for b in owned[have:]])))
                 request.num_runner_blocks = len(owned)
         return StepPlan(tuple(ids), tuple(starts), tuple(counts), tuple(tokens), tuple(sample_rows), tuple(new),
-                        tuple(new_blocks), tuple(finished), tuple(preempted), tuple(grammar_rows))
+                        tuple(new_blocks), tuple(finished), tuple(preempted)), tuple(grammar_rows)
 
     def _prefill_cap(self) -> float:
         """The prefill tokens this step may carry: capped when it also decodes.

@@ -122,7 +122,7 @@ const qm::Kernels* pick(int isa) {
 // Block-row products (or blocks dequantized) one thread should have before a second one
 // joins: a thread woken for less costs more than it saves. 4096 splits every product of a
 // batch-1 decode step of the default model over both cores. That pays only while the
-// process has one OpenMP pool (the engine's device thread, engine/device_thread.py): with
+// process has one OpenMP pool (the engine's device thread, engine/core/device_thread.py): with
 // two, libgomp cuts its spin-wait short and each product waits for a sleeping worker
 // (measured then: a batch-1 step 20% slower than with one thread).
 constexpr int64_t kMinWorkPerThread = 1 << 12;
