@@ -305,7 +305,7 @@ class Scheduler:
 
     def _schedule_running(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk],
                           preempted: list[str]) -> None:
-        running, allocate = RequestStatus.RUNNING, self.kv.allocate
+        running, allocate, bs = RequestStatus.RUNNING, self.kv.allocate, self.kv.block_size
         for request in list(self.running):
             if budget.tokens == 0:
                 break
@@ -313,7 +313,12 @@ class Scheduler:
                 continue
             start = request.num_computed_tokens
             num_new = len(request.token_ids) - start
-            if num_new == 1 and allocate(request, 1):  # a decode: most requests, every step
+            # A decode: most requests, every step. Its token has room in the blocks the request
+            # owns, which are the blocks the runner was sent (every allocation reaches the runner
+            # in its step's plan), and does not fill its block (a full block is registered in the
+            # prefix cache): the block manager has nothing to do, and is not asked.
+            if num_new == 1 and ((start + 1) % bs and start < request.num_runner_blocks * bs
+                                 or allocate(request, 1)):
                 scheduled[request.request_id] = _chunk(ScheduledChunk, (request, start, 1, True))
                 budget.tokens -= 1
                 continue
