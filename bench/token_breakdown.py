@@ -1,0 +1,261 @@
+"""Where one stream's time per output token goes, HTTP request to the last SSE event.
+
+The server runs in this process with its functions timed (a thread-local stack, so each part
+is counted once: a matrix product inside the forward pass is not forward "other"); a client in
+another process streams ``/v1/completions`` (128 tokens after a ~96-word prompt, one request
+at a time) and times the events. Printed per output token:
+
+- the client's inter-token time (TPOT);
+- the device work of a step (the runner): matrix products, attention, rotary + KV write, norms,
+  the rest of the forward pass, the LM head (its product included), sampling, input preparation;
+- the core actor's step around it: scheduling, updating, and the hop to the device thread and
+  back (the wait for the step minus the step's own time);
+- the output actor (detokenization, request state), SSE chunk encoding;
+- what is left: the event loop between steps, HTTP, the socket, the client.
+
+    python bench/token_breakdown.py                      # the default model, --backend cpu
+    python bench/token_breakdown.py --requests 8 --max-tokens 256 -- --activation-quantization int16
+
+Flags after ``--`` go to the server (``python -m engine.api``'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. The keeper has lived "
+          "alone on the rock for twenty years, tending the lamp through storms and calm nights, and has long "
+          "stopped expecting anything from the sea. One morning after a gale, a green bottle lies among the "
+          "kelp at the foot of the stairs. Inside is a letter written in a hand the keeper seems to recognise, "
+          "dated thirty years ago, addressed to nobody in particular. Tell what the letter says.")
+
+CLIENT = r"""
+import json, sys, time, httpx
+url, n, max_tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
+gaps, tokens = [], 0
+with httpx.Client(timeout=600) as client:
+    for i in range(n + 1):  # the first request warms up and is not counted
+        times = []
+        with client.stream("POST", url + "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    times.append(time.perf_counter())
+        if i:
+            gaps += [b - a for a, b in zip(times, times[1:])]
+            tokens += len(times)
+        else:
+            print(json.dumps({"warm": True}), flush=True)
+print(json.dumps({"gaps": gaps, "tokens": tokens}), flush=True)
+"""
+
+
+class Timers:
+    """Exclusive time per part: a part's time excludes the timed parts it calls (per thread)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._local = threading.local()
+        self.enabled = False
+
+    def wrap(self, owner, name: str, part: str, inside: dict[str, str] | None = None) -> None:
+        """Time ``owner.name`` as ``part`` (or as ``inside[caller's part]`` when called from a
+        part named there: the LM head's matrix product is the LM head's)."""
+        real = owner.__dict__[name]
+        timers = self
+
+        def timed(*args, **kwargs):
+            if not timers.enabled:
+                return real(*args, **kwargs)
+            stack = timers._local.__dict__.setdefault("stack", [])
+            mine = inside.get(stack[-1][0], part) if inside and stack else part
+            stack.append([mine, 0.0])  # time spent in timed children
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                _, children = stack.pop()
+                timers.total[mine] += elapsed - children
+                timers.calls[mine] += 1
+                if stack:
+                    stack[-1][1] += elapsed
+
+        setattr(owner, name, timed)
+
+    def wrap_async(self, owner, name: str, part: str) -> None:
+        """Wall time of a coroutine (awaits included: not on the stack)."""
+        real = owner.__dict__[name]
+        timers = self
+
+        async def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return await real(*args, **kwargs)
+            finally:
+                if timers.enabled:
+                    timers.total[part] += time.perf_counter() - start
+                    timers.calls[part] += 1
+
+        setattr(owner, name, timed)
+
+
+def instrument(timers: Timers) -> None:
+    from api import serving
+    from backends import layer_ops, reference
+    from engine.core import core_actor, engine_core
+    from engine.frontend import output_actor
+    from engine.models import linear, llama
+    from engine.runner import model_runner, sampler
+
+    timers.wrap(model_runner.ModelRunner, "execute", "device: runner other")
+    timers.wrap(model_runner.ModelRunner, "_prepare", "device: input preparation")
+    timers.wrap(model_runner.ModelRunner, "_prompt_logprobs", "device: runner other")
+    timers.wrap(llama.LlamaModel, "forward", "device: forward, other")
+    timers.wrap(llama.LlamaModel, "compute_logits", "device: LM head")
+    for cls in (linear.DenseLinear, linear.PackedLinear, linear.CudaPackedLinear):
+        timers.wrap(cls, "__call__", "device: matrix products", inside={"device: LM head": "device: LM head"})
+    for cls in {layer_ops.TorchLayerOps, *layer_ops.TorchLayerOps.__subclasses__(), *_cpu_layer_ops()}:
+        for name, part in (("rope_write_kv", "device: rotary + KV write"), ("add_rms_norm", "device: norms")):
+            if name in cls.__dict__:
+                timers.wrap(cls, name, part)
+    for cls in [reference.TorchAttentionBackend, *_cpu_backend()]:
+        timers.wrap(cls, "attend", "device: attention")
+    timers.wrap(sampler.Sampler, "__call__", "device: sampling")
+    timers.wrap(engine_core.EngineCore, "schedule", "step: schedule")
+    timers.wrap(engine_core.EngineCore, "update", "step: update")
+    timers.wrap_async(core_actor.CoreActor, "_execute", "step: wait for the device")
+    timers.wrap(output_actor.OutputActor, "process", "output actor")
+    timers.wrap(serving.ChunkWriter, "__call__", "SSE chunk encoding")
+
+
+def _cpu_layer_ops() -> list[type]:
+    try:
+        from backends.cpu import CpuLayerOps
+    except Exception:  # noqa: BLE001 - the native library may be missing: the torch ops remain
+        return []
+    return [CpuLayerOps]
+
+
+def _cpu_backend() -> list[type]:
+    try:
+        from backends.cpu import CpuAttentionBackend
+    except Exception:  # noqa: BLE001
+        return []
+    return [CpuAttentionBackend]
+
+
+async def measure(args, server_flags: list[str]) -> tuple[Timers, dict]:
+    from api.cli import build_parser
+    from api.server import run_server
+
+    timers = Timers()
+    instrument(timers)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server_args = build_parser().parse_args(["--port", str(port), "--log-level", "warning", *server_flags])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_server, server_args)
+        client = await trio.lowlevel.open_process(
+            [sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", str(args.requests), str(args.max_tokens),
+             PROMPT], stdout=subprocess.PIPE)
+        lines = []
+        buffer = b""
+        async for chunk in client.stdout:
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                message = json.loads(line)
+                if message.get("warm"):
+                    timers.enabled = True  # count from the first measured request on
+                else:
+                    lines.append(message)
+        await client.wait()
+        timers.enabled = False
+        nursery.cancel_scope.cancel()
+    if client.returncode != 0 or not lines:
+        raise SystemExit("the client failed")
+    return timers, lines[-1]
+
+
+def call_overhead() -> float:
+    """Seconds one timed call adds (its wrapper's own work), measured on a no-op."""
+    class Probe:
+        def noop(self):
+            return None
+
+    timers = Timers()
+    timers.wrap(Probe, "noop", "probe")
+    timers.enabled = True
+    probe, n = Probe(), 20000
+    start = time.perf_counter()
+    for _ in range(n):
+        probe.noop()
+    timed = time.perf_counter() - start
+    timers.enabled = False
+    start = time.perf_counter()
+    for _ in range(n):
+        probe.noop()
+    return max(0.0, (timed - (time.perf_counter() - start)) / n)
+
+
+def report(timers: Timers, client: dict) -> None:
+    tokens = client["tokens"]
+    gaps = sorted(client["gaps"])
+    tpot = sum(gaps) / len(gaps)
+    per = {part: seconds / tokens * 1e3 for part, seconds in timers.total.items()}
+    device = sum(v for k, v in per.items() if k.startswith("device:"))
+    wait = per.pop("step: wait for the device", 0.0)
+    hop = wait - device
+    rows = [(part, per[part]) for part in sorted(per) if part.startswith("device:")]
+    rows += [("step: thread hop (wait - device)", hop), ("step: schedule", per.get("step: schedule", 0.0)),
+             ("step: update", per.get("step: update", 0.0)), ("output actor", per.get("output actor", 0.0)),
+             ("SSE chunk encoding", per.get("SSE chunk encoding", 0.0))]
+    accounted = device + hop + sum(per.get(k, 0.0) for k in ("step: schedule", "step: update", "output actor",
+                                                             "SSE chunk encoding"))
+    rows.append(("rest: event loop, HTTP, socket, client", tpot * 1e3 - accounted))
+    print(f"one stream, {tokens} output tokens measured; client TPOT mean {tpot * 1e3:.2f} ms "
+          f"(p50 {gaps[len(gaps) // 2] * 1e3:.2f}, p90 {gaps[int(len(gaps) * 0.9)] * 1e3:.2f})")
+    print(f"{'part':44s} {'ms/token':>9s} {'share':>7s}")
+    for part, ms in rows:
+        print(f"{part:44s} {ms:9.3f} {ms / (tpot * 1e3):7.1%}")
+    host = tpot * 1e3 - device
+    print(f"{'device work (the runner)':44s} {device:9.3f} {device / (tpot * 1e3):7.1%}")
+    print(f"{'host (everything but the device work)':44s} {host:9.3f} {host / (tpot * 1e3):7.1%}")
+    calls = sum(timers.calls.values()) / tokens
+    overhead = calls * call_overhead() * 1e3
+    print(f"(the timing itself: {calls:.0f} timed calls a token, ~{overhead:.3f} ms a token, inside the parts above; "
+          "the output actor and SSE run while the device computes the next step)")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    server_flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=4, help="measured requests, one at a time (after a warm-up)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--backend", default="cpu")
+    args = parser.parse_args(argv)
+    if not any(f.startswith("--backend") for f in server_flags):
+        server_flags = ["--backend", args.backend, *server_flags]
+    timers, client = trio.run(measure, args, server_flags)
+    report(timers, client)
+
+
+if __name__ == "__main__":
+    main()
