@@ -96,21 +96,34 @@ class Timers:
 
         setattr(owner, name, timed)
 
-    def wrap_async(self, owner, name: str, part: str) -> None:
-        """Wall time of a coroutine (awaits included: not on the stack)."""
-        real = owner.__dict__[name]
-        timers = self
+    def wrap_hop(self, actor_owner, actor_name: str, job_owner, job_name: str) -> None:
+        """The step's trip to the device thread: from the core actor handing the step over
+        (``actor_owner.actor_name``, a coroutine) to the job starting on the device thread
+        (``job_owner.job_name``), and from the job's end to the actor running again."""
+        real_actor, real_job = actor_owner.__dict__[actor_name], job_owner.__dict__[job_name]
+        timers, marks = self, {}
 
-        async def timed(*args, **kwargs):
-            start = time.perf_counter()
+        def job(*args, **kwargs):
+            marks["start"] = time.perf_counter()
             try:
-                return await real(*args, **kwargs)
+                return real_job(*args, **kwargs)
             finally:
-                if timers.enabled:
-                    timers.total[part] += time.perf_counter() - start
-                    timers.calls[part] += 1
+                marks["end"] = time.perf_counter()
 
-        setattr(owner, name, timed)
+        async def actor(*args, **kwargs):
+            submit = time.perf_counter()
+            try:
+                return await real_actor(*args, **kwargs)
+            finally:
+                resume = time.perf_counter()
+                if timers.enabled and "end" in marks:
+                    timers.total["step: hop to the device thread"] += marks["start"] - submit
+                    timers.total["step: hop back to the event loop"] += resume - marks["end"]
+                    timers.total["step: wait for the device"] += resume - submit
+                marks.clear()
+
+        setattr(job_owner, job_name, job)
+        setattr(actor_owner, actor_name, actor)
 
 
 def instrument(timers: Timers) -> None:
@@ -137,7 +150,7 @@ def instrument(timers: Timers) -> None:
     timers.wrap(sampler.Sampler, "__call__", "device: sampling")
     timers.wrap(engine_core.EngineCore, "schedule", "step: schedule")
     timers.wrap(engine_core.EngineCore, "update", "step: update")
-    timers.wrap_async(core_actor.CoreActor, "_execute", "step: wait for the device")
+    timers.wrap_hop(core_actor.CoreActor, "_execute", engine_core.EngineCore, "execute")
     timers.wrap(output_actor.OutputActor, "process", "output actor")
     timers.wrap(serving.ChunkWriter, "__call__", "SSE chunk encoding")
 
@@ -221,8 +234,12 @@ def report(timers: Timers, client: dict) -> None:
     device = sum(v for k, v in per.items() if k.startswith("device:"))
     wait = per.pop("step: wait for the device", 0.0)
     hop = wait - device
+    to_device, back = per.pop("step: hop to the device thread", 0.0), per.pop("step: hop back to the event loop", 0.0)
     rows = [(part, per[part]) for part in sorted(per) if part.startswith("device:")]
-    rows += [("step: thread hop (wait - device)", hop), ("step: schedule", per.get("step: schedule", 0.0)),
+    rows += [("step: thread hop (wait - device)", hop), ("  of which: to the device thread", to_device),
+             ("  of which: back to the event loop", back),
+             ("  of which: on the device thread, untimed", hop - to_device - back),
+             ("step: schedule", per.get("step: schedule", 0.0)),
              ("step: update", per.get("step: update", 0.0)), ("output actor", per.get("output actor", 0.0)),
              ("SSE chunk encoding", per.get("SSE chunk encoding", 0.0))]
     accounted = device + hop + sum(per.get(k, 0.0) for k in ("step: schedule", "step: update", "output actor",
@@ -250,7 +267,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="measured requests, one at a time (after a warm-up)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--backend", default="cpu")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="sys.setswitchinterval for the server (seconds; Python's default 0.005): how long a "
+                             "thread that wants the GIL waits for the holder to give it up")
     args = parser.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if not any(f.startswith("--backend") for f in server_flags):
         server_flags = ["--backend", args.backend, *server_flags]
     timers, client = trio.run(measure, args, server_flags)
