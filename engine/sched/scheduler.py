@@ -49,13 +49,10 @@ _chunk = tuple.__new__
 @attrs.frozen
 class SchedulerOutput:
     """What one step computes: ``chunks`` (in batch order) for the core's own accounting, and
-    the same as a value, ``plan``, for the runner. ``finished_ids`` are requests that ended
-    since the previous step."""
+    the same as a value, ``plan``, for the runner (which also names the requests preempted in
+    this step and those that ended since the previous one)."""
 
     chunks: list[ScheduledChunk]
-    num_batched_tokens: int
-    preempted_ids: list[str]
-    finished_ids: list[str]
     plan: StepPlan
     # Rows whose request has a structured-output grammar and samples: their matchers mask the
     # next token (EngineCore fills the plan's bitmask when it executes the step) and take the
@@ -64,6 +61,18 @@ class SchedulerOutput:
     # Per request id, a matcher that raised while its mask was filled (filled in by execute:
     # the request fails after the step).
     grammar_errors: dict[str, Exception] = attrs.field(factory=dict)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.plan.num_batched_tokens
+
+    @property
+    def preempted_ids(self) -> list[str]:
+        return list(self.plan.preempted_ids)
+
+    @property
+    def finished_ids(self) -> list[str]:
+        return list(self.plan.finished_ids)
 
     @property
     def is_empty(self) -> bool:
@@ -220,10 +229,9 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, []
-        num_batched_tokens = self.max_num_batched_tokens - budget.tokens  # (what the chunks took)
         chunks = list(scheduled.values())
         plan, constrained = self._plan(chunks, preempted, finished)
-        return SchedulerOutput(chunks, num_batched_tokens, preempted, finished, plan, constrained)
+        return SchedulerOutput(chunks, plan, constrained)
 
     def _plan(self, chunks: list[ScheduledChunk], preempted: list[str],
               finished: list[str]) -> tuple[StepPlan, tuple[int, ...]]:
