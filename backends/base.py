@@ -7,6 +7,8 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from backends.kv_cache import KVCacheDtype
+
 
 @attrs.define(eq=False)
 class AttentionMetadata:
@@ -34,22 +36,45 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
+def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                kv_dtype: KVCacheDtype | None = None) -> tuple[int, ...]:
+    """One layer's cache tensor (K and V together), every backend's layout: rows of ``kv_dtype``
+    (see ``backends.kv_cache``; None: plain rows of head_size elements)."""
+    row = head_size if kv_dtype is None else kv_dtype.row_elements(head_size)
+    return (2, num_blocks, block_size, num_kv_heads, row)
+
+
 class AttentionBackend(Protocol):
-    """What the model needs from an attention implementation."""
+    """What the model needs from an attention implementation.
+
+    The cache's element type is its tensor's dtype (``backends.kv_cache``); ``kv_scales`` is the
+    layer's float32 ``[2]`` K and V scales of an fp8 cache (None: 1.0)."""
 
     name: str
     layer_ops: Any  # backends.layer_ops.TorchLayerOps or a fused subclass of it
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    def kv_cache_dtypes_for(self, model_dtype: torch.dtype) -> tuple[str, ...]:
+        """The cache element types it reads and writes for a model computing in ``model_dtype``
+        (``backends.kv_cache`` names)."""
+        ...
+
+    def auto_kv_cache_dtype(self, model_dtype: torch.dtype) -> str:
+        """The element type ``--kv-cache-dtype auto`` picks for a model computing in ``model_dtype``."""
+        ...
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                       kv_dtype: KVCacheDtype | None = None) -> tuple[int, ...]:
         """Shape of one layer's cache tensor (K and V together)."""
         ...
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> None:
         """Store new tokens' K/V (``[T, num_kv_heads, head_size]``) at their slots."""
         ...
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               out: torch.Tensor, window: int | None = None, softcap: float | None = None,
+               kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``query`` (``[T, num_heads, head_size]``) over the paged cache into ``out`` (same shape).
 
         ``window``: a query at position p sees only the keys k with p - window < k <= p (a

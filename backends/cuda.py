@@ -1,14 +1,18 @@
-"""The ``cuda`` backend: the CUDA paged-attention library through cffi, on torch's current stream."""
+"""The ``cuda`` backend: the CUDA paged-attention library through cffi, on torch's current stream.
+
+Its KV cache is in the model's dtype (``auto``) or fp8 (e4m3 or e5m2, with the layer's scales).
+"""
 
 from __future__ import annotations
 
 import torch
 
 from backends import native
-from backends.base import AttentionMetadata
+from backends.base import AttentionMetadata, cache_shape
 from backends.layer_ops import TORCH_LAYER_OPS
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8 = ("fp8_e4m3", "fp8_e5m2")
 
 
 class CudaAttentionBackend:
@@ -19,27 +23,36 @@ class CudaAttentionBackend:
     def __init__(self, lib=None) -> None:
         self._lib = lib if lib is not None else native.load_library("pa_cuda", "cuda")
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    def kv_cache_dtypes_for(self, model_dtype: torch.dtype) -> tuple[str, ...]:
+        return (str(model_dtype).removeprefix("torch."), *FP8)
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def auto_kv_cache_dtype(self, model_dtype: torch.dtype) -> str:
+        return str(model_dtype).removeprefix("torch.")  # as vLLM's auto: fp8 is asked for by name
+
+    kv_cache_shape = staticmethod(cache_shape)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> None:
         key, value = key.contiguous(), value.contiguous()
-        shape = native.write_kv_shape(key, value, kv_cache, slot_mapping, DTYPES)
+        shape = native.write_kv_shape(key, value, kv_cache, slot_mapping, DTYPES, self.kv_cache_dtypes_for(key.dtype))
         self._check_device(key)
         rc = self._lib.pa_cuda_write_kv(shape, native.ptr(key), native.ptr(value), native.ptr(kv_cache),
-                                        native.ptr(slot_mapping, "int64_t *"), self._stream(key))
+                                        native.ptr(slot_mapping, "int64_t *"),
+                                        native.scales_pointer(kv_scales, key.device), self._stream(key))
         native.check_rc(rc, self._lib, "pa_cuda", "write_kv")
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               out: torch.Tensor, window: int | None = None, softcap: float | None = None,
+               kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         query = query.contiguous()
-        shape = native.attention_shape(query, kv_cache, meta, out, DTYPES)
+        shape = native.attention_shape(query, kv_cache, meta, out, DTYPES, self.kv_cache_dtypes_for(query.dtype))
         for name, t in (("query", query), ("kv_cache", kv_cache)):  # the kernel reads rows 16 bytes at a time
             if t.data_ptr() % 16:
                 raise ValueError(f"{name} must start at a 16-byte aligned address")
         self._check_device(query)
         workspace = self._workspace(shape, meta, query.device)
         rc = self._lib.pa_cuda_attention(shape, native.ptr(out), native.ptr(query), native.ptr(kv_cache),
+                                         native.scales_pointer(kv_scales, query.device),
                                          native.ptr(meta.query_start_loc, "int32_t *"),
                                          native.ptr(meta.seq_lens, "int32_t *"),
                                          native.ptr(meta.block_tables, "int32_t *"), scale, window or 0,

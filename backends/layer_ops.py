@@ -67,16 +67,18 @@ class TorchLayerOps:
         return rms_norm(x, weight, eps), x
 
     def rope_write_kv(self, backend, qkv: torch.Tensor, rope: Rope, num_heads: int, num_kv_heads: int,
-                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """Rotates q and k of ``qkv`` (``[T, (num_heads + 2 num_kv_heads) * head_dim]``), stores k
-        and v in ``kv_cache`` through ``backend``, and returns q, ``[T, num_heads, head_dim]``."""
+        and v in ``kv_cache`` through ``backend`` (with the layer's fp8 ``kv_scales``), and returns
+        q, ``[T, num_heads, head_dim]``."""
         num_tokens = qkv.shape[0]
         head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
         qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
         # q and k rotated in one pass (the same elementwise products as two)
         qk = apply_rotary(qk.view(num_tokens, num_heads + num_kv_heads, head_dim), rope.cos, rope.sin)
         q, k = qk.split([num_heads, num_kv_heads], dim=1)
-        backend.write_kv(k, v.reshape(num_tokens, num_kv_heads, head_dim), kv_cache, slot_mapping)
+        backend.write_kv(k, v.reshape(num_tokens, num_kv_heads, head_dim), kv_cache, slot_mapping, kv_scales)
         return q
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from cffi import FFI
 
+from backends import kv_cache as kvc
 from backends.base import AttentionMetadata
 from backends.errors import BackendUnavailableError
 
@@ -92,29 +93,50 @@ def _check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.
 # its check fails.
 
 def check_rows(name: str, rows: torch.Tensor, twin_name: str, twin: torch.Tensor, kv_cache: torch.Tensor,
-                dtypes: tuple[torch.dtype, ...]) -> None:
+               dtypes: tuple[torch.dtype, ...], kv_dtypes: tuple[str, ...]) -> kvc.KVCacheDtype:
     """``rows`` ([tokens, heads, head_size]) in a supported dtype; ``twin`` shaped like it; the
-    5-d cache; all of that dtype, contiguous, on one device."""
+    5-d cache of a supported element type, its rows holding head_size values; all contiguous,
+    on one device. Returns the cache's element type."""
     if rows.dtype not in dtypes:
         raise ValueError(f"{name} dtype {rows.dtype} is not supported here (supported: {dtypes})")
     _check_tensor(name, rows, rows.dtype, rows.device, 3)
     _check_tensor(twin_name, twin, rows.dtype, rows.device, 3)
     if twin.shape != rows.shape:
         raise ValueError(f"{twin_name} shape {tuple(twin.shape)} differs from {name} {tuple(rows.shape)}")
-    _check_tensor("kv_cache", kv_cache, rows.dtype, rows.device, 5)
+    return check_cache(kv_cache, rows.device, rows.shape[-1], kv_dtypes)
+
+
+def check_cache(kv_cache: torch.Tensor, device: torch.device, head_size: int,
+                kv_dtypes: tuple[str, ...]) -> kvc.KVCacheDtype:
+    spec = kvc.dtype_of(kv_cache)
+    if spec.name not in kv_dtypes:
+        raise ValueError(f"a {spec.name} KV cache is not supported here (supported: {', '.join(kv_dtypes)})")
+    _check_tensor("kv_cache", kv_cache, kv_cache.dtype, device, 5)
+    if kv_cache.shape[0] != 2:
+        raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, row]")
+    if kv_cache.shape[4] != spec.row_elements(head_size):
+        raise ValueError(f"kv_cache rows of {kv_cache.shape[4]} elements do not hold {spec.name} rows of "
+                         f"head_size {head_size}")
+    return spec
+
+
+def scales_pointer(kv_scales: torch.Tensor | None, device: torch.device):
+    """A layer's fp8 scales (float32 [2]) as the kernels take them, or NULL for 1.0."""
+    if kv_scales is None:
+        return ffi().NULL
+    _check_tensor("kv_scales", kv_scales, torch.float32, device, 1)
+    if kv_scales.shape[0] != 2:
+        raise ValueError("kv_scales must hold two values (K, V)")
+    return ptr(kv_scales, "float *")
 
 
 def attention_shape(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
-                    dtypes: tuple[torch.dtype, ...]):
+                    dtypes: tuple[torch.dtype, ...], kv_dtypes: tuple[str, ...]):
     """Check everything ``*_attention`` assumes; return the filled ``pa_shape``."""
     device = query.device
-    check_rows("query", query, "out", out, kv_cache, dtypes)
+    spec = check_rows("query", query, "out", out, kv_cache, dtypes, kv_dtypes)
     num_tokens, num_heads, head_size = query.shape
-    kv_parts, num_blocks, block_size, num_kv_heads, cache_head = kv_cache.shape
-    if kv_parts != 2:
-        raise ValueError("kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_size]")
-    if cache_head != head_size:
-        raise ValueError(f"kv_cache head_size {cache_head} differs from query's {head_size}")
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     num_seqs = meta.seq_lens.shape[0]
@@ -128,26 +150,29 @@ def attention_shape(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     if meta.max_seq_len > meta.block_tables.shape[1] * block_size:
         raise ValueError("max_seq_len exceeds what block_tables can address")
     return _shape(num_tokens, num_seqs, num_heads, num_kv_heads, head_size, block_size, num_blocks,
-                  meta.block_tables.shape[1], meta.max_query_len, meta.max_seq_len, DTYPE_CODES[query.dtype])
+                  meta.block_tables.shape[1], meta.max_query_len, meta.max_seq_len, DTYPE_CODES[query.dtype],
+                  spec.code)
 
 
 def write_kv_shape(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                   dtypes: tuple[torch.dtype, ...]):
+                   dtypes: tuple[torch.dtype, ...], kv_dtypes: tuple[str, ...]):
     """Check everything ``*_write_kv`` assumes; return the filled ``pa_shape``."""
     device = key.device
-    check_rows("key", key, "value", value, kv_cache, dtypes)
+    spec = check_rows("key", key, "value", value, kv_cache, dtypes, kv_dtypes)
     _check_tensor("slot_mapping", slot_mapping, torch.int64, device, 1)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError("slot_mapping needs one slot per token")
-    _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-    if key.shape[1:] != (num_kv_heads, head_size):
-        raise ValueError("key rows do not match the cache's [num_kv_heads, head_size]")
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    head_size = key.shape[2]
+    if key.shape[1] != num_kv_heads:
+        raise ValueError("key rows do not match the cache's num_kv_heads")
     return _shape(key.shape[0], 0, num_kv_heads, num_kv_heads, head_size, block_size, num_blocks, 0, 0, 0,
-                  DTYPE_CODES[key.dtype])
+                  DTYPE_CODES[key.dtype], spec.code)
 
 
 def rope_write_kv_shape(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        num_heads: int, num_kv_heads: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+                        num_heads: int, num_kv_heads: int, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        kv_dtypes: tuple[str, ...]):
     """Check everything ``pa_cpu_rope_write_kv`` assumes (float32); return the filled ``pa_shape``."""
     device = qkv.device
     _check_tensor("qkv", qkv, torch.float32, device, 2)
@@ -156,10 +181,10 @@ def rope_write_kv_shape(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
     if width != (num_heads + 2 * num_kv_heads) * head_size or head_size % 2:
         raise ValueError(f"qkv rows of {width} values do not hold {num_heads} + 2 x {num_kv_heads} heads "
                          "of an even head_size")
-    _check_tensor("kv_cache", kv_cache, torch.float32, device, 5)
-    _, num_blocks, block_size, cache_kv_heads, cache_head = kv_cache.shape
-    if (cache_kv_heads, cache_head) != (num_kv_heads, head_size):
-        raise ValueError("qkv's heads do not match the cache's [num_kv_heads, head_size]")
+    spec = check_cache(kv_cache, device, head_size, kv_dtypes)
+    _, num_blocks, block_size, cache_kv_heads, _ = kv_cache.shape
+    if cache_kv_heads != num_kv_heads:
+        raise ValueError("qkv's heads do not match the cache's num_kv_heads")
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
         _check_tensor(name, t, torch.int64, device, 1)
         if t.shape[0] != num_tokens:
@@ -169,11 +194,11 @@ def rope_write_kv_shape(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
         if t.shape != cos.shape or not 0 < t.shape[1] <= head_size // 2:
             raise ValueError(f"rotary table {name} must be [max_positions, rotary_dim / 2 <= {head_size // 2}]")
     return _shape(num_tokens, 0, num_heads, num_kv_heads, head_size, block_size, num_blocks, 0, 0, 0,
-                  DTYPE_CODES[torch.float32])
+                  DTYPE_CODES[torch.float32], spec.code)
 
 
 def _shape(*values: int):
-    """A ``pa_shape`` from its fields in declaration order (num_tokens ... dtype)."""
+    """A ``pa_shape`` from its fields in declaration order (num_tokens ... dtype, kv_dtype)."""
     return ffi().new("pa_shape *", values)
 
 

@@ -7,6 +7,8 @@ sequence) are batched: sequences of similar length share one padded gather, so p
 stays small. The query heads of a GQA group ride along as extra query rows of their KV
 head, so K/V is never repeated. A sliding-window layer narrows the masks; logit soft-capping
 (Gemma 2) computes the scores explicitly, since ``scaled_dot_product_attention`` has no cap.
+A cache of another element type than the query's (``backends.kv_cache``) is converted as it is
+gathered.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from backends.base import AttentionMetadata
+from backends import kv_cache as kvc
+from backends.base import AttentionMetadata, cache_shape
+from backends.kv_cache import KEY, VALUE
 from backends.layer_ops import TORCH_LAYER_OPS
-
-# Cache layout: [2 (K, V), num_blocks, block_size, num_kv_heads, head_size].
-KEY, VALUE = 0, 1
 
 # A decode bucket holds sequences whose lengths are within this factor of its longest, so a
 # padded gather reads at most 1 / BUCKET_RATIO times the K/V it needs.
@@ -29,30 +30,63 @@ BUCKET_RATIO = 0.75
 class TorchAttentionBackend:
     name = "torch"
     layer_ops = TORCH_LAYER_OPS
+    def kv_cache_dtypes_for(self, model_dtype: torch.dtype) -> tuple[str, ...]:
+        return tuple(kvc.KV_CACHE_DTYPES)
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+    def auto_kv_cache_dtype(self, model_dtype: torch.dtype) -> str:
+        return str(model_dtype).removeprefix("torch.")  # the oracle keeps what the model computes
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    kv_cache_shape = staticmethod(cache_shape)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 kv_scales: torch.Tensor | None = None) -> None:
         # key, value: [T, num_kv_heads, head_size]
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, num_kv_heads, head_size]
-        flat[KEY].index_copy_(0, slot_mapping, key)
-        flat[VALUE].index_copy_(0, slot_mapping, value)
+        spec = kvc.dtype_of(kv_cache)
+        scales = (None, None) if kv_scales is None else (kv_scales[KEY], kv_scales[VALUE])
+        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])  # [2, num_slots, num_kv_heads, row]
+        for part, rows in ((KEY, key), (VALUE, value)):
+            rows = kvc.to_rows(rows, spec, scales[part])
+            if spec.is_fp8:  # (torch has no index_copy_ for fp8: the bytes are copied)
+                flat[part].view(torch.uint8).index_copy_(0, slot_mapping, rows.view(torch.uint8))
+            else:
+                flat[part].index_copy_(0, slot_mapping, rows)
 
     def attend(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               out: torch.Tensor, window: int | None = None, softcap: float | None = None,
+               kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         plan = meta.scratch.get(("torch", window))  # (a sliding-window layer has its own masks)
         if plan is None:
             group = query.shape[1] // kv_cache.shape[3]
             plan = meta.scratch[("torch", window)] = _plan(meta, kv_cache.shape[2], group, query.device, window)
+        cache = _Cache(kv_cache, query.dtype, kv_scales)
         for bucket in plan.decode_buckets:
-            _decode(query, kv_cache, bucket, scale, softcap, out)
+            _decode(query, cache, bucket, scale, softcap, out)
         for prefill in plan.prefills:
-            _prefill(query, kv_cache, prefill, scale, softcap, out)
+            _prefill(query, cache, prefill, scale, softcap, out)
         return out
+
+
+@attrs.frozen
+class _Cache:
+    """One layer's cache as attention reads it: K or V rows gathered by block, in ``dtype``."""
+
+    tensor: torch.Tensor
+    dtype: torch.dtype
+    scales: torch.Tensor | None
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.tensor.shape[3]
+
+    def gather(self, part: int, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        """``[num_seqs, kv_heads, S, head_size]`` (a strided view of one gathered copy)."""
+        gathered = self.tensor[part].index_select(0, blocks)
+        if gathered.dtype != self.dtype:
+            gathered = kvc.from_rows(gathered, self.dtype, None if self.scales is None else self.scales[part])
+        return gathered.view(num_seqs, -1, *gathered.shape[2:]).transpose(1, 2)
 
 
 @attrs.frozen
@@ -120,12 +154,6 @@ def _bucket(meta: AttentionMetadata, seqs: list[int], longest: int, block_size: 
     return _DecodeBucket(rows, blocks, mask[:, None, None, :])
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_seqs: int) -> torch.Tensor:
-    # cache: [num_blocks, block_size, kv_heads, head_size] -> [num_seqs, kv_heads, S, head_size] (a strided view)
-    gathered = cache.index_select(0, blocks)
-    return gathered.view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
-
-
 def _scores_softmax_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
                            softcap: float | None) -> torch.Tensor:
     """softmax(q k^T * scale) v over the keys ``mask`` allows; with ``softcap``, the scores
@@ -137,26 +165,26 @@ def _scores_softmax_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     return torch.matmul(scores.masked_fill(~mask, float("-inf")).softmax(-1), v)
 
 
-def _decode(query: torch.Tensor, kv_cache: torch.Tensor, bucket: _DecodeBucket, scale: float,
+def _decode(query: torch.Tensor, cache: _Cache, bucket: _DecodeBucket, scale: float,
             softcap: float | None, out: torch.Tensor) -> None:
     num_seqs = bucket.rows.shape[0]
     num_heads, head_size = query.shape[1:]
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = cache.num_kv_heads
     q = query.index_select(0, bucket.rows).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_size)
-    k = _gather(kv_cache[KEY], bucket.blocks, num_seqs)  # [B, kv_heads, S, head_size]
-    v = _gather(kv_cache[VALUE], bucket.blocks, num_seqs)
+    k = cache.gather(KEY, bucket.blocks, num_seqs)  # [B, kv_heads, S, head_size]
+    v = cache.gather(VALUE, bucket.blocks, num_seqs)
     result = _scores_softmax_values(q, k, v, bucket.mask, scale, softcap)  # [B, kv_heads, group, D]
     out.index_copy_(0, bucket.rows, result.reshape(num_seqs, num_heads, head_size))
 
 
-def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, prefill: _Prefill, scale: float, softcap: float | None,
+def _prefill(query: torch.Tensor, cache: _Cache, prefill: _Prefill, scale: float, softcap: float | None,
              out: torch.Tensor) -> None:
     q = query[prefill.row_start:prefill.row_end]  # [L, heads, head_size], the last L of seq_len positions
     num_queries, num_heads, head_size = q.shape
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
-    k = _gather(kv_cache[KEY], prefill.blocks, 1)[0, :, :prefill.seq_len]  # [kv_heads, S, head_size]
-    v = _gather(kv_cache[VALUE], prefill.blocks, 1)[0, :, :prefill.seq_len]
+    k = cache.gather(KEY, prefill.blocks, 1)[0, :, :prefill.seq_len]  # [kv_heads, S, head_size]
+    v = cache.gather(VALUE, prefill.blocks, 1)[0, :, :prefill.seq_len]
     # Each KV head's group of query heads becomes group * L query rows: [kv_heads, group * L, head_size].
     q = q.view(num_queries, num_kv_heads, group, head_size).permute(1, 2, 0, 3).reshape(num_kv_heads, -1, head_size)
     result = _scores_softmax_values(q, k, v, prefill.mask, scale, softcap)

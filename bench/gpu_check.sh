@@ -39,9 +39,10 @@ timeout 120 $PY -m pytest -q -p no:cacheprovider -o addopts="" tests/test_packed
   | tee "$OUT/packed_tests.log" | tail -8 || status=1
 timeout 150 $PY bench/packed.py --cuda 2>&1 | tee "$OUT/packed_kernels.log" || status=1
 
-step "kernel benchmark: bfloat16 (copy bandwidth measured in the same run)"
+step "kernel benchmark: bfloat16, bf16 / fp8 caches (copy bandwidth measured in the same run)"
 for shape in smollm2-135m llama-3-8b; do
-  timeout 120 $PY bench/kernels.py --backends torch,cuda,triton --dtype bfloat16 --shape "$shape" 2>&1 \
+  timeout 150 $PY bench/kernels.py --backends torch,cuda,triton --dtype bfloat16 --shape "$shape" --quick \
+    --kv-cache-dtypes bfloat16,fp8_e4m3,fp8_e5m2 2>&1 \
     | tee -a "$OUT/kernels.log" || status=1
 done
 

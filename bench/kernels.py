@@ -3,9 +3,12 @@
 Decode over batch sizes x context lengths, plus one prefill case. For each: time per call,
 achieved bandwidth (bytes of K/V read / time) and speed-up over the torch reference in the
 same run; on CPU also the fraction of the memory bandwidth a large copy reaches in the
-same run.
+same run. With ``--kv-cache-dtypes float32,bfloat16,int8`` each case runs once per cache
+element type and the last column is the speed-up over the same backend's first (float32)
+cache in the same run (bytes read count the cache's own bytes).
 
     python bench/kernels.py [--backends torch,cpu] [--dtype float32] [--shape smollm2-135m] [--quick]
+                            [--kv-cache-dtypes float32,bfloat16,float16,int8,fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends import get_backend  # noqa: E402
+from backends import kv_cache as kvc  # noqa: E402
 from backends.base import AttentionMetadata, BackendUnavailableError  # noqa: E402
 
 # (query heads, KV heads, head size): the default model's, and a larger model's rows
@@ -79,11 +83,13 @@ def memory_bandwidth(device: str) -> float:
 
 
 def make_case(num_seqs: int, context: int, query_len: int, dtype: torch.dtype, device: str,
-              shape: str = "smollm2-135m"):
+              shape: str = "smollm2-135m", kv_dtype: kvc.KVCacheDtype | None = None):
     num_heads, num_kv_heads, head_size = SHAPES[shape]
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = num_seqs * blocks_per_seq
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_size, dtype=dtype, device=device)
+    if kv_dtype is not None:
+        cache = kvc.to_rows(cache, kv_dtype).contiguous()
     tables = torch.randperm(num_blocks, device=device).view(num_seqs, blocks_per_seq).to(torch.int32)
     starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * query_len
     meta = AttentionMetadata(query_start_loc=starts,
@@ -91,7 +97,7 @@ def make_case(num_seqs: int, context: int, query_len: int, dtype: torch.dtype, d
                              block_tables=tables, slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
                              max_query_len=query_len, max_seq_len=context)
     query = torch.randn(num_seqs * query_len, num_heads, head_size, dtype=dtype, device=device)
-    kv_bytes = 2 * num_seqs * context * num_kv_heads * head_size * cache.element_size()
+    kv_bytes = cache.numel() * cache.element_size() * context / (blocks_per_seq * BLOCK_SIZE)
     return query, cache, meta, kv_bytes
 
 
@@ -108,36 +114,48 @@ def run(args) -> None:
     num_heads, num_kv_heads, head_size = SHAPES[args.shape]
     print(f"device {device}, dtype {args.dtype}, {args.shape} ({num_heads} query heads, {num_kv_heads} KV heads, "
           f"head size {head_size}), copy bandwidth {bandwidth / 1e9:.1f} GB/s")
-    print(f"{'case':>22} {'backend':>8} {'time ms':>10} {'GB/s':>8} {'% copy bw':>9} {'vs torch':>9}"
-          + ("  timing" if device == "cuda" else ""))
+    kv_dtypes = [kvc.kv_cache_dtype(name) for name in args.kv_cache_dtypes.split(",")] if args.kv_cache_dtypes \
+        else [None]
+    print(f"{'case':>22} {'backend':>8} {'kv cache':>9} {'time ms':>10} {'GB/s':>8} {'% copy bw':>9} {'vs torch':>9}"
+          + (f" {'vs first':>9}" if args.kv_cache_dtypes else "") + ("  timing" if device == "cuda" else ""))
     batches = (1, 32) if args.quick else BATCHES
     contexts = (1024,) if args.quick else CONTEXTS
     cases = [(f"decode b={b} ctx={c}", b, c, 1) for b in batches for c in contexts]
     cases.append(("prefill 4 x 512", 4, 512, 512))
     for label, num_seqs, context, query_len in cases:
-        query, cache, meta, kv_bytes = make_case(num_seqs, context, query_len, dtype, device, args.shape)
-        out = torch.empty_like(query)
-        baseline = None
-        for name, backend in backends.items():
-            meta.scratch.clear()
+        baseline, first = None, {}
+        for kv_dtype in kv_dtypes:
+            query, cache, meta, kv_bytes = make_case(num_seqs, context, query_len, dtype, device, args.shape,
+                                                     kv_dtype)
+            out = torch.empty_like(query)
+            for name, backend in backends.items():
+                meta.scratch.clear()
+                if kv_dtype is not None and kv_dtype.name not in backend.kv_cache_dtypes_for(dtype):
+                    continue
 
-            def call():
-                backend.attend(query, cache, meta, head_size**-0.5, out)
+                def call():
+                    backend.attend(query, cache, meta, head_size**-0.5, out)
 
-            seconds, how = (device_time(call), "  graph") if device == "cuda" else (None, "")
-            if seconds is None:  # on a GPU, host time per call bounds this for small cases
-                seconds, how = timeit(call, device), ("  host" if device == "cuda" else "")
-            baseline = seconds if name == "torch" else baseline
-            ratio = f"{baseline / seconds:8.1f}x" if baseline else "       -"
-            rate = kv_bytes / seconds
-            print(f"{label:>22} {name:>8} {seconds * 1e3:10.3f} {rate / 1e9:8.1f} {100 * rate / bandwidth:8.0f}%"
-                  f" {ratio}{how}")
+                seconds, how = (device_time(call), "  graph") if device == "cuda" else (None, "")
+                if seconds is None:  # on a GPU, host time per call bounds this for small cases
+                    seconds, how = timeit(call, device), ("  host" if device == "cuda" else "")
+                if name == "torch" and kv_dtype is kv_dtypes[0]:
+                    baseline = seconds
+                first.setdefault(name, seconds)
+                ratio = f"{baseline / seconds:8.1f}x" if baseline else "       -"
+                versus = f" {first[name] / seconds:8.2f}x" if args.kv_cache_dtypes else ""
+                rate = kv_bytes / seconds
+                cache_name = kv_dtype.name if kv_dtype is not None else args.dtype
+                print(f"{label:>22} {name:>8} {cache_name:>9} {seconds * 1e3:10.3f} {rate / 1e9:8.1f} "
+                      f"{100 * rate / bandwidth:8.0f}% {ratio}{versus}{how}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default = "torch,cpu" if not torch.cuda.is_available() else "torch,cuda,triton"
     parser.add_argument("--backends", default=default, help="comma-separated, torch first (the baseline)")
+    parser.add_argument("--kv-cache-dtypes", default=None,
+                        help="comma-separated cache element types, the first the baseline of the last column")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--quick", action="store_true", help="a few cases only")

@@ -38,8 +38,8 @@ def build_cpu(out: Path) -> Path:
     common = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", f"-I{ROOT / 'include'}", f"-I{ROOT / 'cpu'}"]
     with tempfile.TemporaryDirectory() as tmp:
         objects = []
-        # The kernel twice: an AVX2+FMA variant and a portable one; the library picks at load time.
-        for variant, flags in (("pa_avx2", ["-mavx2", "-mfma"]), ("pa_portable", [])):
+        # The kernel twice: an AVX2+FMA+F16C variant and a portable one; the library picks at load time.
+        for variant, flags in (("pa_avx2", ["-mavx2", "-mfma", "-mf16c"]), ("pa_portable", [])):
             if flags and not _is_x86():
                 continue
             obj = Path(tmp) / f"kernel_{variant}.o"

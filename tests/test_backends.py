@@ -3,7 +3,8 @@
 Random, shuffled (non-contiguous) block tables; block sizes 16 and 32; head sizes 64 and
 128; GQA ratios 1, 3 and 8; pure decode, pure prefill, mixed batches, chunked prefill over
 a cached prefix; sequence lengths from 1 to 4096; padding rows with empty (-1) slots;
-sliding windows and logit soft-capping.
+sliding windows and logit soft-capping; every KV cache element type (backends/kv_cache.py)
+each backend keeps, written bit for bit as the torch backend writes it.
 
 Tolerances: float32 1e-4 (only summation order differs); bfloat16 and float16 2e-2 (inputs
 are rounded to 16 bits, so every product carries ~3 significant digits; the reference
@@ -27,6 +28,7 @@ import pytest
 import torch
 
 from backends import get_backend, native
+from backends import kv_cache as kvc
 from backends.base import AttentionMetadata
 from backends.errors import BackendUnavailableError
 from backends.cpu import CpuAttentionBackend
@@ -146,32 +148,45 @@ def build_batch(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, dev
 def guarded(shape, dtype, device, fill=0.0):
     """A contiguous tensor of ``shape`` with NaN slabs right before and after it in memory, so
     that a kernel reading past either end (nothing else checks raw pointers) gets NaN into its
-    output, and one writing there is caught by ``guards_intact``."""
-    storage = torch.full((shape[0] + 2, *shape[1:]), float("nan"), dtype=dtype, device=device)
+    output, and one writing there is caught by ``guards_intact``. (An int8 tensor's slabs are
+    0x7f bytes: a write there is caught, a read is not.)"""
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        storage = torch.full((shape[0] + 2, *shape[1:]), float("nan"), dtype=dtype, device=device)
+    else:  # fp8 (0x7f is NaN in both formats) and int8
+        storage = torch.full((shape[0] + 2, *shape[1:]), 0x7f, dtype=torch.uint8, device=device).view(dtype)
     inner = storage[1:-1]
-    inner.fill_(fill)
+    inner.view(torch.uint8).fill_(0) if fill == 0.0 else inner.fill_(fill)
     return inner, storage
 
 
 def guards_intact(storage) -> bool:
-    return bool(storage[0].isnan().all() and storage[-1].isnan().all())
+    if storage.dtype.is_floating_point and storage.dtype.itemsize > 1:
+        return bool(storage[0].isnan().all() and storage[-1].isnan().all())
+    raw = storage.view(torch.uint8)
+    return bool((raw[0] == 0x7f).all() and (raw[-1] == 0x7f).all())
 
 
-def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device, window=None, softcap=None):
-    shape = backend.kv_cache_shape(batch["num_blocks"], block_size, num_kv_heads, head_size)
-    cache, cache_storage = guarded(shape, dtype, device)
+def run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device, window=None, softcap=None,
+                kv_dtype=None, kv_scales=None):
+    spec = kv_dtype or kvc.kv_cache_dtype(str(dtype).removeprefix("torch."))
+    shape = backend.kv_cache_shape(batch["num_blocks"], block_size, num_kv_heads, head_size, spec)
+    cache, cache_storage = guarded(shape, spec.storage, device)
+    scales = None if kv_scales is None else kv_scales.to(device)
     for k, v, s in batch["prefix"]:
         if len(s):
-            backend.write_kv(k, v, cache, s)
-    # a padding row whose slot is -1 must not be written anywhere
+            backend.write_kv(k, v, cache, s, scales)
+    # a padding row whose slot is -1 must not be written anywhere (the cache's bytes are also
+    # held to the torch backend's, which leaves it out)
     pad_k = torch.full_like(batch["key"][:1], 4096.0)
     backend.write_kv(torch.cat([batch["key"], pad_k]), torch.cat([batch["value"], pad_k]), cache,
-                     torch.cat([batch["meta"].slot_mapping, torch.tensor([-1], device=device)]))
-    assert not (cache == 4096.0).any()
+                     torch.cat([batch["meta"].slot_mapping, torch.tensor([-1], device=device)]), scales)
+    if spec.storage.is_floating_point and spec.storage.itemsize > 1:
+        assert not (cache == 4096.0).any()
     query, query_storage = guarded(batch["query"].shape, dtype, device)
     query.copy_(batch["query"])
     out, out_storage = guarded(batch["query"].shape, dtype, device, fill=float("nan"))
-    backend.attend(query, cache, batch["meta"], head_size**-0.5, out, window=window, softcap=softcap)
+    backend.attend(query, cache, batch["meta"], head_size**-0.5, out, window=window, softcap=softcap,
+                   kv_scales=scales)
     assert guards_intact(cache_storage) and guards_intact(query_storage) and guards_intact(out_storage)
     assert not out.isnan().any()  # every row written, nothing read from outside the tensors
     return out, cache
@@ -200,7 +215,7 @@ def test_backend_windows_and_softcap_match_reference(request, backend_name, case
 
 
 def check_against_reference(request, backend_name, case, block_size, head_size, num_heads, num_kv_heads, dtype,
-                            window=None, softcap=None):
+                            window=None, softcap=None, kv_dtype=None, kv_scales=None):
     if dtype != torch.float32 and dtype not in HALF_PRECISION[backend_name]:
         pytest.skip(f"the {backend_name} backend has no {dtype}")
     device = device_for(backend_name)
@@ -215,18 +230,86 @@ def check_against_reference(request, backend_name, case, block_size, head_size, 
         backend = request.getfixturevalue("portable_cpu")
     else:
         backend = get_backend(backend_name, device)
+    if kv_dtype is not None and kv_dtype.name not in backend.kv_cache_dtypes_for(dtype):
+        pytest.skip(f"the {backend_name} backend keeps no {kv_dtype.name} cache for a {dtype} model")
     batch = build_batch(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, device)
-    out, cache = run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device, window, softcap)
+    out, cache = run_backend(backend, batch, block_size, num_kv_heads, head_size, dtype, device, window, softcap,
+                             kv_dtype, kv_scales)
     # The reference runs in fp32 (or bf16) on the CPU from the same, already rounded, values.
     ref_dtype = torch.float32 if dtype == torch.float16 else dtype
     ref_batch = build_batch(seqs, block_size, num_heads, num_kv_heads, head_size, dtype, "cpu")
     ref_batch = {**ref_batch, "prefix": [(k.to(ref_dtype), v.to(ref_dtype), s) for k, v, s in ref_batch["prefix"]],
                  **{name: ref_batch[name].to(ref_dtype) for name in ("key", "value", "query")}}
     ref_out, ref_cache = run_backend(TorchAttentionBackend(), ref_batch, block_size, num_kv_heads, head_size,
-                                     ref_dtype, "cpu", window, softcap)
-    assert torch.equal(cache.cpu().to(ref_dtype), ref_cache)  # cache writes are exact copies
+                                     ref_dtype, "cpu", window, softcap, kv_dtype or
+                                     (None if dtype != torch.float16 else kvc.kv_cache_dtype("float16")), kv_scales)
+    if kv_dtype is None and dtype == torch.float16:
+        ref_cache = ref_cache.float()
+    if kv_dtype is None:
+        assert torch.equal(cache.cpu().to(ref_dtype), ref_cache.to(ref_dtype))  # cache writes are exact copies
+    else:  # the same bits as the torch backend's conversion
+        assert torch.equal(cache.cpu().view(torch.uint8), ref_cache.view(torch.uint8))
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(out.cpu().float(), ref_out.float(), atol=tol, rtol=tol)
+
+
+# Every cache element type against the torch backend's, which dequantizes the same rows: the
+# kernels convert in registers and must store and read the same bits. fp8 with layer scales
+# other than 1 (K halved, V doubled), int8 with its per-row scales.
+@pytest.mark.parametrize("backend_name", runnable_backends())
+@pytest.mark.parametrize("case", ["decode", "chunked", "long"])
+@pytest.mark.parametrize("kv_name", [name for name in kvc.KV_CACHE_DTYPES if name != "float32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backend_kv_cache_dtypes_match_reference(request, backend_name, case, kv_name, dtype):
+    spec = kvc.kv_cache_dtype(kv_name)
+    scales = torch.tensor([0.5, 2.0]) if spec.is_fp8 else None
+    check_against_reference(request, backend_name, case, 16, 64, 9, 3, dtype, kv_dtype=spec, kv_scales=scales)
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "cpu-portable"])
+@pytest.mark.parametrize("kv_name", ["int8", "fp8_e4m3", "bfloat16"])
+def test_cpu_kv_cache_dtypes_with_windows_softcap_and_large_heads(request, backend_name, kv_name):
+    """The converted rows through the windowed, soft-capped, GQA-8 and head-size-128 paths."""
+    spec = kvc.kv_cache_dtype(kv_name)
+    check_against_reference(request, backend_name, "chunked", 16, 64, 9, 3, torch.float32, 70, 0.5, kv_dtype=spec)
+    check_against_reference(request, backend_name, "mixed", 32, 128, 8, 1, torch.float32, kv_dtype=spec)
+
+
+def test_kv_conversions_are_the_torch_ones_bit_for_bit():
+    """The native libraries' float -> cache conversions (kv_dtype.h) against torch's own:
+    values across every binade, subnormals, ties, and past the largest (saturated)."""
+    backend = CpuAttentionBackend()
+    gen = torch.Generator().manual_seed(3)
+    magnitudes = torch.logspace(-12, 6, 4096, base=2.0)
+    values = torch.cat([magnitudes, -magnitudes, torch.randn(4096, generator=gen) * 30, torch.zeros(64),
+                        torch.tensor([448.0, 464.0, 480.0, 1e9, 57344.0, 61440.0, 2.0 ** -9, 3 * 2.0 ** -10,
+                                      2.0 ** -17, 65504.0, 65520.0, 1e-8])])
+    tokens = values.numel() // 64
+    values = values[:tokens * 64].view(tokens, 1, 64)
+    for name in kvc.KV_CACHE_DTYPES:
+        spec = kvc.kv_cache_dtype(name)
+        shape = backend.kv_cache_shape(tokens, 1, 1, 64, spec)
+        mine, theirs = torch.zeros(shape, dtype=spec.storage), torch.zeros(shape, dtype=spec.storage)
+        slots = torch.arange(tokens)
+        backend.write_kv(values, values, mine, slots)
+        TorchAttentionBackend().write_kv(values, values, theirs, slots)
+        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8)), name
+
+
+def test_backends_say_which_kv_cache_dtypes_they_keep():
+    from backends.kv_cache import resolve_kv_cache_dtype
+
+    cpu, cuda = CpuAttentionBackend(), CudaAttentionBackend.__new__(CudaAttentionBackend)
+    assert resolve_kv_cache_dtype("auto", cpu, torch.float32).name == "int8"
+    assert resolve_kv_cache_dtype("fp8", cpu, torch.float32).name == "fp8_e4m3"  # vLLM's alias
+    assert resolve_kv_cache_dtype("auto", TorchAttentionBackend(), torch.bfloat16).name == "bfloat16"
+    assert resolve_kv_cache_dtype("auto", cuda, torch.bfloat16).name == "bfloat16"
+    assert resolve_kv_cache_dtype("fp8_e5m2", cuda, torch.float16).name == "fp8_e5m2"
+    with pytest.raises(ValueError, match="cannot keep this model's KV cache in int8; "
+                                         "it can do bfloat16, fp8_e4m3, fp8_e5m2"):
+        resolve_kv_cache_dtype("int8", cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'fp4'"):
+        resolve_kv_cache_dtype("fp4", cpu, torch.float32)
 
 
 def cpu_flags() -> set[str]:
@@ -238,7 +321,8 @@ def cpu_flags() -> set[str]:
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo")
 def test_cpu_library_runs_the_fastest_kernels_this_cpu_has():
-    expected = "avx2+fma" if {"avx2", "fma"} <= cpu_flags() and platform.machine() == "x86_64" else "portable"
+    expected = ("avx2+fma+f16c" if {"avx2", "fma", "f16c"} <= cpu_flags() and platform.machine() == "x86_64"
+                else "portable")
     assert get_backend("cpu", "cpu").isa == expected
 
 
@@ -302,11 +386,15 @@ ENGINE_BACKENDS = ["cpu", "cuda-emulated"] + (["cuda", "triton"] if torch.cuda.i
 
 @pytest.mark.parametrize("backend_name", ENGINE_BACKENDS)
 @pytest.mark.parametrize("layers", ["global", "gemma2"])
-def test_engine_matches_the_torch_backend(request, backend_name, layers, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "int8", "fp8_e4m3"])
+def test_engine_matches_the_torch_backend(request, backend_name, layers, kv_cache_dtype, monkeypatch):
     """The model runner driving each backend (fp32, random weights) gives the torch backend's
     greedy tokens and logprobs: chunked prefill, prefix-cache hits, several split-KV
     partitions, and (cuda) the per-step workspace shared by every layer. ``gemma2``: a
-    sliding-window layer (shorter than most prompts) before a global one, scores soft-capped."""
+    sliding-window layer (shorter than most prompts) before a global one, scores soft-capped.
+    The same with an int8 or fp8 cache on both sides (the same rows: the same results)."""
+    if backend_name == "cuda-emulated" and kv_cache_dtype == "int8":
+        pytest.skip("the cuda backend keeps no int8 cache")
     import engine.core.engine_core
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore
@@ -336,7 +424,8 @@ def test_engine_matches_the_torch_backend(request, backend_name, layers, monkeyp
             monkeypatch.setattr(engine.core.engine_core, "get_backend", lambda *_: emulated)
             name = "torch"  # a valid config value; the patched lookup ignores it
         core = EngineCore(EngineConfig(backend=name, device=device, dtype="float32", num_kv_blocks=128,
-                                       max_num_batched_tokens=64, max_num_seqs=8), model=model)
+                                       max_num_batched_tokens=64, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype),
+                          model=model)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
         for i, prompt in enumerate(prompts):
             core.add_request(str(i), prompt, params)

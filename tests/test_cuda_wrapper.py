@@ -95,7 +95,7 @@ def test_write_kv_arguments_are_checked():
     for args, words in [((key, key, cache, torch.tensor([1, 2, 3], dtype=torch.int32)), "int64"),
                         ((key, key, cache, torch.tensor([1, 2])), "one slot per token"),
                         ((key, key[:, :1], cache, torch.tensor([1, 2, 3])), "value shape .* differs from key"),
-                        ((key, key, cache.float(), torch.tensor([1, 2, 3])), "kv_cache must be torch.bfloat16")]:
+                        ((key, key, cache.float(), torch.tensor([1, 2, 3])), "a float32 KV cache is not supported here")]:
         with pytest.raises(ValueError, match=words):
             backend.write_kv(*args)
     assert lib.calls == []

@@ -1,14 +1,18 @@
 // The work-item kernel of the CPU library; see paged_attention_cpu.cpp for the design.
-// Compiled twice: with -mavx2 -mfma -DPA_NS=pa_avx2, and plain with -DPA_NS=pa_portable.
-// The loops are written for the vectorizer (omp simd); exp has an AVX2 version.
+// Compiled twice: with -mavx2 -mfma -mf16c -DPA_NS=pa_avx2, and plain with -DPA_NS=pa_portable.
+// The loops are written for the vectorizer (omp simd); exp has an AVX2 version. Whatever the
+// cache's element type (kv_dtype.h), its rows are converted to float in registers as they are
+// read (eight at a time with AVX2+F16C), never copied out in float first.
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernel.h"
+#include "kv_dtype.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -23,13 +27,6 @@ namespace PA_NS {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline float dot(const float* __restrict a, const float* __restrict b, int n) {
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; ++i) s += a[i] * b[i];
-    return s;
-}
 
 inline void axpy(float* __restrict y, float a, const float* __restrict x, int n) {
 #pragma omp simd
@@ -75,6 +72,79 @@ inline float hsum256(__m256 v) {
 }
 #endif
 
+// The cache's element types as this kernel reads them: get() one value, load8() eight (AVX2).
+// An int8 row's values are multiplied by its scale (row_scale) where the row is used.
+struct F32 {
+    using T = float;
+    static float get(const T* p) { return *p; }
+};
+struct BF16 {
+    using T = uint16_t;
+    static float get(const T* p) { return pa_kv::bf16_to_float(*p); }
+};
+struct F16 {
+    using T = uint16_t;
+    static float get(const T* p) { return pa_kv::half_to_float(*p); }
+};
+struct E4M3 {
+    using T = uint8_t;
+    static float get(const T* p) { return pa_kv::e4m3_to_float(*p); }
+};
+struct E5M2 {
+    using T = uint8_t;
+    static float get(const T* p) { return pa_kv::e5m2_to_float(*p); }
+};
+struct I8 {
+    using T = int8_t;
+    static float get(const T* p) { return static_cast<float>(*p); }
+};
+
+template <class E> inline float row_scale(const typename E::T*, int) { return 1.f; }
+template <> inline float row_scale<I8>(const int8_t* row, int D) {
+    uint16_t h;
+    std::memcpy(&h, row + D, sizeof h);
+    return pa_kv::half_to_float(h);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <class E> inline __m256 load8(const typename E::T* p);
+template <> inline __m256 load8<F32>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 load8<BF16>(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+template <> inline __m256 load8<F16>(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <> inline __m256 load8<E5M2>(const uint8_t* p) {  // the high byte of a float16
+    const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
+}
+template <> inline __m256 load8<E4M3>(const uint8_t* p) {  // as a float16 of 1/256 the value (kv_dtype.h)
+    const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
+    const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7f)), 7);
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, magnitude)), _mm256_set1_ps(256.f));
+}
+template <> inline __m256 load8<I8>(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+template <class E>
+inline float dot_row(const float* __restrict a, const typename E::T* __restrict b, int n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; ++i) s += a[i] * E::get(b + i);
+    return s;
+}
+
+template <class E>
+inline void axpy_row(float* __restrict y, float a, const typename E::T* __restrict x, int n) {
+#pragma omp simd
+    for (int i = 0; i < n; ++i) y[i] += a * E::get(x + i);
+}
+
 // x[i] = exp(x[i]) for x[i] <= 0 (softmax numerators); -inf gives 0.
 inline void exp_nonpositive(float* x, int n) {
     int i = 0;
@@ -86,7 +156,8 @@ inline void exp_nonpositive(float* x, int n) {
 
 // out[j] = dot(q, k + j * stride) for j < n. With AVX2: eight keys at a time, one FMA
 // accumulator per key, reduced by a transpose-and-add tree instead of eight horizontal sums.
-inline void dots(const float* q, const float* k, int64_t stride, int n, int D, float* out) {
+template <class E>
+inline void dots(const float* q, const typename E::T* k, int64_t stride, int n, int D, float* out) {
     int j = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     if (D % 8 == 0) {
@@ -95,7 +166,7 @@ inline void dots(const float* q, const float* k, int64_t stride, int n, int D, f
             for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
             for (int d = 0; d < D; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + d);
-                for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + t) * stride + d), acc[t]);
+                for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, load8<E>(k + (j + t) * stride + d), acc[t]);
             }
             const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
             const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
@@ -103,47 +174,35 @@ inline void dots(const float* q, const float* k, int64_t stride, int n, int D, f
         }
     }
 #endif
-    for (; j < n; ++j) out[j] = dot(q, k + j * stride, D);
+    for (; j < n; ++j) out[j] = dot_row<E>(q, k + j * stride, D);
+    if (std::is_same<E, I8>::value)
+        for (j = 0; j < n; ++j) out[j] *= row_scale<E>(k + j * stride, D);
 }
 
 // acc += sum_j w[j] * (v + j * stride) for j < n. With AVX2 the accumulator stays in
 // registers, 64 dimensions at a time, across all n rows.
-inline void weighted_sum(float* acc, const float* w, const float* v, int64_t stride, int n, int D) {
+template <class E>
+inline void weighted_sum(float* acc, const float* w, const typename E::T* v, int64_t stride, int n, int D) {
     int d = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     for (; d + 64 <= D; d += 64) {
         __m256 r[8];
         for (int c = 0; c < 8; ++c) r[c] = _mm256_loadu_ps(acc + d + 8 * c);
         for (int j = 0; j < n; ++j) {
-            const __m256 wj = _mm256_set1_ps(w[j]);
-            const float* row = v + j * stride + d;
-            for (int c = 0; c < 8; ++c) r[c] = _mm256_fmadd_ps(wj, _mm256_loadu_ps(row + 8 * c), r[c]);
+            const __m256 wj = _mm256_set1_ps(w[j] * row_scale<E>(v + j * stride, D));
+            const typename E::T* row = v + j * stride + d;
+            for (int c = 0; c < 8; ++c) r[c] = _mm256_fmadd_ps(wj, load8<E>(row + 8 * c), r[c]);
         }
         for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + d + 8 * c, r[c]);
     }
 #endif
     if (d < D)
-        for (int j = 0; j < n; ++j) axpy(acc + d, w[j], v + j * stride + d, D - d);
-}
-
-inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
-    return static_cast<uint16_t>(bits >> 16);
+        for (int j = 0; j < n; ++j) axpy_row<E>(acc + d, w[j] * row_scale<E>(v + j * stride, D), v + j * stride + d, D - d);
 }
 
 inline void load_bf16(float* __restrict dst, const uint16_t* __restrict src, int n) {
 #pragma omp simd
-    for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(src[i]);
+    for (int i = 0; i < n; ++i) dst[i] = pa_kv::bf16_to_float(src[i]);
 }
 
 void load_row(float* dst, const void* base, int64_t offset, int n, int dtype) {
@@ -156,7 +215,7 @@ void store_row(void* base, int64_t offset, const float* src, int n, int dtype) {
         std::memcpy(static_cast<float*>(base) + offset, src, n * sizeof(float));
     } else {
         uint16_t* dst = static_cast<uint16_t*>(base) + offset;
-        for (int i = 0; i < n; ++i) dst[i] = float_to_bf16(src[i]);
+        for (int i = 0; i < n; ++i) dst[i] = pa_kv::float_to_bf16(src[i]);
     }
 }
 
@@ -191,19 +250,20 @@ inline float softmax_step(float* scores, int n, float scale, float softcap, floa
 
 // One row at a time: scores, one rescale of the row's running sums, then the weighted V
 // accumulation (the flash-attention recurrence). The rows see the block's keys [first, visible).
-void attend_rows_one_by_one(const Problem& p, Scratch& sc, const float* kh, const float* vh, int64_t stride,
-                            const int* rows, int num_rows, int first, int visible) {
+template <class E>
+void attend_rows_one_by_one(const Problem& p, Scratch& sc, const typename E::T* kh, const typename E::T* vh,
+                            int64_t stride, const int* rows, int num_rows, int first, int visible) {
     const int D = p.s->head_size, n = visible - first;
     kh += first * stride;
     vh += first * stride;
     float* scores = sc.scores.data();
     for (int i = 0; i < num_rows; ++i) {
         const int r = rows[i];
-        dots(&sc.q[static_cast<size_t>(r) * D], kh, stride, n, D, scores);
+        dots<E>(&sc.q[static_cast<size_t>(r) * D], kh, stride, n, D, scores);
         float* acc = &sc.acc[static_cast<size_t>(r) * D];
         const float correction = softmax_step(scores, n, p.scale, p.softcap, sc.m[r], sc.l[r]);
         if (correction != 1.f) scale(acc, correction, D);
-        weighted_sum(acc, scores, vh, stride, n, D);
+        weighted_sum<E>(acc, scores, vh, stride, n, D);
     }
 }
 
@@ -212,9 +272,9 @@ void attend_rows_one_by_one(const Problem& p, Scratch& sc, const float* kh, cons
 // KV head's keys transposed into `kt` (D x kp, zero past the block's keys): every K and V
 // vector loaded serves all R rows, and the scores come out one key per lane, with no
 // horizontal sums. For prefill, where a work item holds many rows per KV head.
-template <int R>
-void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp, const float* vh, int64_t stride,
-                          const int* rows, int first, int visible) {
+template <class E, int R>
+void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp, const typename E::T* vh,
+                          int64_t stride, const int* rows, int first, int visible) {
     const int D = p.s->head_size;
     const float* q[R];
     float* acc[R];
@@ -286,10 +346,11 @@ void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp
             a[i][1] = _mm256_mul_ps(_mm256_loadu_ps(acc[i] + d + 8), c);
         }
         for (int j = first; j < visible; ++j) {
-            const __m256 v0 = _mm256_loadu_ps(vh + j * stride + d);
-            const __m256 v1 = _mm256_loadu_ps(vh + j * stride + d + 8);
+            const __m256 v0 = load8<E>(vh + j * stride + d);
+            const __m256 v1 = load8<E>(vh + j * stride + d + 8);
+            const float rs = row_scale<E>(vh + j * stride, D);
             for (int i = 0; i < R; ++i) {
-                const __m256 w = _mm256_broadcast_ss(scores[i] + j);
+                const __m256 w = _mm256_set1_ps(scores[i][j] * rs);
                 a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
                 a[i][1] = _mm256_fmadd_ps(w, v1, a[i][1]);
             }
@@ -303,12 +364,17 @@ void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp
 
 // kt[d * kp + j] = k[j * stride + d] for j < count, 0 for count <= j < kp: 8 x 8 tiles
 // transposed in registers.
-void transpose_keys(const float* k, int64_t stride, int count, int D, int kp, float* kt) {
+template <class E>
+void transpose_keys(const typename E::T* k, int64_t stride, int count, int D, int kp, float* kt) {
     for (int j0 = 0; j0 < kp; j0 += 8) {
+        float rs[8];
+        for (int t = 0; t < 8; ++t) rs[t] = j0 + t < count ? row_scale<E>(k + (j0 + t) * stride, D) : 0.f;
         for (int d0 = 0; d0 < D; d0 += 8) {
             __m256 r[8];
-            for (int t = 0; t < 8; ++t)
-                r[t] = j0 + t < count ? _mm256_loadu_ps(k + (j0 + t) * stride + d0) : _mm256_setzero_ps();
+            for (int t = 0; t < 8; ++t) {
+                r[t] = j0 + t < count ? load8<E>(k + (j0 + t) * stride + d0) : _mm256_setzero_ps();
+                if (std::is_same<E, I8>::value) r[t] = _mm256_mul_ps(r[t], _mm256_set1_ps(rs[t]));
+            }
             const __m256 a0 = _mm256_unpacklo_ps(r[0], r[1]), a1 = _mm256_unpackhi_ps(r[0], r[1]);
             const __m256 a2 = _mm256_unpacklo_ps(r[2], r[3]), a3 = _mm256_unpackhi_ps(r[2], r[3]);
             const __m256 a4 = _mm256_unpacklo_ps(r[4], r[5]), a5 = _mm256_unpackhi_ps(r[4], r[5]);
@@ -326,21 +392,23 @@ void transpose_keys(const float* k, int64_t stride, int count, int D, int kp, fl
     }
 }
 
-void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp, const float* vh, int64_t stride,
-                          const int* rows, int num_rows, int first, int visible) {
+template <class E>
+void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp, const typename E::T* vh,
+                          int64_t stride, const int* rows, int num_rows, int first, int visible) {
     switch (num_rows) {
-        case 1: return attend_rows_together<1>(p, sc, kt, kp, vh, stride, rows, first, visible);
-        case 2: return attend_rows_together<2>(p, sc, kt, kp, vh, stride, rows, first, visible);
-        case 3: return attend_rows_together<3>(p, sc, kt, kp, vh, stride, rows, first, visible);
-        default: return attend_rows_together<4>(p, sc, kt, kp, vh, stride, rows, first, visible);
+        case 1: return attend_rows_together<E, 1>(p, sc, kt, kp, vh, stride, rows, first, visible);
+        case 2: return attend_rows_together<E, 2>(p, sc, kt, kp, vh, stride, rows, first, visible);
+        case 3: return attend_rows_together<E, 3>(p, sc, kt, kp, vh, stride, rows, first, visible);
+        default: return attend_rows_together<E, 4>(p, sc, kt, kp, vh, stride, rows, first, visible);
     }
 }
 #endif
 
 // One cache block's contribution to every row (query, head) of the item, KV head by KV
 // head. k and v point at the block's first token, KV head 0; rows are `stride` apart.
-void attend_block(const Problem& p, const WorkItem& w, Scratch& sc, const float* k, const float* v, int64_t stride,
-                  int k0, int count, int ctx) {
+template <class E>
+void attend_block(const Problem& p, const WorkItem& w, Scratch& sc, const typename E::T* k, const typename E::T* v,
+                  int64_t stride, int k0, int count, int ctx) {
     const int D = p.s->head_size, H = p.s->num_heads, G = p.group;
 #if defined(__AVX2__) && defined(__FMA__)
     // Prefill: transposing this block's keys pays off once several rows share them.
@@ -349,10 +417,10 @@ void attend_block(const Problem& p, const WorkItem& w, Scratch& sc, const float*
 #endif
     int rows[kRowsPerPass];
     for (int kv_head = 0; kv_head < p.s->num_kv_heads; ++kv_head) {
-        const float* kh = k + kv_head * D;
-        const float* vh = v + kv_head * D;
+        const typename E::T* kh = k + kv_head * p.row;
+        const typename E::T* vh = v + kv_head * p.row;
 #if defined(__AVX2__) && defined(__FMA__)
-        if (together) transpose_keys(kh, stride, count, D, kp, sc.kt.data());
+        if (together) transpose_keys<E>(kh, stride, count, D, kp, sc.kt.data());
 #endif
         // Rows that see the same keys go through together: runs of up to kRowsPerPass rows
         // of one key range (all of them, except in the blocks holding the diagonal or a
@@ -362,12 +430,12 @@ void attend_block(const Problem& p, const WorkItem& w, Scratch& sc, const float*
             if (num_rows == 0) return;
 #if defined(__AVX2__) && defined(__FMA__)
             if (together) {
-                attend_rows_together(p, sc, sc.kt.data(), kp, vh, stride, rows, num_rows, run_first, run_visible);
+                attend_rows_together<E>(p, sc, sc.kt.data(), kp, vh, stride, rows, num_rows, run_first, run_visible);
                 num_rows = 0;
                 return;
             }
 #endif
-            attend_rows_one_by_one(p, sc, kh, vh, stride, rows, num_rows, run_first, run_visible);
+            attend_rows_one_by_one<E>(p, sc, kh, vh, stride, rows, num_rows, run_first, run_visible);
             num_rows = 0;
         };
         for (int qi = w.q_begin; qi < w.q_end; ++qi) {
@@ -388,17 +456,18 @@ void attend_block(const Problem& p, const WorkItem& w, Scratch& sc, const float*
 
 // The next block sits anywhere in the cache, where no hardware prefetcher looks: ask for it
 // while this one is computed.
+template <class E>
 inline void prefetch_block(const Problem& p, int64_t offset, size_t bytes) {
-    const size_t elem = p.s->dtype == PA_FLOAT32 ? 4 : 2;
-    const char* k = static_cast<const char*>(p.kv_cache) + offset * elem;
-    const char* v = k + p.kv_half * elem;
+    const char* k = reinterpret_cast<const char*>(static_cast<const typename E::T*>(p.kv_cache) + offset);
+    const char* v = k + p.kv_half * sizeof(typename E::T);
     for (size_t i = 0; i < bytes; i += 64) {
         __builtin_prefetch(k + i);
         __builtin_prefetch(v + i);
     }
 }
 
-void run_item(const Problem& p, const WorkItem& w, Scratch& sc, float* partials) {
+template <class E>
+void run_item_of(const Problem& p, const WorkItem& w, Scratch& sc, float* partials) {
     const pa_shape& s = *p.s;
     const int D = s.head_size, BS = s.block_size, H = s.num_heads;
     const int q_len = p.qsl[w.seq + 1] - p.qsl[w.seq];
@@ -411,22 +480,16 @@ void run_item(const Problem& p, const WorkItem& w, Scratch& sc, float* partials)
     std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
     const int k_end = std::min(w.k_end, ctx + w.q_end);  // the tile's last query sees keys < ctx + q_end
     const int32_t* table = p.block_tables + static_cast<int64_t>(w.seq) * s.max_blocks_per_seq;
-    const int64_t row = static_cast<int64_t>(s.num_kv_heads) * D;  // one token's K (or V), all KV heads
-    const size_t elem = s.dtype == PA_FLOAT32 ? 4 : 2;
+    const int64_t row = static_cast<int64_t>(s.num_kv_heads) * p.row;  // one token's K (or V), all KV heads
+    const typename E::T* cache = static_cast<const typename E::T*>(p.kv_cache);
     for (int k0 = w.k_begin; k0 < k_end;) {
         const int first = k0 % BS;
         const int count = std::min(BS - first, k_end - k0);
         const int64_t base = (static_cast<int64_t>(table[k0 / BS]) * BS + first) * row;
-        if (k0 + count < k_end) prefetch_block(p, table[(k0 + count) / BS] * static_cast<int64_t>(BS) * row,
-                                               BS * row * elem);
-        if (s.dtype == PA_FLOAT32) {  // fp32 rows are read in place
-            const float* cache = static_cast<const float*>(p.kv_cache);
-            attend_block(p, w, sc, cache + base, cache + p.kv_half + base, row, k0, count, ctx);
-        } else {  // bf16: the block's rows (all KV heads, contiguous) converted once
-            load_row(sc.k.data(), p.kv_cache, base, static_cast<int>(count * row), s.dtype);
-            load_row(sc.v.data(), p.kv_cache, p.kv_half + base, static_cast<int>(count * row), s.dtype);
-            attend_block(p, w, sc, sc.k.data(), sc.v.data(), row, k0, count, ctx);
-        }
+        if (k0 + count < k_end)
+            prefetch_block<E>(p, table[(k0 + count) / BS] * static_cast<int64_t>(BS) * row,
+                              BS * row * sizeof(typename E::T));
+        attend_block<E>(p, w, sc, cache + base, cache + p.kv_half + base, row, k0, count, ctx);
         k0 += count;
     }
     for (int qi = w.q_begin; qi < w.q_end; ++qi) {
@@ -439,7 +502,7 @@ void run_item(const Problem& p, const WorkItem& w, Scratch& sc, float* partials)
                 dst[1] = sc.l[r];
                 std::memcpy(dst + 2, acc, D * sizeof(float));
             } else {
-                if (sc.l[r] > 0.f) scale(acc, 1.f / sc.l[r], D);
+                if (sc.l[r] > 0.f) scale(acc, p.v_scale / sc.l[r], D);
                 store_row(p.out, out_offset(p, w, qi, head), acc, D, s.dtype);
             }
         }
@@ -465,16 +528,27 @@ void merge_splits(const Problem& p, const WorkItem* items, float* partials) {
                 l += part[1] * weight;
                 axpy(out.data(), weight, part + 2, D);
             }
-            if (l > 0.f) scale(out.data(), 1.f / l, D);
+            if (l > 0.f) scale(out.data(), p.v_scale / l, D);
             store_row(p.out, out_offset(p, w0, qi, head), out.data(), D, p.s->dtype);
         }
+    }
+}
+
+void run_item(const Problem& p, const WorkItem& w, Scratch& sc, float* partials) {
+    switch (p.s->kv_dtype) {
+        case PA_FLOAT32: return run_item_of<F32>(p, w, sc, partials);
+        case PA_BFLOAT16: return run_item_of<BF16>(p, w, sc, partials);
+        case PA_FLOAT16: return run_item_of<F16>(p, w, sc, partials);
+        case PA_FP8_E4M3: return run_item_of<E4M3>(p, w, sc, partials);
+        case PA_FP8_E5M2: return run_item_of<E5M2>(p, w, sc, partials);
+        default: return run_item_of<I8>(p, w, sc, partials);
     }
 }
 
 }  // namespace
 
 #if defined(__AVX2__) && defined(__FMA__)
-Kernels kernels() { return {run_item, merge_splits, "avx2+fma"}; }
+Kernels kernels() { return {run_item, merge_splits, "avx2+fma+f16c"}; }
 #else
 Kernels kernels() { return {run_item, merge_splits, "portable"}; }
 #endif

@@ -70,14 +70,19 @@ int pa_cpu_rms_norm(float* out, float* residual, const float* x, const float* we
 
 int pa_cpu_rope_write_kv(const pa_shape* s, const float* qkv, const int64_t* positions, const float* cos,
                          const float* sin, int64_t max_positions, int32_t rotary_dim, float* q_out, void* kv_cache,
-                         const int64_t* slot_mapping) {
+                         const int64_t* slot_mapping, const float* kv_scales) {
     if (s->dtype != PA_FLOAT32 || rotary_dim % 2 != 0 || rotary_dim <= 0 || rotary_dim > s->head_size)
         return pa::report_error("rope_write_kv supports float32 and an even rotary_dim <= head_size only");
     const int D = s->head_size, half = rotary_dim / 2, H = s->num_heads, KV = s->num_kv_heads;
+    if (D > pa::kMaxHeadSize) return pa::report_error("head_size above 512 is not supported");
     const int64_t qkv_row = static_cast<int64_t>(H + 2 * KV) * D, kv_row = static_cast<int64_t>(KV) * D;
     const int64_t num_slots = static_cast<int64_t>(s->num_blocks) * s->block_size;
-    float* k_cache = static_cast<float*>(kv_cache);
-    float* v_cache = k_cache + num_slots * kv_row;
+    const int kv_dtype = s->kv_dtype;
+    const int64_t row_bytes = static_cast<int64_t>(pa::row_elements(kv_dtype, D)) * pa::element_bytes(kv_dtype);
+    char* k_cache = static_cast<char*>(kv_cache);
+    char* v_cache = k_cache + num_slots * KV * row_bytes;
+    const float inv_k = kv_scales != nullptr ? 1.f / kv_scales[0] : 1.f;
+    const float inv_v = kv_scales != nullptr ? 1.f / kv_scales[1] : 1.f;
     int bad = 0;
 #pragma omp parallel for schedule(static) reduction(| : bad) num_threads(threads_for(s->num_tokens * qkv_row)) \
     if (s->num_tokens * qkv_row >= 2 * kMinFloatsPerThread)
@@ -92,8 +97,19 @@ int pa_cpu_rope_write_kv(const pa_shape* s, const float* qkv, const int64_t* pos
         const float* row = qkv + t * qkv_row;
         for (int h = 0; h < H; ++h) rotate(q_out + (t * H + h) * static_cast<int64_t>(D), row + h * D, c, sn, half, D);
         if (slot < 0) continue;  // a padding token: its query is computed, its K/V not stored
-        for (int h = 0; h < KV; ++h) rotate(k_cache + slot * kv_row + h * D, row + (H + h) * D, c, sn, half, D);
-        std::memcpy(v_cache + slot * kv_row, row + (H + KV) * static_cast<int64_t>(D), kv_row * sizeof(float));
+        if (kv_dtype == PA_FLOAT32) {  // rotated straight into the cache
+            float* k_row = reinterpret_cast<float*>(k_cache + slot * KV * row_bytes);
+            for (int h = 0; h < KV; ++h) rotate(k_row + h * D, row + (H + h) * D, c, sn, half, D);
+            std::memcpy(v_cache + slot * KV * row_bytes, row + (H + KV) * static_cast<int64_t>(D), kv_row * sizeof(float));
+            continue;
+        }
+        float rotated[pa::kMaxHeadSize];
+        for (int h = 0; h < KV; ++h) {
+            rotate(rotated, row + (H + h) * D, c, sn, half, D);
+            pa::store_kv_row(k_cache + (slot * KV + h) * row_bytes, rotated, D, kv_dtype, inv_k);
+            pa::store_kv_row(v_cache + (slot * KV + h) * row_bytes, row + (H + KV + h) * static_cast<int64_t>(D), D,
+                             kv_dtype, inv_v);
+        }
     }
     return bad ? pa::report_error("a position is outside the rotary table or a slot outside the cache") : 0;
 }

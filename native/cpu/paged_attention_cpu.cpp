@@ -35,14 +35,15 @@ int fail(const std::string& message) {
     return 1;
 }
 
-// The AVX2+FMA kernels where the CPU has them, else the portable ones; PA_CPU_ISA=portable
+// The AVX2+FMA+F16C kernels where the CPU has them, else the portable ones; PA_CPU_ISA=portable
 // in the environment when the library loads forces the portable ones (tests use it).
 Kernels pick_kernels() {
     const char* forced = std::getenv("PA_CPU_ISA");
     if (forced != nullptr && std::string(forced) == "portable") return pa::pa_portable::kernels();
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(PA_NO_AVX2)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return pa::pa_avx2::kernels();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        return pa::pa_avx2::kernels();
 #endif
     return pa::pa_portable::kernels();
 }
@@ -103,9 +104,12 @@ std::vector<WorkItem> plan(const Problem& p, int num_threads, int64_t* partial_f
 
 int check_shape(const pa_shape* s) {
     if (s == nullptr) return fail("shape is null");
-    if (s->dtype != PA_FLOAT32 && s->dtype != PA_BFLOAT16) return fail("the CPU library supports float32 and bfloat16 only");
+    if (s->dtype != PA_FLOAT32 && s->dtype != PA_BFLOAT16)
+        return fail("the CPU library takes float32 and bfloat16 rows only");
+    if (s->kv_dtype < PA_FLOAT32 || s->kv_dtype > PA_INT8) return fail("unknown kv_dtype");
     if (s->num_kv_heads <= 0 || s->num_heads % s->num_kv_heads != 0) return fail("num_heads must be a multiple of num_kv_heads");
     if (s->head_size <= 0 || s->block_size <= 0) return fail("head_size and block_size must be positive");
+    if (s->head_size > pa::kMaxHeadSize) return fail("head_size above 512 is not supported");
     return 0;
 }
 
@@ -113,19 +117,15 @@ int check_shape(const pa_shape* s) {
 
 int pa::report_error(const char* message) { return fail(message); }
 
-extern "C" {
-
-const char* pa_cpu_last_error(void) { return g_last_error.c_str(); }
-
-const char* pa_cpu_isa(void) { return kKernels.name; }
-
-int pa_cpu_write_kv(const pa_shape* s, const void* key, const void* value, void* kv_cache, const int64_t* slot_mapping) {
-    if (int rc = check_shape(s)) return rc;
-    const int64_t row = static_cast<int64_t>(s->num_kv_heads) * s->head_size;
+// The write when the cache's type differs from the rows': each KV head's row converted
+// (kv_dtype.h), int8 rows with their scale.
+int pa::write_kv_rows(const pa_shape* s, const void* key, const void* value, char* k_cache, char* v_cache,
+                      const int64_t* slot_mapping, const float* kv_scales) {
+    const int D = s->head_size, KV = s->num_kv_heads;
     const int64_t num_slots = static_cast<int64_t>(s->num_blocks) * s->block_size;
-    const size_t elem = s->dtype == PA_FLOAT32 ? 4 : 2;
-    char* k_cache = static_cast<char*>(kv_cache);
-    char* v_cache = k_cache + num_slots * row * elem;
+    const int64_t row_bytes = static_cast<int64_t>(pa::row_elements(s->kv_dtype, D)) * pa::element_bytes(s->kv_dtype);
+    const float inv_k = kv_scales != nullptr ? 1.f / kv_scales[0] : 1.f;
+    const float inv_v = kv_scales != nullptr ? 1.f / kv_scales[1] : 1.f;
     int bad = 0;
 #pragma omp parallel for schedule(static) reduction(| : bad) if (s->num_tokens > 64)
     for (int t = 0; t < s->num_tokens; ++t) {
@@ -135,19 +135,66 @@ int pa_cpu_write_kv(const pa_shape* s, const void* key, const void* value, void*
             bad = 1;
             continue;
         }
-        std::memcpy(k_cache + slot * row * elem, static_cast<const char*>(key) + t * row * elem, row * elem);
-        std::memcpy(v_cache + slot * row * elem, static_cast<const char*>(value) + t * row * elem, row * elem);
+        float row[pa::kMaxHeadSize];
+        for (int h = 0; h < KV; ++h) {
+            for (int part = 0; part < 2; ++part) {
+                const void* src = part == 0 ? key : value;
+                const int64_t offset = (static_cast<int64_t>(t) * KV + h) * D;
+                if (s->dtype == PA_FLOAT32) std::memcpy(row, static_cast<const float*>(src) + offset, D * sizeof(float));
+                else for (int i = 0; i < D; ++i) row[i] = pa_kv::bf16_to_float(static_cast<const uint16_t*>(src)[offset + i]);
+                char* dst = (part == 0 ? k_cache : v_cache) + (slot * KV + h) * row_bytes;
+                pa::store_kv_row(dst, row, D, s->kv_dtype, part == 0 ? inv_k : inv_v);
+            }
+        }
     }
     return bad ? fail("slot_mapping holds a slot outside the cache") : 0;
 }
 
-int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void* kv_cache, const int32_t* qsl,
-                     const int32_t* seq_lens, const int32_t* block_tables, float scale, int32_t window, float softcap) {
+extern "C" {
+
+const char* pa_cpu_last_error(void) { return g_last_error.c_str(); }
+
+const char* pa_cpu_isa(void) { return kKernels.name; }
+
+int pa_cpu_write_kv(const pa_shape* s, const void* key, const void* value, void* kv_cache, const int64_t* slot_mapping,
+                    const float* kv_scales) {
+    if (int rc = check_shape(s)) return rc;
+    const int D = s->head_size;
+    const int64_t row = static_cast<int64_t>(s->num_kv_heads) * D;  // one token's input, all KV heads
+    const int64_t num_slots = static_cast<int64_t>(s->num_blocks) * s->block_size;
+    const size_t elem = s->dtype == PA_FLOAT32 ? 4 : 2;
+    const int64_t cache_row = static_cast<int64_t>(s->num_kv_heads) * pa::row_elements(s->kv_dtype, D) *
+                              pa::element_bytes(s->kv_dtype);  // one token's bytes in the cache
+    char* k_cache = static_cast<char*>(kv_cache);
+    char* v_cache = k_cache + num_slots * cache_row;
+    if (s->kv_dtype != s->dtype) return pa::write_kv_rows(s, key, value, k_cache, v_cache, slot_mapping, kv_scales);
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad) if (s->num_tokens > 64)
+    for (int t = 0; t < s->num_tokens; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        if (slot >= num_slots) {
+            bad = 1;
+            continue;
+        }
+        std::memcpy(k_cache + slot * cache_row, static_cast<const char*>(key) + t * row * elem, row * elem);
+        std::memcpy(v_cache + slot * cache_row, static_cast<const char*>(value) + t * row * elem, row * elem);
+    }
+    return bad ? fail("slot_mapping holds a slot outside the cache") : 0;
+}
+
+int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void* kv_cache, const float* kv_scales,
+                     const int32_t* qsl, const int32_t* seq_lens, const int32_t* block_tables, float scale,
+                     int32_t window, float softcap) {
     if (int rc = check_shape(s)) return rc;
     if (window < 0 || !(softcap >= 0.f)) return fail("window and softcap must be >= 0 (0: none)");
-    Problem p{s, query, kv_cache, out, qsl, seq_lens, block_tables, scale, window, softcap,
-              s->num_heads / s->num_kv_heads,
-              static_cast<int64_t>(s->num_blocks) * s->block_size * s->num_kv_heads * s->head_size};
+    const bool fp8 = s->kv_dtype == PA_FP8_E4M3 || s->kv_dtype == PA_FP8_E5M2;
+    const float k_scale = fp8 && kv_scales != nullptr ? kv_scales[0] : 1.f;
+    const float v_scale = fp8 && kv_scales != nullptr ? kv_scales[1] : 1.f;
+    const int row = pa::row_elements(s->kv_dtype, s->head_size);
+    Problem p{s, query, kv_cache, out, qsl, seq_lens, block_tables, scale * k_scale, v_scale, window, softcap,
+              s->num_heads / s->num_kv_heads, row,
+              static_cast<int64_t>(s->num_blocks) * s->block_size * s->num_kv_heads * row};
     for (int seq = 0; seq < s->num_seqs; ++seq) {
         const int q_len = qsl[seq + 1] - qsl[seq];
         if (q_len < 0 || q_len > seq_lens[seq]) return fail("a sequence has more new tokens than its seq_len");
@@ -163,8 +210,7 @@ int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void
     // without a parallel region at all.
     auto run = [&] {
         static thread_local Scratch scratch;
-        scratch.reserve(pa::kQueryTile * s->num_heads, s->head_size, s->block_size,
-                        static_cast<int64_t>(s->num_kv_heads) * s->head_size);
+        scratch.reserve(pa::kQueryTile * s->num_heads, s->head_size, s->block_size);
 #pragma omp for schedule(dynamic, 1)  // (outside a parallel region: this thread runs every item)
         for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i)
             kKernels.run_item(p, items[i], scratch, partials.data());

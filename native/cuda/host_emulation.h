@@ -43,6 +43,9 @@ struct alignas(16) uint4 {
     unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
 
 using cudaError_t = int;
 using cudaStream_t = void*;

@@ -4,9 +4,12 @@
  *
  * Layouts (all contiguous, checked by the Python wrappers before every call, since a raw
  * pointer carries no shape, dtype or device):
- *   query, out    [num_tokens, num_heads, head_size]
+ *   query, out    [num_tokens, num_heads, head_size] in dtype (float32, bfloat16 or float16)
  *   key, value    [num_tokens, num_kv_heads, head_size]
- *   kv_cache      [2, num_blocks, block_size, num_kv_heads, head_size]   (K then V)
+ *   kv_cache      [2, num_blocks, block_size, num_kv_heads, row]   (K then V) in kv_dtype, a row
+ *                 being head_size elements (+ a 2-byte scale for int8: see kv_dtype.h)
+ *   kv_scales     NULL, or [2] float32: fp8 caches hold K / kv_scales[0] and V / kv_scales[1]
+ *                 (NULL: 1.0; other dtypes ignore it)
  *   slot_mapping  [num_tokens] int64: block * block_size + offset; a negative slot is skipped
  *   query_start_loc [num_seqs + 1] int32, seq_lens [num_seqs] int32 (cached + new tokens),
  *   block_tables  [num_seqs, max_blocks_per_seq] int32
@@ -31,7 +34,7 @@
 extern "C" {
 #endif
 
-enum pa_dtype { PA_FLOAT32 = 0, PA_BFLOAT16 = 1, PA_FLOAT16 = 2 };
+enum pa_dtype { PA_FLOAT32 = 0, PA_BFLOAT16 = 1, PA_FLOAT16 = 2, PA_FP8_E4M3 = 3, PA_FP8_E5M2 = 4, PA_INT8 = 5 };
 
 typedef struct pa_shape {
     int32_t num_tokens;
@@ -44,17 +47,18 @@ typedef struct pa_shape {
     int32_t max_blocks_per_seq;
     int32_t max_query_len;
     int32_t max_seq_len;
-    int32_t dtype; /* enum pa_dtype */
+    int32_t dtype;    /* enum pa_dtype: query, out, key, value */
+    int32_t kv_dtype; /* enum pa_dtype: the cache */
 } pa_shape;
 
 /* CPU library (libpa_cpu.so) */
 int pa_cpu_write_kv(const pa_shape* shape, const void* key, const void* value, void* kv_cache,
-                    const int64_t* slot_mapping);
+                    const int64_t* slot_mapping, const float* kv_scales);
 int pa_cpu_attention(const pa_shape* shape, void* out, const void* query, const void* kv_cache,
-                     const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,
-                     float scale, int32_t window, float softcap);
+                     const float* kv_scales, const int32_t* query_start_loc, const int32_t* seq_lens,
+                     const int32_t* block_tables, float scale, int32_t window, float softcap);
 const char* pa_cpu_last_error(void);
-const char* pa_cpu_isa(void); /* "avx2+fma" or "portable": the path chosen at run time */
+const char* pa_cpu_isa(void); /* "avx2+fma+f16c" or "portable": the path chosen at run time */
 
 /* Fused per-layer ops of the CPU library (float32, contiguous rows).
  * pa_cpu_rms_norm: with residual, residual += x first and the sum is normalized;
@@ -68,13 +72,13 @@ int pa_cpu_rms_norm(float* out, float* residual, const float* x, const float* we
                     float eps);
 int pa_cpu_rope_write_kv(const pa_shape* shape, const float* qkv, const int64_t* positions, const float* cos,
                          const float* sin, int64_t max_positions, int32_t rotary_dim, float* q_out,
-                         void* kv_cache, const int64_t* slot_mapping);
+                         void* kv_cache, const int64_t* slot_mapping, const float* kv_scales);
 
 /* CUDA library (libpa_cuda.so); pointers are device pointers, stream a cudaStream_t */
 int pa_cuda_write_kv(const pa_shape* shape, const void* key, const void* value, void* kv_cache,
-                     const int64_t* slot_mapping, void* stream);
+                     const int64_t* slot_mapping, const float* kv_scales, void* stream);
 int pa_cuda_attention(const pa_shape* shape, void* out, const void* query, const void* kv_cache,
-                      const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,
+                      const float* kv_scales, const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,
                       float scale, int32_t window, float softcap, void* workspace, int64_t workspace_bytes,
                       void* stream);
 int64_t pa_cuda_workspace_bytes(const pa_shape* shape);
