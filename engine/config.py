@@ -23,8 +23,13 @@ BACKENDS = ("auto", "torch", "cpu", "cuda", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
-# 2 GiB of KV cache on CPU holds ~46k tokens of the default model (46 KiB per token in fp32).
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+# The KV cache's element types (backends/kv_cache.py; "fp8" is vLLM's name for fp8_e4m3).
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "fp8")
+# Without kv_cache_memory or num_kv_blocks, a CPU cache holds this many tokens (as llama.cpp's
+# server is sized by its context, -c, not by free memory), or what max_num_seqs sequences of
+# max_model_len tokens can use where that is less: the default model's 32k tokens take 390 MB
+# as int8 rows (12 KB a token; float32 rows would take 1.5 GB).
+DEFAULT_CPU_KV_CACHE_TOKENS = 32768
 # Prefill tokens a decoding step may carry per decoding stream when serving on CPU
 # (EngineConfig.mixed_prefill_per_decode): chosen with bench/schedule_sim.py and bench/serve.py
 # (bench/README.md); offline generation is faster uncapped.
@@ -72,6 +77,11 @@ def _positive_ratio(instance: Any, attribute: attrs.Attribute, value: float | No
         raise ConfigError(attribute.name, f"{attribute.name} must be a positive number; got {value!r}")
 
 
+def _fraction(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(attribute.name, f"{attribute.name} must be a fraction in (0, 1]; got {value!r}")
+
+
 def _power_of_two(instance: Any, attribute: attrs.Attribute, value: int) -> None:
     _positive(instance, attribute, value)
     if value & (value - 1) or value > 256:
@@ -105,7 +115,17 @@ class EngineConfig:
         max_model_len: longest prompt + output in tokens; defaults to the model's context length.
         block_size: tokens per KV cache block.
         num_kv_blocks: exact number of KV blocks (overrides ``kv_cache_memory``).
-        kv_cache_memory: bytes to spend on the KV cache.
+        kv_cache_memory: bytes to spend on the KV cache (default: on CPU,
+            ``DEFAULT_CPU_KV_CACHE_TOKENS`` tokens; on a GPU, see gpu_memory_utilization).
+        kv_cache_dtype: the cache's element type: ``auto`` (the backend's choice, said in the
+            start-up log: int8 on the cpu backend, the model's dtype on the others), float32,
+            bfloat16, float16, fp8_e4m3 (alias fp8), fp8_e5m2, int8 (a float16 scale per row of
+            a head). A backend that cannot keep one refuses it at start.
+        calculate_kv_scales: for an fp8 cache, each layer's K and V scales from the first
+            forward pass (the largest value of its K and V, with room for twice that) instead
+            of 1.0 (vLLM's default and flag).
+        gpu_memory_utilization: on a GPU, the share of its memory the engine may fill (weights,
+            then KV cache in what is left of it), as vLLM's flag.
         max_num_seqs: most requests in one batch.
         max_num_batched_tokens: most tokens (prefill + decode) in one forward pass.
         max_num_mixed_prefill_tokens: most prefill tokens in a step that also decodes running
@@ -166,6 +186,9 @@ class EngineConfig:
     block_size: int = attrs.field(default=16, validator=_power_of_two)
     num_kv_blocks: int | None = attrs.field(default=None, validator=_positive)
     kv_cache_memory: int | None = attrs.field(default=None, validator=_positive)
+    kv_cache_dtype: str = attrs.field(default="auto", validator=_one_of(KV_CACHE_DTYPES))
+    calculate_kv_scales: bool = False
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
     max_num_seqs: int = attrs.field(default=128, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
     max_num_mixed_prefill_tokens: int | None = attrs.field(default=None, validator=_positive)
@@ -248,9 +271,21 @@ def cpu_has_bf16_matrix_units() -> bool:
         return False
 
 
-def default_gpu_kv_cache_memory() -> int:
-    """Most of the GPU memory still free once the weights are loaded (vLLM reserves ~10%; we keep more slack)."""
+def default_gpu_kv_cache_memory(utilization: float) -> int:
+    """What the KV cache may take on this GPU once the weights are loaded (``gpu_kv_cache_memory``)."""
     import torch
 
-    free, _total = torch.cuda.mem_get_info()
-    return int(free * 0.8)
+    free, total = torch.cuda.mem_get_info()
+    return gpu_kv_cache_memory(utilization, free, total)
+
+
+# What a forward pass needs beside weights and KV cache (activations, logits, workspaces), as
+# a share of the GPU: vLLM measures it with a profiling run; this engine reserves it.
+GPU_ACTIVATION_RESERVE = 0.05
+
+
+def gpu_kv_cache_memory(utilization: float, free: int, total: int) -> int:
+    """Bytes for the KV cache: the engine's share of the GPU (``utilization`` x ``total``) less
+    what is in use already (``total - free``: the weights, other processes) and the activations'
+    reserve; at least 0 (the engine then says that no block fits)."""
+    return max(0, int(total * (utilization - GPU_ACTIVATION_RESERVE)) - (total - free))

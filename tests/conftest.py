@@ -98,12 +98,12 @@ def tokenizer(model_path):
 NEAR_TIE = 1e-3
 
 
-def assert_matches_reference(ours: list[int], ref: Reference, label: str = "") -> None:
+def assert_matches_reference(ours: list[int], ref: Reference, label: str = "", near_tie: float = NEAR_TIE) -> None:
     """Ours must equal the reference token for token, up to the first near-tie divergence."""
     for step, (mine, theirs) in enumerate(zip(ours, ref.token_ids)):
         if mine != theirs:
             gap = abs(float(ref.logits[step][mine] - ref.logits[step][theirs]))
-            assert gap < NEAR_TIE, (f"{label}: diverged at step {step}: ours {mine}, transformers {theirs}, "
+            assert gap < near_tie, (f"{label}: diverged at step {step}: ours {mine}, transformers {theirs}, "
                                     f"logit gap {gap:.2e} is no near-tie")
             return
     assert len(ours) == len(ref.token_ids), f"{label}: lengths differ: {len(ours)} vs {len(ref.token_ids)}"

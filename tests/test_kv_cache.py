@@ -30,6 +30,50 @@ def test_allocate_rounds_up_to_blocks_and_free_returns_them():
     kv.check_invariants()
 
 
+def test_blocks_every_window_has_passed_go_back_and_the_rest_stay():
+    kv = BlockManager(num_blocks=8, block_size=4, sliding_window=6)
+    request = make_request("a", list(range(30)))
+    assert kv.allocate(request, 16)  # positions 0-15: blocks 0-3
+    request.num_computed_tokens = 16  # the next query, at 16, sees keys 11-16: blocks 2 on
+    kv.free_out_of_window(request)
+    assert request.num_windowed_out == 2 and kv.num_free_blocks == 6
+    assert kv.block_ids("a")[:2] == [0, 0]  # placeholders that no kernel reads
+    kv.free_out_of_window(request)  # nothing more to give back yet
+    assert kv.num_free_blocks == 6
+    kv.check_invariants([request])
+    assert kv.allocate(request, 8)  # 16-23 in two new blocks, table places 4 and 5
+    assert len(kv.block_ids("a")) == 6
+    request.num_computed_tokens = 24
+    kv.free_out_of_window(request)  # keys 19 on: blocks 0-3 out
+    assert request.num_windowed_out == 4 and kv.num_free_blocks == 6
+    kv.check_invariants([request])
+    kv.free(request)
+    assert kv.num_free_blocks == 8 and request.num_windowed_out == 0
+    kv.check_invariants()
+
+
+def test_a_shared_prefix_block_out_of_one_window_stays_for_its_other_owner():
+    kv = BlockManager(num_blocks=8, block_size=4, sliding_window=4)
+    first, second = make_request("a", list(range(12))), make_request("b", list(range(12)))
+    assert kv.allocate(first, 12)
+    hits = kv.find_cached_prefix(second)
+    assert len(hits) == 2 and kv.allocate(second, 4, hits)
+    first.num_computed_tokens = 12
+    kv.free_out_of_window(first)  # keys 9 on: blocks 0 and 1 leave a's table, but b owns them
+    assert kv.num_free_blocks == 4 and kv.block_ids("b")[:2] == [b.block_id for b in hits]  # (4 in use before)
+    assert all(b.ref_count == 1 for b in hits)
+    kv.check_invariants([first, second])
+
+
+def test_without_a_model_wide_window_nothing_is_given_back():
+    kv = BlockManager(num_blocks=8, block_size=4)
+    request = make_request("a", list(range(30)))
+    assert kv.allocate(request, 16)
+    request.num_computed_tokens = 16
+    kv.free_out_of_window(request)
+    assert kv.num_free_blocks == 4
+
+
 def test_allocation_that_does_not_fit_changes_nothing():
     kv = BlockManager(num_blocks=2, block_size=4)
     assert not kv.allocate(make_request("a", list(range(9))), 9)

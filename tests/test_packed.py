@@ -27,6 +27,9 @@ KINDS = list(packed.TYPES)
 VECTOR_PATHS = ("avx2", "avx512", "avx512+vnni", "avx512+vnni+bf16")  # each needs the one before it
 ISAS = [isa for isa in ("portable", *VECTOR_PATHS) if packed.isa_supported(isa)]
 
+# float32 throughout, the KV cache too: these tests hold the model's arithmetic to an oracle.
+FP32 = dict(dtype="float32", kv_cache_dtype="float32")
+
 
 def q8_m_reference(data: torch.Tensor, k: int) -> torch.Tensor:
     """Q8_M blocks (fp16 d, fp16 m, 32 uint8 q) as fp32 q * d + m, rounded after each step."""
@@ -452,7 +455,7 @@ def test_the_flag_turns_int16_activations_on_for_decodes_of_one_or_two_streams()
 
     config = engine_config(build_parser().parse_args(["--activation-quantization", "int16"]))
     assert config.activation_quantization == "int16"
-    llm = LLM(backend="cpu", dtype="float32", num_kv_blocks=64, activation_quantization="int16")
+    llm = LLM(backend="cpu", **FP32, num_kv_blocks=64, activation_quantization="int16")
     linears = llm.engine.model.linears()
     assert len(linears) == 121 and {lin.int16_activation_rows for lin in linears} == {INT16_ACTIVATION_MAX_ROWS}
     prompts = ["The capital of France is", "One, two, three,"]
@@ -470,11 +473,11 @@ def test_the_flag_turns_bf16_activations_on_for_batches_of_16_rows_or_more():
 
     config = engine_config(build_parser().parse_args(["--activation-quantization", "bf16"]))
     assert config.activation_quantization == "bf16"
-    llm = LLM(backend="cpu", dtype="float32", num_kv_blocks=64, activation_quantization="bf16")
+    llm = LLM(backend="cpu", **FP32, num_kv_blocks=64, activation_quantization="bf16")
     linears = llm.engine.model.linears()
     assert {(lin.bf16_activation_rows, lin.int16_activation_rows) for lin in linears} == {(BF16_ACTIVATION_MIN_ROWS, 0)}
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    fp32 = LLM(backend="cpu", dtype="float32", num_kv_blocks=64)
+    fp32 = LLM(backend="cpu", **FP32, num_kv_blocks=64)
     prompt = "The capital of France is a city of many bridges, museums and"  # a prefill of 16+ rows
     tokens = llm.generate(prompt, params)[0].outputs[0].token_ids
     assert len(tokens) == 8 and tokens == fp32.generate(prompt, params)[0].outputs[0].token_ids
@@ -500,7 +503,7 @@ def test_rounded_activations_agree_with_fp32_activations_over_the_projects_own_t
     text = (root / "README.md").read_text() + (root / "bench" / "README.md").read_text()
     ids = tokenizer.encode(text)[:3000]
     assert len(ids) == 3000
-    llm = LLM(backend="cpu", dtype="float32", num_kv_blocks=256)
+    llm = LLM(backend="cpu", **FP32, num_kv_blocks=256)
     results = {}
     for activations in ("none", kind):
         assert llm.engine.model.quantize_activations(activations, rows) == 121
@@ -563,7 +566,7 @@ def test_int8_agrees_with_fp32_over_the_projects_own_text(fp32_model_dir, tokeni
     assert len(ids) == 3000
     results = {}
     for quantization in ("none", "int8"):
-        llm = LLM(str(fp32_model_dir), backend="cpu", dtype="float32", num_kv_blocks=256, quantization=quantization)
+        llm = LLM(str(fp32_model_dir), backend="cpu", **FP32, num_kv_blocks=256, quantization=quantization)
         assert llm.engine.model.weight_summary()[0] == ({"Q8_M": 120, "float32": 1} if quantization == "int8" else {"float32": 121})
         output = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
         positions = [sorted(p.items(), key=lambda item: item[1].rank) for p in output.prompt_logprobs[1:]]

@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import attrs
 
 from backends import get_backend
+from backends.kv_cache import KVCacheDtype, resolve_kv_cache_dtype
 from engine.config import (
-    DEFAULT_CPU_KV_CACHE_MEMORY,
+    DEFAULT_CPU_KV_CACHE_TOKENS,
     EngineConfig,
     default_gpu_kv_cache_memory,
     resolve_device,
@@ -59,23 +60,31 @@ class EngineCore:
         self.config = config
         self.device = resolve_device(config)
         self.backend = get_backend(config.backend, self.device)  # before loading: a wrong choice fails fast
+        dtype = model.dtype if model is not None else resolve_dtype(config, self.device)
+        self.kv_dtype = self._kv_cache_dtype(dtype)
         source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
         # Weights, KV cache and forward passes all on one thread (device_thread.py says why).
         self.device_thread = DeviceThread.shared()
         self.model = model or self.device_thread.run_sync(
-            load_model, source, config.load_format, resolve_dtype(config, self.device), self.device, config.seed,
+            load_model, source, config.load_format, dtype, self.device, config.seed,
             config.quantization, config.activation_quantization)
         self.vocab_size = self.model.config.vocab_size
         if config.generation_config == "auto" and self.model.config.sampling_defaults:
             log.info("default sampling values from the model's generation_config.json: %s "
                      "(--generation-config vllm ignores them)", dict(self.model.config.sampling_defaults))
         self.eos_token_id = self.model.config.eos_token_id
+        windows = [self.model.config.window(i) for i in range(self.model.config.num_layers)]
+        sliding = max(windows) if None not in windows else None  # (every layer windowed)
         num_blocks = self._num_kv_blocks()
-        self.max_model_len = self._max_model_len(num_blocks * config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # With a model-wide window a sequence holds at most its window, the block being filled
+        # and a step's prefill chunk (BlockManager.free_out_of_window): any length fits that.
+        held = None if sliding is None else sliding + config.max_num_batched_tokens + 2 * config.block_size
+        self.max_model_len = self._max_model_len(num_blocks * config.block_size, held)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = self.device_thread.run_sync(ModelRunner, self.model, self.backend, num_blocks,
-                                                  config.block_size, self.device, config.seed)
+                                                  config.block_size, self.device, config.seed, self.kv_dtype,
+                                                  config.calculate_kv_scales)
         self._bitmask = GrammarBitmask(config.max_num_seqs)
         self._arrivals = itertools.count()
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequences' ids
@@ -83,24 +92,44 @@ class EngineCore:
         self._num_generation_tokens = 0
         self._num_steps = 0
         self.fault: Exception | None = None  # set when a step failed: the core's state is then unknown
-        log.info("engine ready: backend %s on %s, %s, %d KV blocks of %d tokens (%d tokens), max_model_len %d",
-                 self.backend.name, self.device, self.model.dtype, num_blocks, config.block_size,
-                 num_blocks * config.block_size, self.max_model_len)
+        per_token = self.kv_dtype.bytes_per_token(self.model.config.num_layers, self.model.config.num_kv_heads,
+                                                  self.model.config.head_dim)
+        log.info("engine ready: backend %s on %s, %s, max_model_len %d; KV cache %s%s: %d blocks of %d tokens "
+                 "(%d tokens), %.1f MB (%d bytes per token)",
+                 self.backend.name, self.device, self.model.dtype, self.max_model_len, self.kv_dtype.name,
+                 " (auto on this backend)" if config.kv_cache_dtype == "auto" else "", num_blocks,
+                 config.block_size, num_blocks * config.block_size, num_blocks * config.block_size * per_token / 1e6,
+                 per_token)
 
     # ---- set-up ----
 
+    def _kv_cache_dtype(self, model_dtype) -> KVCacheDtype:
+        try:
+            return resolve_kv_cache_dtype(self.config.kv_cache_dtype, self.backend, model_dtype)
+        except ValueError as exc:
+            raise ConfigError("kv_cache_dtype", str(exc)) from None
+
     def _num_kv_blocks(self) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        memory = self.config.kv_cache_memory
+        config = self.config
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        memory = config.kv_cache_memory
+        if memory is None and self.device == "cpu":
+            # What max_num_seqs full-length sequences can use, at most the default context, and
+            # at least one sequence of an explicit max_model_len.
+            longest = config.max_model_len or self.model.config.exact_context_length
+            tokens = max(min(DEFAULT_CPU_KV_CACHE_TOKENS, longest * config.max_num_seqs), config.max_model_len or 0)
+            return -(-tokens // config.block_size)
         if memory is None:
-            memory = DEFAULT_CPU_KV_CACHE_MEMORY if self.device == "cpu" else default_gpu_kv_cache_memory()
-        num_blocks = memory // ModelRunner.kv_bytes_per_block(self.model, self.config.block_size)
+            memory = default_gpu_kv_cache_memory(config.gpu_memory_utilization)
+        num_blocks = memory // ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)
         if num_blocks < 1:
             raise ConfigError("kv_cache_memory", f"kv_cache_memory {memory} bytes holds no KV block")
         return num_blocks
 
-    def _max_model_len(self, kv_capacity: int) -> int:
+    def _max_model_len(self, kv_capacity: int, most_held: int | None = None) -> int:
+        """The longest sequence: asked for, or the model's, within what the cache holds of a
+        sequence (all of it, or at most ``most_held`` tokens with a model-wide sliding window)."""
         model_config = self.model.config
         model_max = model_config.exact_context_length
         wanted = self.config.max_model_len
@@ -113,6 +142,8 @@ class EngineCore:
             log.warning("max_model_len at most %d, not the model's %d: past that length transformers changes "
                         "what it computes (dynamic or longrope scaling) and this engine does not follow",
                         model_max, model_config.max_position_embeddings)
+        if most_held is not None and most_held <= kv_capacity:
+            kv_capacity = model_max  # (a window's worth fits: any length does)
         if wanted is not None and wanted > kv_capacity:
             raise ConfigError("max_model_len", f"max_model_len {wanted} does not fit in the KV cache "
                                                f"({kv_capacity} tokens); raise num_kv_blocks or kv_cache_memory")

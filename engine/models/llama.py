@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from backends import packed as packed_kernels
 from backends.base import AttentionBackend, AttentionMetadata
+from backends.kv_cache import dtype_of as kv_dtype_of
 from backends.layer_ops import Rope, rms_norm
 from engine.models import families
 from engine.models.linear import CudaPackedLinear, DenseLinear, Linear, PackedLinear, PackedWeight
@@ -295,8 +296,12 @@ class LlamaModel:
         return kinds, total + sum(t.numel() * t.element_size() for t in norms + [self.norm])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """Hidden states after the final norm, ``[T, hidden]``, for the flat batch ``input_ids`` ``[T]``."""
+                meta: AttentionMetadata, backend: AttentionBackend, kv_scales: list[torch.Tensor] | None = None,
+                calibrate: bool = False) -> torch.Tensor:
+        """Hidden states after the final norm, ``[T, hidden]``, for the flat batch ``input_ids`` ``[T]``.
+
+        ``kv_scales``: each layer's K and V scales of an fp8 cache (None: none); ``calibrate``
+        sets them from this pass's K and V first (``calibrate_kv_scales``)."""
         x = self.embed.rows(input_ids).to(self.dtype)  # [T, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -304,9 +309,11 @@ class LlamaModel:
         local_rope = self.local_rotary.at(positions) if self.local_rotary is not None else rope
         ops, eps = backend.layer_ops, self.config.rms_norm_eps
         residual = None  # the residual stream: x + every layer's outputs so far
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
-            x = self._attention(layer, h, local_rope if layer.local_rope else rope, kv_cache, meta, backend)
+            scales = None if kv_scales is None else kv_scales[i]
+            x = self._attention(layer, h, local_rope if layer.local_rope else rope, kv_cache, meta, backend, scales,
+                                calibrate)
             if layer.attn_out_norm is not None:
                 x = ops.add_rms_norm(x, None, layer.attn_out_norm, eps)[0]
             h, residual = ops.add_rms_norm(x, residual, layer.mlp_norm, eps)
@@ -323,15 +330,19 @@ class LlamaModel:
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _attention(self, layer: LlamaLayer, h: torch.Tensor, rope: Rope, kv_cache: torch.Tensor,
-                   meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                   meta: AttentionMetadata, backend: AttentionBackend, kv_scales: torch.Tensor | None = None,
+                   calibrate: bool = False) -> torch.Tensor:
         cfg = self.config
         qkv = layer.qkv_proj(h)
         if layer.q_norm is not None:
             qkv = self._qk_norm(layer, qkv)
+        if calibrate and kv_scales is not None:
+            calibrate_kv_scales(qkv, self.q_size, self.kv_size, kv_cache, kv_scales)
         q = backend.layer_ops.rope_write_kv(backend, qkv, rope, cfg.num_heads, cfg.num_kv_heads, kv_cache,
-                                            meta.slot_mapping)
+                                            meta.slot_mapping, kv_scales)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        backend.attend(q, kv_cache, meta, self.scale, out, window=layer.window, softcap=cfg.attn_logit_softcapping)
+        backend.attend(q, kv_cache, meta, self.scale, out, window=layer.window, softcap=cfg.attn_logit_softcapping,
+                       kv_scales=kv_scales)
         return layer.o_proj(out.view(q.shape[0], self.q_size))
 
     def _qk_norm(self, layer: LlamaLayer, qkv: torch.Tensor) -> torch.Tensor:
@@ -345,3 +356,14 @@ class LlamaModel:
     def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)
         return layer.down_proj(self.act(gate) * up)
+
+
+def calibrate_kv_scales(qkv: torch.Tensor, q_size: int, kv_size: int, kv_cache: torch.Tensor,
+                        kv_scales: torch.Tensor) -> None:
+    """A layer's fp8 K and V scales from one pass's qkv (before the rotary embedding, which
+    turns pairs of values: a rotated value is at most sqrt(2) times the pair's largest), so
+    that twice the largest value seen maps to the format's largest (``--calculate-kv-scales``)."""
+    k, v = qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]
+    largest = kv_dtype_of(kv_cache).max_value
+    amax = torch.stack([k.abs().amax() * 2 ** 0.5, v.abs().amax()]).float()
+    kv_scales.copy_(torch.where(amax > 0, 2 * amax / largest, torch.ones_like(amax)))

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from backends.base import AttentionBackend, AttentionMetadata
+from backends.kv_cache import KVCacheDtype, kv_cache_dtype
 from engine.models.llama import LlamaModel
 from engine.outputs import TokenLogprobs
 from engine.plan import RunnerOutput, StepPlan
@@ -82,29 +83,36 @@ class ModelRunner:
     It is driven by ``StepPlan`` values only (plan.py): what it knows of a request is what the
     plans said (``RunnerRequest``), dropped when a plan names the request finished or preempted.
 
-    Resource handling: the KV cache (one tensor per layer) is allocated in the constructor
-    and lives as long as the runner.
+    Resource handling: the KV cache (one tensor per layer, of ``kv_dtype``: the model's dtype
+    by default) is allocated in the constructor and lives as long as the runner; so do an fp8
+    cache's per-layer K and V scales (1.0, or from the first forward pass with
+    ``calculate_kv_scales``).
     """
 
     def __init__(self, model: LlamaModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 device: str, seed: int) -> None:
+                 device: str, seed: int, kv_dtype: KVCacheDtype | None = None,
+                 calculate_kv_scales: bool = False) -> None:
         cfg = model.config
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        shape = backend.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=model.dtype, device=device) for _ in range(cfg.num_layers)]
+        self.kv_dtype = kv_dtype or kv_cache_dtype(str(model.dtype).removeprefix("torch."))
+        shape = backend.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype.storage, device=device)
+                          for _ in range(cfg.num_layers)]
+        self.kv_scales = ([torch.ones(2, dtype=torch.float32, device=device) for _ in range(cfg.num_layers)]
+                          if self.kv_dtype.is_fp8 else None)
+        self._calibrate = calculate_kv_scales and self.kv_dtype.is_fp8
         self.sampler = Sampler(seed, device)
         self.block_tables = BlockTables()
         self.requests: dict[str, RunnerRequest] = {}
         self._block_ids: dict[str, list[int]] = {}
 
     @staticmethod
-    def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: KVCacheDtype) -> int:
         cfg = model.config
-        element = torch.empty((), dtype=model.dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * element
+        return block_size * kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
@@ -113,7 +121,9 @@ class ModelRunner:
         if plan.is_empty:
             return RunnerOutput({}, {}, {})
         batch = self._prepare(plan)
-        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend)
+        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend,
+                                    self.kv_scales, calibrate=self._calibrate)
+        self._calibrate = False
         failed: dict[str, Exception] = {}
         prompt_logprobs = self._prompt_logprobs(plan, hidden, failed)
         if not batch.sample_rows:

@@ -10,6 +10,14 @@ count + 1) and skips their prefill. A block whose ref count drops to zero goes t
 queue but keeps its hash, so it can still be hit until the allocator reuses it: the free
 queue is in LRU order, with never-cached blocks in front so that they are reused first.
 
+Sliding windows: when every layer of the model attends within a window (Mistral, Phi-3), a
+block whose tokens have all left the window of every query still to come is given back at
+once (``free_out_of_window``), so a long request holds about its window, not its length. Its
+place in the request's table keeps a placeholder (``WINDOWED_OUT``, block id 0) that no kernel
+reads: each walks a windowed layer's keys from the window's first, and the torch backend masks
+what it gathers. (A model that mixes global layers, as Gemma 2, keeps every block: one table
+serves all layers.)
+
 The hash is SHA-256 of a canonical encoding, not Python's ``hash()``: integers hash to
 themselves there, so a crafted prompt could collide with another tenant's blocks and read
 their KV (the class of vLLM's CVE-2025-25183). Requests with different ``cache_salt`` never
@@ -50,6 +58,10 @@ class KVBlock:
     block_hash: bytes | None = None  # set while the block is registered in the prefix cache
 
 
+# The table entry of a block given back out of the window (never owned, never free).
+WINDOWED_OUT = KVBlock(0, ref_count=-1)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -62,10 +74,13 @@ class BlockManager:
     never both; a hash maps to exactly one block and that block carries the hash.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Every layer's window (the widest, when they differ), or None: some layer sees it all.
+        self.sliding_window = sliding_window
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Free blocks, reused from the front: never-cached ones first, then least recently freed.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -167,11 +182,32 @@ class BlockManager:
         """Release every block ``request`` owns; idempotent. Tail blocks are freed first so
         that a shared prefix outlives the request's private suffix in the LRU order."""
         for block in reversed(self._owned.pop(request.request_id, [])):
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block.block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block.block_id, last=False)
+            if block is not WINDOWED_OUT:
+                self._release(block)
+        request.num_windowed_out = 0
+
+    def free_out_of_window(self, request: Request) -> None:
+        """Give back the leading blocks of ``request`` that no query from its next token on can
+        see: a query at position p sees keys p - window < k <= p, and the next is at
+        ``num_computed_tokens``. A no-op without a model-wide sliding window."""
+        window = self.sliding_window
+        if window is None:
+            return
+        end = (request.num_computed_tokens - window + 1) // self.block_size  # blocks wholly before it
+        if end <= request.num_windowed_out:
+            return
+        owned = self._owned[request.request_id]
+        for i in range(request.num_windowed_out, end):
+            self._release(owned[i])
+            owned[i] = WINDOWED_OUT
+        request.num_windowed_out = end
+
+    def _release(self, block: KVBlock) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block.block_id] = None
+            if block.block_hash is None:
+                self._free.move_to_end(block.block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""
@@ -209,6 +245,7 @@ class BlockManager:
         """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
         owners: dict[int, int] = {}
         for blocks in self._owned.values():
+            blocks = [b for b in blocks if b is not WINDOWED_OUT]
             assert len({b.block_id for b in blocks}) == len(blocks), "a request owns a block twice"
             for b in blocks:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1

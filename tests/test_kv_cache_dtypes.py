@@ -1,0 +1,192 @@
+"""The KV cache's element type and size as the engine chooses them (--kv-cache-dtype,
+--kv-cache-memory, the CPU default, --gpu-memory-utilization), and what a user sees of them:
+the start-up line, a refusal with exit status 2, and a cache that works with prefix caching,
+preemption, chunked prefill and sliding windows in every type. (The kernels' conversions,
+bit for bit, are in test_backends.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from backends import kv_cache as kvc
+from engine.config import DEFAULT_CPU_KV_CACHE_TOKENS, EngineConfig, gpu_kv_cache_memory
+from engine.core.engine_core import EngineCore
+from engine.errors import ConfigError
+from engine.models.llama import LlamaConfig, LlamaModel
+from engine.models.loader import dummy_weights
+from engine.sampling_params import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+ENGINE_READY = re.compile(r"KV cache (\w+)( \(auto on this backend\))?: (\d+) blocks of (\d+) tokens \((\d+) tokens\), "
+                          r"([\d.]+) MB \((\d+) bytes per token\)")
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2,
+                         layer_windows=(24, None))
+    return LlamaModel.from_state_dict(config, dict(dummy_weights(config, seed=3)), torch.float32, "cpu")
+
+
+def ready_line(caplog) -> re.Match:
+    match = next((ENGINE_READY.search(r.getMessage()) for r in caplog.records if "engine ready" in r.getMessage()),
+                 None)
+    assert match, caplog.text
+    return match
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_capacity_at_one_budget_follows_the_bytes_of_each_type(model, caplog, backend):
+    budget = 8 << 20
+    tokens = {}
+    for name in kvc.KV_CACHE_DTYPES:
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            core = EngineCore(EngineConfig(backend=backend, dtype="float32", kv_cache_memory=budget,
+                                           kv_cache_dtype=name), model=model)
+        line = ready_line(caplog)
+        assert line.group(1) == name and core.runner.kv_caches[0].dtype == kvc.kv_cache_dtype(name).storage
+        tokens[name] = int(line.group(5))
+        assert tokens[name] == core.block_manager.num_blocks * 16
+        held = sum(cache.numel() * cache.element_size() for cache in core.runner.kv_caches)
+        assert held <= budget and float(line.group(6)) == pytest.approx(held / 1e6, abs=0.05)  # what it says it holds
+    for name, least in (("bfloat16", 1.95), ("float16", 1.95), ("fp8_e4m3", 3.8), ("fp8_e5m2", 3.8),
+                        ("int8", 3.8)):
+        assert tokens[name] >= least * tokens["float32"], (name, tokens)
+
+
+def test_auto_is_said_in_the_start_up_line(model, caplog):
+    with caplog.at_level("INFO"):
+        EngineCore(EngineConfig(backend="cpu", dtype="float32", num_kv_blocks=8), model=model)
+    line = ready_line(caplog)
+    assert line.group(1) == "int8" and line.group(2)
+    # 2 layers x 2 KV heads x (64 int8 + a 2-byte scale) x K and V
+    assert int(line.group(7)) == 2 * 2 * 66 * 2
+
+
+def test_the_cpu_default_holds_the_default_context_or_what_the_batch_can_use(model):
+    # max_num_seqs x max_model_len below the default: no more than that
+    core = EngineCore(EngineConfig(backend="cpu", dtype="float32", max_num_seqs=3), model=model)
+    assert core.block_manager.num_blocks * 16 == 3 * 1024
+    core = EngineCore(EngineConfig(backend="cpu", dtype="float32", max_num_seqs=3, max_model_len=100), model=model)
+    assert core.block_manager.num_blocks * 16 == 304  # 300 rounded up to whole blocks
+    core = EngineCore(EngineConfig(backend="cpu", dtype="float32", max_num_seqs=128), model=model)
+    assert core.block_manager.num_blocks * 16 == DEFAULT_CPU_KV_CACHE_TOKENS
+
+
+def test_gpu_memory_utilization_bounds_what_the_cache_takes():
+    gib = 1 << 30
+    # 0.9 of 80 GiB, less 0.05 for activations, less the 10 GiB in use (weights, others)
+    assert gpu_kv_cache_memory(0.9, free=70 * gib, total=80 * gib) == int(80 * gib * 0.85) - 10 * gib
+    assert gpu_kv_cache_memory(0.5, free=20 * gib, total=80 * gib) == 0  # already past its share
+    with pytest.raises(ConfigError, match="gpu_memory_utilization must be a fraction"):
+        EngineConfig(gpu_memory_utilization=1.5)
+
+
+def test_a_type_the_backend_cannot_keep_is_refused_before_loading(model):
+    from backends.cuda import CudaAttentionBackend
+
+    with pytest.raises(ConfigError, match="unknown KV cache dtype|kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp4")
+    cuda = CudaAttentionBackend.__new__(CudaAttentionBackend)  # (its rule needs no library)
+    with pytest.raises(ValueError, match="cannot keep this model's KV cache in int8"):
+        kvc.resolve_kv_cache_dtype("int8", cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="cannot keep this model's KV cache in float32"):
+        kvc.resolve_kv_cache_dtype("float32", cuda, torch.bfloat16)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
+    (["--backend", "cuda", "--kv-cache-dtype", "int8"], "the cuda backend cannot keep its KV cache in int8; "
+                                                        "it can do float32, bfloat16, float16, fp8_e4m3, fp8_e5m2"),
+])
+def test_bad_kv_cache_dtypes_are_one_line_and_exit_2(argv, words):
+    result = subprocess.run([sys.executable, "-m", "engine.api", "--port", "0", *argv], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 2
+    assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_every_type_serves_through_prefix_caching_preemption_and_windows(model, kv_cache_dtype):
+    """A cache too small for the batch (preemption and recompute), shared prefixes (cache hits),
+    prompts longer than a step (chunked prefill) and a sliding-window layer: every block comes
+    back, and greedy output is that of each request alone in a roomy cache of the same type up
+    to where the two part, which is only where the roomy run's top two tokens were within
+    NEAR_TIE of each other (float32 sums differ in their last bits between batch layouts, and
+    a rounded cache can turn that into a step of its rounding)."""
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 256, (40,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 256, (n,), generator=gen).tolist() for n in (3, 30, 70, 9)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+
+    def run(**fields):
+        core = EngineCore(EngineConfig(backend="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                                       max_num_batched_tokens=32, **fields), model=model)
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, params)
+        tokens = {str(i): [] for i in range(len(prompts))}
+        logprobs = {str(i): [] for i in range(len(prompts))}
+        while core.has_unfinished_requests:
+            for delta in core.step():
+                tokens[delta.request_id] += delta.new_token_ids
+                logprobs[delta.request_id] += delta.new_logprobs
+        return tokens, logprobs, core
+
+    tight, _, core = run(num_kv_blocks=14, max_num_seqs=4)
+    stats = core.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    roomy, roomy_logprobs, _ = run(num_kv_blocks=64, max_num_seqs=1)
+    for request_id, expected in roomy.items():
+        got = tight[request_id]
+        assert len(got) == len(expected) == 40
+        part = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        if part is not None:
+            top = dict(zip(roomy_logprobs[request_id][part].top_ids, roomy_logprobs[request_id][part].top_logprobs))
+            assert got[part] in top and top[expected[part]] - top[got[part]] < NEAR_TIE, (request_id, part, top)
+
+
+NEAR_TIE = 0.05
+
+
+def test_a_long_request_on_a_sliding_window_model_holds_only_its_window():
+    """Every layer windowed (as Mistral, Phi-3): a request four times as long as the whole cache
+    runs to the end without preemption, since the blocks its window has passed go back as it
+    goes, and gives the tokens it gives with nothing given back (a roomy cache)."""
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2,
+                         layer_windows=(40, 40))
+    windowed = LlamaModel.from_state_dict(config, dict(dummy_weights(config, seed=4)), torch.float32, "cpu")
+    prompt = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=340, ignore_eos=True)
+
+    def run(num_kv_blocks: int, sliding: bool) -> tuple[list[int], int, int]:
+        core = EngineCore(EngineConfig(backend="cpu", dtype="float32", num_kv_blocks=num_kv_blocks,
+                                       max_model_len=400, max_num_batched_tokens=32), model=windowed)
+        if not sliding:
+            core.block_manager.sliding_window = None
+        core.add_request("a", prompt, params)
+        tokens, most = [], 0
+        while core.has_unfinished_requests:
+            for delta in core.step():
+                tokens += delta.new_token_ids
+            most = max(most, core.block_manager.num_used_blocks)
+        core.block_manager.check_invariants()
+        return tokens, most, core.stats().num_preemptions
+
+    tokens, most, preemptions = run(num_kv_blocks=7, sliding=True)  # 400 tokens would need 25 blocks
+    assert len(tokens) == 340 and preemptions == 0
+    # the keys a step can need, from its first query's window to its last new token, over whole blocks
+    assert most <= -(-(40 + 32 - 1) // 16) + 1
+    expected, most_kept, _ = run(num_kv_blocks=25, sliding=False)
+    assert most_kept == 25 and tokens == expected
