@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backends import get_backend  # noqa: E402
 from backends import kv_cache as kvc  # noqa: E402
-from backends.base import AttentionMetadata, BackendUnavailableError  # noqa: E402
+from backends.base import AttentionMetadata  # noqa: E402
+from backends.errors import BackendUnavailableError  # noqa: E402
 
 # (query heads, KV heads, head size): the default model's, and a larger model's rows
 SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3-8b": (32, 8, 128)}

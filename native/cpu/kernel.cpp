@@ -86,9 +86,9 @@ struct F16 {
     using T = uint16_t;
     static float get(const T* p) { return pa_kv::half_to_float(*p); }
 };
-struct E4M3 {
+struct E4M3 {  // (1/256 of the value: the kernel's K and V scales carry the 256, see Problem)
     using T = uint8_t;
-    static float get(const T* p) { return pa_kv::e4m3_to_float(*p); }
+    static float get(const T* p) { return pa_kv::e4m3_to_float_over_256(*p); }
 };
 struct E5M2 {
     using T = uint8_t;
@@ -103,7 +103,11 @@ template <class E> inline float row_scale(const typename E::T*, int) { return 1.
 template <> inline float row_scale<I8>(const int8_t* row, int D) {
     uint16_t h;
     std::memcpy(&h, row + D, sizeof h);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     return pa_kv::half_to_float(h);
+#endif
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -120,11 +124,11 @@ template <> inline __m256 load8<E5M2>(const uint8_t* p) {  // the high byte of a
     const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     return _mm256_cvtph_ps(_mm_slli_epi16(bytes, 8));
 }
-template <> inline __m256 load8<E4M3>(const uint8_t* p) {  // as a float16 of 1/256 the value (kv_dtype.h)
+template <> inline __m256 load8<E4M3>(const uint8_t* p) {  // a float16 of 1/256 the value (kv_dtype.h)
     const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
     const __m128i magnitude = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7f)), 7);
-    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(sign, magnitude)), _mm256_set1_ps(256.f));
+    return _mm256_cvtph_ps(_mm_or_si128(sign, magnitude));
 }
 template <> inline __m256 load8<I8>(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));

@@ -189,8 +189,10 @@ int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void
     if (int rc = check_shape(s)) return rc;
     if (window < 0 || !(softcap >= 0.f)) return fail("window and softcap must be >= 0 (0: none)");
     const bool fp8 = s->kv_dtype == PA_FP8_E4M3 || s->kv_dtype == PA_FP8_E5M2;
-    const float k_scale = fp8 && kv_scales != nullptr ? kv_scales[0] : 1.f;
-    const float v_scale = fp8 && kv_scales != nullptr ? kv_scales[1] : 1.f;
+    // (the kernel reads e4m3 as 1/256 of its values, a multiply saved per eight: the scales carry it)
+    const float unit = s->kv_dtype == PA_FP8_E4M3 ? 256.f : 1.f;
+    const float k_scale = (fp8 && kv_scales != nullptr ? kv_scales[0] : 1.f) * unit;
+    const float v_scale = (fp8 && kv_scales != nullptr ? kv_scales[1] : 1.f) * unit;
     const int row = pa::row_elements(s->kv_dtype, s->head_size);
     Problem p{s, query, kv_cache, out, qsl, seq_lens, block_tables, scale * k_scale, v_scale, window, softcap,
               s->num_heads / s->num_kv_heads, row,

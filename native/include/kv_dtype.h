@@ -107,10 +107,11 @@ PA_HD uint8_t float_to_e5m2(float f) {
 // float16 of 1/256 the value (its exponent bias is 8 below float16's), subnormals included.
 PA_HD float e5m2_to_float(uint8_t v) { return half_to_float(static_cast<uint16_t>(v) << 8); }
 
-PA_HD float e4m3_to_float(uint8_t v) {
-    const uint16_t h = static_cast<uint16_t>(((v & 0x80u) << 8) | ((v & 0x7fu) << 7));
-    return half_to_float(h) * 256.f;
+PA_HD float e4m3_to_float_over_256(uint8_t v) {
+    return half_to_float(static_cast<uint16_t>(((v & 0x80u) << 8) | ((v & 0x7fu) << 7)));
 }
+
+PA_HD float e4m3_to_float(uint8_t v) { return e4m3_to_float_over_256(v) * 256.f; }
 
 // int8 row: the scale, then the values (see the top of this file).
 PA_HD float int8_scale(float amax) {
