@@ -190,3 +190,25 @@ def test_a_long_request_on_a_sliding_window_model_holds_only_its_window():
     assert most <= -(-(40 + 32 - 1) // 16) + 1
     expected, most_kept, _ = run(num_kv_blocks=25, sliding=False)
     assert most_kept == 25 and tokens == expected
+
+
+def test_calculated_fp8_scales_come_from_the_first_pass(model):
+    """--calculate-kv-scales: each layer's K and V scales, 1.0 until then, are set by the first
+    forward pass (twice its largest K, V value maps to e4m3's 448) and kept after it."""
+    core = EngineCore(EngineConfig(backend="cpu", dtype="float32", kv_cache_dtype="fp8_e4m3",
+                                   calculate_kv_scales=True, num_kv_blocks=16), model=model)
+    assert all(torch.equal(s, torch.ones(2)) for s in core.runner.kv_scales)
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    core.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    core.step()
+    first = [s.clone() for s in core.runner.kv_scales]
+    assert all(bool((s > 0).all()) and not torch.equal(s, torch.ones(2)) for s in first)
+    layer = model.layers[0]
+    with torch.inference_mode():  # layer 0's V, from its normalized input
+        h = model.embed.rows(torch.tensor(prompt))
+        h = torch.nn.functional.rms_norm(h, (h.shape[-1],), layer.input_norm, model.config.rms_norm_eps)
+        v = layer.qkv_proj(h)[:, model.q_size + model.kv_size:]
+    assert float(first[0][1]) == pytest.approx(2 * float(v.abs().max()) / 448, rel=1e-5)
+    while core.has_unfinished_requests:
+        core.step()
+    assert all(torch.equal(a, b) for a, b in zip(first, core.runner.kv_scales))
