@@ -22,11 +22,12 @@ class CpuAttentionBackend:
 
     def __init__(self, lib=None) -> None:
         self._lib = lib if lib is not None else native.load_library("pa_cpu", "cpu")
+        native.check_abi(self._lib, "pa_cpu")
         self.layer_ops = CpuLayerOps(self._lib)
 
     @property
     def isa(self) -> str:
-        """The vector path the library chose for this CPU ("avx2+fma" or "portable")."""
+        """The vector path the library chose for this CPU ("avx2+fma+f16c" or "portable")."""
         return native.ffi().string(self._lib.pa_cpu_isa()).decode()
 
     def kv_cache_dtypes_for(self, model_dtype: torch.dtype) -> tuple[str, ...]:

@@ -21,7 +21,10 @@ class CudaAttentionBackend:
     device_type = "cuda"  # the library's kernels read device pointers
 
     def __init__(self, lib=None) -> None:
-        self._lib = lib if lib is not None else native.load_library("pa_cuda", "cuda")
+        if lib is None:
+            lib = native.load_library("pa_cuda", "cuda")
+            native.check_abi(lib, "pa_cuda")
+        self._lib = lib
 
     def kv_cache_dtypes_for(self, model_dtype: torch.dtype) -> tuple[str, ...]:
         return (str(model_dtype).removeprefix("torch."), *FP8)

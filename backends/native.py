@@ -19,6 +19,7 @@ from backends.base import AttentionMetadata
 from backends.errors import BackendUnavailableError
 
 HEADER = Path(__file__).resolve().parent.parent / "native" / "include" / "paged_attention.h"
+ABI_VERSION = int(re.search(r"#define PA_ABI_VERSION (\d+)", HEADER.read_text()).group(1))
 LIB_DIR = Path(os.environ.get("ENGINE_NATIVE_LIB_DIR") or Path(__file__).resolve().parent / "lib")
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
@@ -57,6 +58,18 @@ def load_library(name: str, backend: str, header: Path = HEADER, what: str = "at
         return ffi(header).dlopen(str(path))
     except OSError as exc:
         raise BackendUnavailableError(f"the {backend} {what} could not load {path}: {exc}") from exc
+
+
+def check_abi(lib, prefix: str) -> None:
+    """Refuse a library built from other sources than these (a stale build after an update)."""
+    try:
+        version = getattr(lib, f"{prefix}_abi_version")()
+    except AttributeError:  # (older than the version function itself)
+        version = None
+    if version != ABI_VERSION:
+        raise BackendUnavailableError(
+            f"lib{prefix}.so in {LIB_DIR} was built from other sources (ABI {version}; these need {ABI_VERSION}): "
+            "run `python native/build.py` (or reinstall: pip install -e .)")
 
 
 def cuda_unavailable_reason(library: str) -> str | None:

@@ -53,16 +53,32 @@ def test_blocks_every_window_has_passed_go_back_and_the_rest_stay():
 
 
 def test_a_shared_prefix_block_out_of_one_window_stays_for_its_other_owner():
-    kv = BlockManager(num_blocks=8, block_size=4, sliding_window=4)
+    kv = BlockManager(num_blocks=8, block_size=4, sliding_window=8)
     first, second = make_request("a", list(range(12))), make_request("b", list(range(12)))
     assert kv.allocate(first, 12)
     hits = kv.find_cached_prefix(second)
-    assert len(hits) == 2 and kv.allocate(second, 4, hits)
+    assert len(hits) == 2 and kv.allocate(second, 4, hits)  # b's first new token, at 8, sees both
     first.num_computed_tokens = 12
-    kv.free_out_of_window(first)  # keys 9 on: blocks 0 and 1 leave a's table, but b owns them
+    kv.free_out_of_window(first)  # keys 5 on: block 0 leaves a's table, but b owns it
     assert kv.num_free_blocks == 4 and kv.block_ids("b")[:2] == [b.block_id for b in hits]  # (4 in use before)
-    assert all(b.ref_count == 1 for b in hits)
+    assert [b.ref_count for b in hits] == [1, 2]
     kv.check_invariants([first, second])
+
+
+def test_prefix_hits_a_new_requests_window_has_passed_are_not_taken():
+    kv = BlockManager(num_blocks=8, block_size=4, sliding_window=4)
+    first, second = make_request("a", list(range(12))), make_request("b", list(range(12)))
+    assert kv.allocate(first, 12)
+    kv.free(first)  # its full blocks stay cached
+    hits = kv.find_cached_prefix(second)
+    assert len(hits) == 2 and kv.allocate(second, 4, hits)  # its first new token, at 8, sees keys 5 on
+    assert second.num_windowed_out == 1 and kv.block_ids("b") == [0, hits[1].block_id, kv.block_ids("b")[2]]
+    assert hits[0].ref_count == 0 and hits[0].block_hash is not None  # still cached, still free
+    assert kv.num_free_blocks == 6
+    kv.check_invariants([second])
+    kv.free(second)
+    assert kv.num_free_blocks == 8
+    kv.check_invariants()
 
 
 def test_without_a_model_wide_window_nothing_is_given_back():

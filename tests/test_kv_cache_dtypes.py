@@ -212,3 +212,57 @@ def test_calculated_fp8_scales_come_from_the_first_pass(model):
     while core.has_unfinished_requests:
         core.step()
     assert all(torch.equal(a, b) for a, b in zip(first, core.runner.kv_scales))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_prefix_hit_longer_than_the_cache_on_a_sliding_window_model_is_served(backend):
+    """The second turn of a chat on a windowed model: its cached prefix alone is about the whole
+    cache. The hits its first new token's window has passed are not taken (they stay cached),
+    so it is admitted, and gives the tokens it gives with prefix caching off."""
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2,
+                         layer_windows=(40, 40))
+    windowed = LlamaModel.from_state_dict(config, dict(dummy_weights(config, seed=4)), torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randint(3, 256, (100,), generator=gen).tolist()
+    second = first + torch.randint(3, 256, (100,), generator=gen).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def second_turn(prefix_caching: bool) -> tuple[list[int], EngineCore]:
+        core = EngineCore(EngineConfig(backend=backend, dtype="float32", num_kv_blocks=7, max_num_batched_tokens=32,
+                                       enable_prefix_caching=prefix_caching), model=windowed)
+        tokens: dict[str, list[int]] = {"first": [], "second": []}
+        for request_id, prompt in (("first", first), ("second", second)):
+            core.add_request(request_id, prompt, params)
+            for _ in range(200):
+                if not core.has_unfinished_requests:
+                    break
+                for delta in core.step():
+                    tokens[delta.request_id] += delta.new_token_ids
+            assert not core.has_unfinished_requests, f"{request_id} was never served"
+        core.block_manager.check_invariants()
+        return tokens["second"], core
+
+    tokens, core = second_turn(prefix_caching=True)
+    assert core.stats().prefix_cache_hits >= 96 and len(tokens) == 8
+    assert tokens == second_turn(prefix_caching=False)[0]
+
+
+def test_a_library_built_from_other_sources_is_refused():
+    from backends import native
+    from backends.errors import BackendUnavailableError
+
+    class Stale:
+        pa_cpu_abi_version = staticmethod(lambda: native.ABI_VERSION - 1)
+
+    for lib in (object(), Stale()):
+        with pytest.raises(BackendUnavailableError, match="built from other sources.*python native/build.py"):
+            native.check_abi(lib, "pa_cpu")
+    native.check_abi(get_backend_lib(), "pa_cpu")  # the one built from these sources
+
+
+def get_backend_lib():
+    from backends.cpu import CpuAttentionBackend
+
+    return CpuAttentionBackend()._lib

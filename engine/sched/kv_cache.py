@@ -150,8 +150,10 @@ class BlockManager:
         """Give ``request`` blocks for ``num_new_tokens`` more tokens, after ``cached_prefix``.
 
         ``cached_prefix`` (from ``find_cached_prefix``, only for a request that owns nothing
-        yet) is taken over first. Returns False, changing nothing, if the free blocks do not
-        suffice. Blocks that become full of known tokens are registered in the prefix cache
+        yet) is taken over first, but for its leading blocks that the first new token's window
+        (with a model-wide sliding window) has passed: those stay in the cache, untaken, and
+        their places hold ``WINDOWED_OUT``. Returns False, changing nothing, if the free blocks
+        do not suffice. Blocks that become full of known tokens are registered in the prefix cache
         at once, so a request admitted later in the same step can already hit them (their
         K/V is written, layer by layer, before anyone attends to it).
         """
@@ -164,12 +166,18 @@ class BlockManager:
         if num_tokens <= len(owned) * bs and num_tokens // bs == num_done // bs:
             return True  # the common decode step: room in the last block, and it did not fill up
         num_needed = cdiv(num_tokens, self.block_size) - len(owned) - len(cached_prefix)
-        num_revived = sum(1 for b in cached_prefix if b.ref_count == 0) if cached_prefix else 0
+        passed = 0  # leading hits out of every layer's window from the first new token on
+        if cached_prefix and self.sliding_window is not None:
+            passed = min(len(cached_prefix), max(0, (num_done - self.sliding_window + 1) // bs))
+        num_revived = sum(1 for b in cached_prefix[passed:] if b.ref_count == 0) if cached_prefix else 0
         if num_needed > self.num_free_blocks - num_revived:
             if not owned:
                 del self._owned[request.request_id]
             return False
-        for block in cached_prefix:
+        if passed:
+            owned.extend([WINDOWED_OUT] * passed)
+            request.num_windowed_out = passed
+        for block in cached_prefix[passed:]:
             self._take(block)
             owned.append(block)
         for _ in range(max(num_needed, 0)):

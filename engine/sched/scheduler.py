@@ -314,14 +314,14 @@ class Scheduler:
     def _schedule_running(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk],
                           preempted: list[str]) -> None:
         running, allocate, bs = RequestStatus.RUNNING, self.kv.allocate, self.kv.block_size
-        windowed = self.kv.sliding_window is not None
+        if self.kv.sliding_window is not None:  # blocks every window has passed go back before any is asked for
+            for request in self.running:
+                self.kv.free_out_of_window(request)
         for request in list(self.running):
             if budget.tokens == 0:
                 break
             if request.status is not running:  # preempted earlier in this loop
                 continue
-            if windowed:  # blocks every layer's window has passed go back before any is asked for
-                self.kv.free_out_of_window(request)
             start = request.num_computed_tokens
             num_new = len(request.token_ids) - start
             # A decode: most requests, every step. Its token has room in the blocks the request

@@ -156,6 +156,8 @@ const char* pa_cpu_last_error(void) { return g_last_error.c_str(); }
 
 const char* pa_cpu_isa(void) { return kKernels.name; }
 
+int pa_cpu_abi_version(void) { return PA_ABI_VERSION; }
+
 int pa_cpu_write_kv(const pa_shape* s, const void* key, const void* value, void* kv_cache, const int64_t* slot_mapping,
                     const float* kv_scales) {
     if (int rc = check_shape(s)) return rc;

@@ -428,6 +428,8 @@ extern "C" {
 
 const char* pa_cuda_last_error(void) { return g_last_error.c_str(); }
 
+int pa_cuda_abi_version(void) { return PA_ABI_VERSION; }
+
 int64_t pa_cuda_workspace_bytes(const pa_shape* s) {
     const int parts = num_partitions(s);
     if (parts <= 1) return 0;

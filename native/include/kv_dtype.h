@@ -121,7 +121,7 @@ PA_HD float int8_scale(float amax) {
 
 PA_HD int8_t int8_value(float x, float scale) {
     float q = x / scale;
-    q = q > 127.f ? 127.f : (q < -127.f ? -127.f : q);
+    q = q > 127.f ? 127.f : (q < -127.f ? -127.f : (q == q ? q : 0.f));  // (NaN: 0)
     return static_cast<int8_t>(rintf(q));  // half to even, as torch.round
 }
 

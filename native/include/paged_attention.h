@@ -30,6 +30,10 @@
 
 #include <stdint.h>
 
+/* Raised whenever a signature or pa_shape changes: the Python side refuses a library built
+ * from other sources (a stale .so would read its arguments wrongly, past buffers' ends). */
+#define PA_ABI_VERSION 2
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -58,6 +62,7 @@ int pa_cpu_attention(const pa_shape* shape, void* out, const void* query, const 
                      const float* kv_scales, const int32_t* query_start_loc, const int32_t* seq_lens,
                      const int32_t* block_tables, float scale, int32_t window, float softcap);
 const char* pa_cpu_last_error(void);
+int pa_cpu_abi_version(void); /* PA_ABI_VERSION of the sources it was built from */
 const char* pa_cpu_isa(void); /* "avx2+fma+f16c" or "portable": the path chosen at run time */
 
 /* Fused per-layer ops of the CPU library (float32, contiguous rows).
@@ -83,6 +88,7 @@ int pa_cuda_attention(const pa_shape* shape, void* out, const void* query, const
                       void* stream);
 int64_t pa_cuda_workspace_bytes(const pa_shape* shape);
 const char* pa_cuda_last_error(void);
+int pa_cuda_abi_version(void);
 
 #ifdef __cplusplus
 }
