@@ -72,6 +72,7 @@ inline void store_kv_row(void* dst, const float* src, int n, int kv_dtype, float
 }
 
 constexpr int kRowsPerPass = 4;  // query rows sharing one pass over a block's keys (prefill)
+constexpr int kMinRowsTogether = 3;  // rows of an item from which its blocks' keys are transposed
 
 // Keys of a block rounded up to whole 16-key chunks (the transposed-K layout's row length).
 inline int padded_keys(int block_size) { return (block_size + 15) / 16 * 16; }
