@@ -100,10 +100,6 @@ struct Kernels {
 
 constexpr int kMaxHeadSize = 512;
 
-// Writes K/V rows into a cache of another type than theirs (paged_attention_cpu.cpp).
-int write_kv_rows(const pa_shape* s, const void* key, const void* value, char* k_cache, char* v_cache,
-                  const int64_t* slot_mapping, const float* kv_scales);
-
 // Stores `message` for pa_cpu_last_error() (thread-local); returns 1, the failing return code.
 int report_error(const char* message);
 

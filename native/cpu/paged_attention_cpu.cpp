@@ -117,39 +117,6 @@ int check_shape(const pa_shape* s) {
 
 int pa::report_error(const char* message) { return fail(message); }
 
-// The write when the cache's type differs from the rows': each KV head's row converted
-// (kv_dtype.h), int8 rows with their scale.
-int pa::write_kv_rows(const pa_shape* s, const void* key, const void* value, char* k_cache, char* v_cache,
-                      const int64_t* slot_mapping, const float* kv_scales) {
-    const int D = s->head_size, KV = s->num_kv_heads;
-    const int64_t num_slots = static_cast<int64_t>(s->num_blocks) * s->block_size;
-    const int64_t row_bytes = static_cast<int64_t>(pa::row_elements(s->kv_dtype, D)) * pa::element_bytes(s->kv_dtype);
-    const float inv_k = kv_scales != nullptr ? 1.f / kv_scales[0] : 1.f;
-    const float inv_v = kv_scales != nullptr ? 1.f / kv_scales[1] : 1.f;
-    int bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad) if (s->num_tokens > 64)
-    for (int t = 0; t < s->num_tokens; ++t) {
-        const int64_t slot = slot_mapping[t];
-        if (slot < 0) continue;
-        if (slot >= num_slots) {
-            bad = 1;
-            continue;
-        }
-        float row[pa::kMaxHeadSize];
-        for (int h = 0; h < KV; ++h) {
-            for (int part = 0; part < 2; ++part) {
-                const void* src = part == 0 ? key : value;
-                const int64_t offset = (static_cast<int64_t>(t) * KV + h) * D;
-                if (s->dtype == PA_FLOAT32) std::memcpy(row, static_cast<const float*>(src) + offset, D * sizeof(float));
-                else for (int i = 0; i < D; ++i) row[i] = pa_kv::bf16_to_float(static_cast<const uint16_t*>(src)[offset + i]);
-                char* dst = (part == 0 ? k_cache : v_cache) + (slot * KV + h) * row_bytes;
-                pa::store_kv_row(dst, row, D, s->kv_dtype, part == 0 ? inv_k : inv_v);
-            }
-        }
-    }
-    return bad ? fail("slot_mapping holds a slot outside the cache") : 0;
-}
-
 extern "C" {
 
 const char* pa_cpu_last_error(void) { return g_last_error.c_str(); }
@@ -161,15 +128,16 @@ int pa_cpu_abi_version(void) { return PA_ABI_VERSION; }
 int pa_cpu_write_kv(const pa_shape* s, const void* key, const void* value, void* kv_cache, const int64_t* slot_mapping,
                     const float* kv_scales) {
     if (int rc = check_shape(s)) return rc;
-    const int D = s->head_size;
-    const int64_t row = static_cast<int64_t>(s->num_kv_heads) * D;  // one token's input, all KV heads
+    const int D = s->head_size, KV = s->num_kv_heads;
+    const int64_t row = static_cast<int64_t>(KV) * D;  // one token's input, all KV heads
     const int64_t num_slots = static_cast<int64_t>(s->num_blocks) * s->block_size;
     const size_t elem = s->dtype == PA_FLOAT32 ? 4 : 2;
-    const int64_t cache_row = static_cast<int64_t>(s->num_kv_heads) * pa::row_elements(s->kv_dtype, D) *
-                              pa::element_bytes(s->kv_dtype);  // one token's bytes in the cache
+    const int64_t row_bytes = static_cast<int64_t>(pa::row_elements(s->kv_dtype, D)) * pa::element_bytes(s->kv_dtype);
+    const int64_t cache_row = KV * row_bytes;  // one token's bytes in the cache
     char* k_cache = static_cast<char*>(kv_cache);
     char* v_cache = k_cache + num_slots * cache_row;
-    if (s->kv_dtype != s->dtype) return pa::write_kv_rows(s, key, value, k_cache, v_cache, slot_mapping, kv_scales);
+    const float inv_scales[2] = {kv_scales != nullptr ? 1.f / kv_scales[0] : 1.f,
+                                 kv_scales != nullptr ? 1.f / kv_scales[1] : 1.f};
     int bad = 0;
 #pragma omp parallel for schedule(static) reduction(| : bad) if (s->num_tokens > 64)
     for (int t = 0; t < s->num_tokens; ++t) {
@@ -179,8 +147,24 @@ int pa_cpu_write_kv(const pa_shape* s, const void* key, const void* value, void*
             bad = 1;
             continue;
         }
-        std::memcpy(k_cache + slot * cache_row, static_cast<const char*>(key) + t * row * elem, row * elem);
-        std::memcpy(v_cache + slot * cache_row, static_cast<const char*>(value) + t * row * elem, row * elem);
+        for (int part = 0; part < 2; ++part) {
+            const char* src = static_cast<const char*>(part == 0 ? key : value) + t * row * elem;
+            char* dst = (part == 0 ? k_cache : v_cache) + slot * cache_row;
+            if (s->kv_dtype == s->dtype) {  // the rows as they are
+                std::memcpy(dst, src, row * elem);
+                continue;
+            }
+            float values[pa::kMaxHeadSize];  // each KV head's row converted (kv_dtype.h)
+            for (int h = 0; h < KV; ++h) {
+                const char* head = src + h * D * elem;
+                if (s->dtype == PA_FLOAT32) {
+                    std::memcpy(values, head, D * sizeof(float));
+                } else {
+                    for (int i = 0; i < D; ++i) values[i] = pa_kv::bf16_to_float(reinterpret_cast<const uint16_t*>(head)[i]);
+                }
+                pa::store_kv_row(dst + h * row_bytes, values, D, s->kv_dtype, inv_scales[part]);
+            }
+        }
     }
     return bad ? fail("slot_mapping holds a slot outside the cache") : 0;
 }
