@@ -69,6 +69,27 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, kv_half, ROW: tl.c
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, key_mask, m, l, acc, scale, softcap, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One block of keys into the rows' running (max, sum, weighted V): the flash-attention step."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    if SOFTCAP:  # softcap * tanh(s / softcap), tanh from exp (saturates to +-1, no overflow)
+        s = (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * softcap
+    s = tl.where(key_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_SIZE]
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp(s - m_new[:, None])
+    correction = tl.exp(m - m_new)
+    l = l * correction + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
+
+
+@triton.jit
 def _attention_kernel(out_ptr, partial_ptr, q_ptr, cache_ptr, scales_ptr, token_seq_ptr, qsl_ptr, seq_lens_ptr,
                       tables_ptr, scale, softcap, window, kv_half, max_blocks, split_blocks, NUM_HEADS: tl.constexpr,
                       NUM_KV_HEADS: tl.constexpr,
@@ -108,22 +129,7 @@ def _attention_kernel(out_ptr, partial_ptr, q_ptr, cache_ptr, scales_ptr, token_
         # [BLOCK_SIZE, HEAD_SIZE], in the query's dtype
         k = _load_rows(cache_ptr, kv_offs, key_mask[:, None], rows, KV_KIND, HEAD_SIZE, q.dtype)
         v = _load_rows(cache_ptr + kv_half, kv_offs, key_mask[:, None], rows, KV_KIND, HEAD_SIZE, q.dtype)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        if SOFTCAP:  # softcap * tanh(s / softcap), tanh from exp (saturates to +-1, no overflow)
-            s = (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * softcap
-        s = tl.where(key_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_SIZE]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        correction = tl.exp(m - m_new)
-        l = l * correction + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * correction[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = _online_softmax_step(q, k, v, key_mask, m, l, acc, scale, softcap, IEEE, SOFTCAP)
     acc = acc * v_scale
     if SPLIT:  # partials [token, head, split, 2 + HEAD_SIZE]: max, sum, unnormalized acc
         num_splits = tl.num_programs(2)
