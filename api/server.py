@@ -15,7 +15,7 @@ from hypercorn.trio import serve
 
 from api.app import Limits, ServerState, create_app
 from api.cli import build_parser, engine_config
-from backends import kv_cache_dtype_refusal
+from backends.kv_cache_names import kv_cache_dtype_refusal
 from engine.config import EngineConfig
 from engine.errors import BackendUnavailableError, ConfigError, InvalidParameterError, first_leaf
 from engine.frontend.async_engine import open_engine

@@ -11,26 +11,9 @@ from backends.errors import BackendUnavailableError
 if TYPE_CHECKING:  # (torch is imported only with a backend: the package itself stays light)
     from backends.base import AttentionBackend
 
-__all__ = ["BackendUnavailableError", "get_backend", "kv_cache_dtype_refusal"]
+__all__ = ["BackendUnavailableError", "get_backend"]
 
 log = logging.getLogger(__name__)
-
-# The KV cache element types each backend keeps (for some model dtype: the cuda backend's float
-# caches are the model's own dtype), named without importing torch, so that the command line
-# refuses a wrong pair before anything loads. Each backend's kv_cache_dtypes_for is the full rule.
-_ALL_KV_CACHE_DTYPES = ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8")
-BACKEND_KV_CACHE_DTYPES = {"torch": _ALL_KV_CACHE_DTYPES, "cpu": _ALL_KV_CACHE_DTYPES,
-                           "triton": _ALL_KV_CACHE_DTYPES,
-                           "cuda": ("float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")}
-
-
-def kv_cache_dtype_refusal(backend: str, kv_cache_dtype: str) -> str | None:
-    """Why ``backend`` (a name; ``auto`` is decided later) cannot keep a ``kv_cache_dtype`` cache, or None."""
-    name = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
-    supported = BACKEND_KV_CACHE_DTYPES.get(backend)
-    if supported is None or name == "auto" or name in supported:
-        return None
-    return f"the {backend} backend cannot keep its KV cache in {name}; it can do {', '.join(supported)}"
 
 
 def get_backend(name: str, device: str) -> AttentionBackend:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from backends.kv_cache_names import KV_CACHE_DTYPE_ALIASES
+
 KEY, VALUE = 0, 1
 INT8_SCALE_ELEMENTS = 2  # an int8 row's float16 scale, in int8 elements
 INT8_MIN_SCALE = 2.0 ** -14  # scales stay normal float16s
@@ -48,7 +50,7 @@ KV_CACHE_DTYPES = {spec.name: spec for spec in (
     KVCacheDtype("fp8_e5m2", torch.float8_e5m2, 4, 57344.0),
     KVCacheDtype("int8", torch.int8, 5),
 )}
-ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for e4m3
+ALIASES = KV_CACHE_DTYPE_ALIASES
 CHOICES = ("auto", *KV_CACHE_DTYPES, *ALIASES)
 _BY_STORAGE = {spec.storage: spec for spec in KV_CACHE_DTYPES.values()}
 
@@ -99,15 +101,12 @@ def from_rows(rows: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None
     return rows.to(dtype)
 
 
-def check_supported(spec: KVCacheDtype, supported: tuple[str, ...], backend: str) -> None:
-    if spec.name not in supported:
-        raise ValueError(f"the {backend} backend cannot keep this model's KV cache in {spec.name}; "
-                         f"it can do {', '.join(supported)}")
-
-
 def resolve_kv_cache_dtype(name: str, backend, model_dtype: torch.dtype) -> KVCacheDtype:
     """The element type ``name`` (``auto``: the backend's choice for ``model_dtype``), checked
     against what ``backend`` can keep; ``ValueError`` names the ones it can."""
     spec = kv_cache_dtype(backend.auto_kv_cache_dtype(model_dtype) if name == "auto" else name)
-    check_supported(spec, backend.kv_cache_dtypes_for(model_dtype), backend.name)
+    supported = backend.kv_cache_dtypes_for(model_dtype)
+    if spec.name not in supported:
+        raise ValueError(f"the {backend.name} backend cannot keep this model's KV cache in {spec.name}; "
+                         f"it can do {', '.join(supported)}")
     return spec

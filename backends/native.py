@@ -135,8 +135,8 @@ def check_cache(kv_cache: torch.Tensor, device: torch.device, head_size: int,
 
 def scales_pointer(kv_scales: torch.Tensor | None, device: torch.device):
     """A layer's fp8 scales (float32 [2]) as the kernels take them, or NULL for 1.0."""
-    if kv_scales is None:
-        return ffi().NULL
+    if kv_scales is None:  # (every layer, every step: the FFI without hashing the header's path)
+        return _attention_ffi().NULL
     _check_tensor("kv_scales", kv_scales, torch.float32, device, 1)
     if kv_scales.shape[0] != 2:
         raise ValueError("kv_scales must hold two values (K, V)")

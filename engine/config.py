@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from backends.kv_cache_names import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPE_NAMES
 from engine.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -24,7 +25,7 @@ DEVICES = ("auto", "cpu", "cuda")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # The KV cache's element types (backends/kv_cache.py; "fp8" is vLLM's name for fp8_e4m3).
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", *KV_CACHE_DTYPE_NAMES, *KV_CACHE_DTYPE_ALIASES)
 # Without kv_cache_memory or num_kv_blocks, a CPU cache holds this many tokens (as llama.cpp's
 # server is sized by its context, -c, not by free memory), or what max_num_seqs sequences of
 # max_model_len tokens can use where that is less: the default model's 32k tokens take 390 MB

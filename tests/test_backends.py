@@ -29,6 +29,7 @@ import torch
 
 from backends import get_backend, native
 from backends import kv_cache as kvc
+from backends.kv_cache_names import KV_CACHE_DTYPE_NAMES
 from backends.base import AttentionMetadata
 from backends.errors import BackendUnavailableError
 from backends.cpu import CpuAttentionBackend
@@ -300,6 +301,7 @@ def test_backends_say_which_kv_cache_dtypes_they_keep():
     from backends.kv_cache import resolve_kv_cache_dtype
 
     cpu, cuda = CpuAttentionBackend(), CudaAttentionBackend.__new__(CudaAttentionBackend)
+    assert tuple(kvc.KV_CACHE_DTYPES) == KV_CACHE_DTYPE_NAMES  # (the package's torch-free names)
     assert resolve_kv_cache_dtype("auto", cpu, torch.float32).name == "int8"
     assert resolve_kv_cache_dtype("fp8", cpu, torch.float32).name == "fp8_e4m3"  # vLLM's alias
     assert resolve_kv_cache_dtype("auto", TorchAttentionBackend(), torch.bfloat16).name == "bfloat16"

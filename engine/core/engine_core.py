@@ -120,15 +120,16 @@ class EngineCore:
             longest = config.max_model_len or self.model.config.exact_context_length
             tokens = max(min(DEFAULT_CPU_KV_CACHE_TOKENS, longest * config.max_num_seqs), config.max_model_len or 0)
             return -(-tokens // config.block_size)
-        field = "kv_cache_memory"
-        if memory is None:
-            field, memory = "gpu_memory_utilization", default_gpu_kv_cache_memory(config.gpu_memory_utilization)
+        if memory is not None:
+            field, why = "kv_cache_memory", f"kv_cache_memory {memory} bytes holds no KV block"
+        else:
+            memory = default_gpu_kv_cache_memory(config.gpu_memory_utilization)
+            field, why = "gpu_memory_utilization", (f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
+                                                    f"{memory} bytes, which hold no KV block (raise it, or free GPU "
+                                                    "memory)")
         num_blocks = memory // ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)
         if num_blocks < 1:
-            what = ("kv_cache_memory" if field == "kv_cache_memory" else
-                    f"gpu_memory_utilization {config.gpu_memory_utilization} leaves {memory} bytes, which")
-            raise ConfigError(field, f"{what} {memory} bytes holds no KV block" if field == "kv_cache_memory"
-                              else f"{what} holds no KV block (raise it, or free GPU memory)")
+            raise ConfigError(field, why)
         return num_blocks
 
     def _max_model_len(self, kv_capacity: int, most_held: int | None = None) -> int:
