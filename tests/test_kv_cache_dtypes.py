@@ -27,13 +27,19 @@ ENGINE_READY = re.compile(r"KV cache (\w+)( \(auto on this backend\))?: (\d+) bl
                           r"([\d.]+) MB \((\d+) bytes per token\)")
 
 
+def small_model(layer_windows: tuple[int | None, ...], seed: int, hidden_size: int = 128, num_heads: int = 4,
+                num_kv_heads: int = 2) -> LlamaModel:
+    """Two layers of random weights, head size 64 (an int8 row: 64 values + a 2-byte scale)."""
+    config = LlamaConfig(vocab_size=256, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_layers=len(layer_windows), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
+                         tie_word_embeddings=True, eos_token_id=2, layer_windows=layer_windows)
+    return LlamaModel.from_state_dict(config, dict(dummy_weights(config, seed=seed)), torch.float32, "cpu")
+
+
 @pytest.fixture(scope="module")
 def model() -> LlamaModel:
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2,
-                         layer_windows=(24, None))
-    return LlamaModel.from_state_dict(config, dict(dummy_weights(config, seed=3)), torch.float32, "cpu")
+    return small_model((24, None), seed=3)
 
 
 def ready_line(caplog) -> re.Match:
@@ -162,11 +168,7 @@ def test_a_long_request_on_a_sliding_window_model_holds_only_its_window():
     """Every layer windowed (as Mistral, Phi-3): a request four times as long as the whole cache
     runs to the end without preemption, since the blocks its window has passed go back as it
     goes, and gives the tokens it gives with nothing given back (a roomy cache)."""
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2,
-                         layer_windows=(40, 40))
-    windowed = LlamaModel.from_state_dict(config, dict(dummy_weights(config, seed=4)), torch.float32, "cpu")
+    windowed = small_model((40, 40), seed=4)
     prompt = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(2)).tolist()
     params = SamplingParams(temperature=0, max_tokens=340, ignore_eos=True)
 
@@ -219,11 +221,7 @@ def test_a_prefix_hit_longer_than_the_cache_on_a_sliding_window_model_is_served(
     """The second turn of a chat on a windowed model: its cached prefix alone is about the whole
     cache. The hits its first new token's window has passed are not taken (they stay cached),
     so it is admitted, and gives the tokens it gives with prefix caching off."""
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
-                         num_kv_heads=1, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
-                         max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2,
-                         layer_windows=(40, 40))
-    windowed = LlamaModel.from_state_dict(config, dict(dummy_weights(config, seed=4)), torch.float32, "cpu")
+    windowed = small_model((40, 40), seed=4, hidden_size=64, num_heads=2, num_kv_heads=1)
     gen = torch.Generator().manual_seed(0)
     first = torch.randint(3, 256, (100,), generator=gen).tolist()
     second = first + torch.randint(3, 256, (100,), generator=gen).tolist()
