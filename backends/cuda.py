@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from backends import kv_cache as kvc
 from backends import native
 from backends.base import AttentionMetadata, cache_shape
 from backends.layer_ops import TORCH_LAYER_OPS
@@ -27,10 +28,10 @@ class CudaAttentionBackend:
         self._lib = lib
 
     def kv_cache_dtypes_for(self, model_dtype: torch.dtype) -> tuple[str, ...]:
-        return (str(model_dtype).removeprefix("torch."), *FP8)
+        return (kvc.same_as(model_dtype).name, *FP8)
 
     def auto_kv_cache_dtype(self, model_dtype: torch.dtype) -> str:
-        return str(model_dtype).removeprefix("torch.")  # as vLLM's auto: fp8 is asked for by name
+        return kvc.same_as(model_dtype).name  # as vLLM's auto: fp8 is asked for by name
 
     kv_cache_shape = staticmethod(cache_shape)
 

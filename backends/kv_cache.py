@@ -63,6 +63,11 @@ def kv_cache_dtype(name: str) -> KVCacheDtype:
     return spec
 
 
+def same_as(model_dtype: torch.dtype) -> KVCacheDtype:
+    """The element type that keeps a model's own dtype (what ``auto`` is on most backends)."""
+    return _BY_STORAGE[model_dtype]
+
+
 def dtype_of(kv_cache: torch.Tensor) -> KVCacheDtype:
     """The element type of a cache tensor, from its torch dtype."""
     spec = _BY_STORAGE.get(kv_cache.dtype)

@@ -34,7 +34,7 @@ class TorchAttentionBackend:
         return tuple(kvc.KV_CACHE_DTYPES)
 
     def auto_kv_cache_dtype(self, model_dtype: torch.dtype) -> str:
-        return str(model_dtype).removeprefix("torch.")  # the oracle keeps what the model computes
+        return kvc.same_as(model_dtype).name  # the oracle keeps what the model computes
 
     kv_cache_shape = staticmethod(cache_shape)
 

@@ -165,7 +165,7 @@ class TritonAttentionBackend:
         return tuple(kvc.KV_CACHE_DTYPES)
 
     def auto_kv_cache_dtype(self, model_dtype: torch.dtype) -> str:
-        return str(model_dtype).removeprefix("torch.")  # as vLLM's auto
+        return kvc.same_as(model_dtype).name  # as vLLM's auto
 
     kv_cache_shape = staticmethod(cache_shape)
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from backends.base import AttentionBackend, AttentionMetadata
-from backends.kv_cache import KVCacheDtype, kv_cache_dtype
+from backends.kv_cache import KVCacheDtype, same_as
 from engine.models.llama import LlamaModel
 from engine.outputs import TokenLogprobs
 from engine.plan import RunnerOutput, StepPlan
@@ -97,7 +97,7 @@ class ModelRunner:
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        self.kv_dtype = kv_dtype or kv_cache_dtype(str(model.dtype).removeprefix("torch."))
+        self.kv_dtype = kv_dtype or same_as(model.dtype)
         shape = backend.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype.storage, device=device)
                           for _ in range(cfg.num_layers)]
