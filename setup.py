@@ -42,6 +42,7 @@ BASE_REQUIREMENTS = [
     "hypercorn>=0.16",
     "prometheus_client>=0.20",
     "msgspec>=0.18",  # engine.transport.wire: msgpack frames of the attrs messages between processes (typed, no pickle)
+    "tqdm>=4.66",  # LLM.generate's progress bar (use_tqdm, as in vLLM)
     "xgrammar>=0.2.6",  # structured outputs: token masks for JSON schema / regex / grammar (accepts transformers 5)
 ]
 

@@ -22,10 +22,23 @@ from werkzeug.exceptions import HTTPException
 from api.errors import APIError, bad_request
 from api.metrics import CONTENT_TYPE, Metrics
 from api.openapi import DOCS_HTML, openapi_document
+from api.responses import (
+    ResponseBuilder,
+    ResponseStore,
+    StoredResponse,
+    chat_body,
+    chat_param,
+    check_request,
+    output_messages,
+    response_head,
+    responses_usage,
+    sse_event,
+)
 from api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
     parse,
     sampling_params,
@@ -34,6 +47,8 @@ from api.protocol import (
 from api.serving import (
     SSE_DONE,
     ChunkWriter,
+    OutputSplitter,
+    ReasoningPlan,
     UsageTracker,
     chat_logprobs,
     completion_logprobs,
@@ -51,8 +66,9 @@ from engine.frontend.async_engine import EngineClient
 from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template
-from engine.tools import ToolCallParser, ToolPlan, plan_tools, render_inputs
+from engine.reasoning import ReasoningParser, check_budget
+from engine.tokenizer import render_chat_template
+from engine.tools import ToolPlan, plan_tools, render_inputs
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +107,11 @@ class ServerState:
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     chat_template: str | None = None
+    # --reasoning-parser; --default-chat-template-kwargs (a request's chat_template_kwargs override them)
+    reasoning_parser: ReasoningParser | None = None
+    default_chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
     limits: Limits = Limits()
+    responses: ResponseStore | None = None  # --enable-responses-store
     created: int = attrs.field(factory=lambda: int(time.time()))
     metrics: Metrics | None = None  # set by create_app
     draining: bool = False
@@ -141,7 +161,7 @@ def create_app(state: ServerState) -> QuartTrio:
         if "*" in state.allowed_origins or origin in state.allowed_origins:
             response.headers["Access-Control-Allow-Origin"] = origin or "*"
             response.headers["Access-Control-Allow-Headers"] = "Authorization, Content-Type"
-            response.headers["Access-Control-Allow-Methods"] = "GET, POST, OPTIONS"
+            response.headers["Access-Control-Allow-Methods"] = "GET, POST, DELETE, OPTIONS"
         return response
 
     _register_error_handlers(app, state.limits)
@@ -156,6 +176,9 @@ def create_app(state: ServerState) -> QuartTrio:
     app.add_url_rule("/detokenize", "detokenize", api.detokenize, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", "chat", api.chat_completions, methods=["POST"])
     app.add_url_rule("/v1/completions", "completions", api.completions, methods=["POST"])
+    app.add_url_rule("/v1/responses", "responses", api.responses_create, methods=["POST"])
+    app.add_url_rule("/v1/responses/<response_id>", "response", api.responses_get, methods=["GET"])
+    app.add_url_rule("/v1/responses/<response_id>", "response_delete", api.responses_delete, methods=["DELETE"])
     return app
 
 
@@ -307,7 +330,7 @@ class _Handlers:
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
             plan = plan_tools(req.tools)
-            ids = await self.render_chat(req.messages, req.add_generation_prompt, False, None, plan)
+            ids = (await self.render_chat(req.messages, req.add_generation_prompt, False, None, plan)).ids
         else:
             ids = await _off_loop(len(req.prompt), self.client.encode, req.prompt, req.add_special_tokens)
         return json_response({"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids})
@@ -324,7 +347,10 @@ class _Handlers:
     # ---- chat ----
 
     async def render_chat(self, messages, add_generation_prompt: bool, continue_final_message: bool,
-                          template_kwargs: dict | None, plan: ToolPlan | None) -> list[int]:
+                          template_kwargs: dict | None, plan: ToolPlan | None) -> RenderedChat:
+        """The conversation through the chat template (with the server's default template
+        arguments under the request's own)."""
+        template_kwargs = {**self.state.default_chat_template_kwargs, **(template_kwargs or {})}
         converted = []
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
@@ -339,18 +365,37 @@ class _Handlers:
                                template_kwargs, plan)
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                        template_kwargs: dict | None, plan: ToolPlan | None) -> list[int]:
+                        template_kwargs: dict, plan: ToolPlan | None) -> RenderedChat:
         tokenizer = self.client.tokenizer
         try:
             messages, tool_kwargs = render_inputs(tokenizer, messages, plan, self.state.chat_template)
-            return apply_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message,
-                                       chat_template=self.state.chat_template, **{**(template_kwargs or {}),
-                                                                                  **tool_kwargs})
+            text = render_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
+                                        chat_template=self.state.chat_template, **{**template_kwargs, **tool_kwargs})
         except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the caller's messages or kwargs
             if isinstance(exc, InvalidParameterError):
                 raise
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
+        return RenderedChat(tokenizer.encode(text, add_special_tokens=False), text)
+
+    def reasoning(self, rendered: RenderedChat, params: SamplingParams, budget: int | None,
+                  ) -> tuple[ReasoningPlan | None, SamplingParams]:
+        """The request's reasoning (None without a reasoning parser), and ``params`` with its
+        constraint moved after the reasoning and its budget in the grammar."""
+        parser = self.state.reasoning_parser
+        try:
+            budget = check_budget(budget)
+        except InvalidParameterError as exc:
+            raise APIError(400, str(exc), exc.param) from None
+        if parser is None:
+            if budget is not None:
+                raise bad_request("thinking_token_budget needs a reasoning parser (start the server with "
+                                  "--reasoning-parser)", "thinking_token_budget")
+            return None, params
+        opening = parser.opening(rendered.text)
+        tokenizer, skip = self.client.tokenizer, params.skip_special_tokens
+        plan = ReasoningPlan(parser, opening, lambda ids: tokenizer.decode(ids, skip_special_tokens=skip))
+        return plan, parser.constrain(params, opening, budget)
 
     async def compile_constraint(self, req, params: SamplingParams, plan: ToolPlan | None = None) -> None:
         """Compile the request's output constraint now (off the event loop, cached), so that a
@@ -382,44 +427,60 @@ class _Handlers:
 
     async def _chat_completions(self, deadline: float | None) -> Response:
         req: ChatCompletionRequest = await self.body(ChatCompletionRequest)
-        req.check_supported()
-        self.check_model(req.model)
-        self.check_prompts(1, req.n)
-        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-        ids = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                     req.chat_template_kwargs, plan)
-        params = sampling_params(req, chat=True, defaults=self.state.client.default_sampling)
-        if plan is not None:
-            params = plan.constrain(params)
-        self.validate(ids, params, req.priority)
-        await self.compile_constraint(req, params, plan)
-        self.check_prompts(1, req.n)  # again, after the awaits: a stream's 503 must come before its 200
+        chat = await self.prepare_chat(req)
+        ids, params, plan, reasoning = chat.ids, chat.params, chat.plan, chat.reasoning
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
         stream = _before(deadline, self.client.generate({"prompt_token_ids": ids}, params,
                                                                request_id=request_id, priority=req.priority))
+        tools = plan is not None and plan.may_call
         if req.stream:
-            return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan))
+            return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan, reasoning))
         final = await self._final(stream, tracker)
-        choices = []
+        choices, splitters = [], []
         for c in final.outputs:
-            message = {"role": "assistant", "content": echo + c.text, "refusal": None}
+            splitter = OutputSplitter(reasoning, tools)
+            splitters.append(splitter)
+            split = splitter.feed(c.text, c.token_ids, final=True)
+            message = {"role": "assistant", "content": echo + split.content, "refusal": None}
             finish_reason = c.finish_reason
-            if plan is not None and plan.may_call:
-                parser = ToolCallParser()
-                message["content"] = (echo + parser.feed(c.text, final=True).content) or None
-                if parser.calls:
-                    message["tool_calls"] = parser.calls
-                finish_reason = plan.finish_reason(finish_reason, parser.num_complete)
+            if tools:
+                calls = splitter.tools.calls
+                message["content"] = message["content"] or (None if calls else "")
+                if calls:
+                    message["tool_calls"] = calls
+                finish_reason = plan.finish_reason(finish_reason, splitter.tools.num_complete)
+            if reasoning is not None:
+                text = split.reasoning if splitter.has_reasoning and req.include_reasoning else None
+                message["reasoning_content"] = message["reasoning"] = text
             choices.append({"index": c.index, "message": message, "finish_reason": finish_reason,
                             "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
                             if req.logprobs else None, "stop_reason": c.stop_reason})
+        tracker.count_reasoning(splitters)
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.state.model_name, "choices": choices, "usage": tracker.usage()}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return json_response(body)
+
+    async def prepare_chat(self, req: ChatCompletionRequest) -> PreparedChat:
+        """A chat request checked, rendered and turned into the engine's parameters, its output
+        constraint compiled: what is left is to generate."""
+        req.check_supported()
+        self.check_model(req.model)
+        self.check_prompts(1, req.n)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        rendered = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                          req.chat_template_kwargs, plan)
+        params = sampling_params(req, chat=True, defaults=self.state.client.default_sampling)
+        if plan is not None:
+            params = plan.constrain(params)
+        reasoning, params = self.reasoning(rendered, params, req.thinking_token_budget)
+        self.validate(rendered.ids, params, req.priority)
+        await self.compile_constraint(req, params, plan)
+        self.check_prompts(1, req.n)  # again, after the awaits: a stream's 503 must come before its 200
+        return PreparedChat(rendered.ids, params, plan, reasoning)
 
     @staticmethod
     def _chat_echo(req: ChatCompletionRequest) -> str:
@@ -429,25 +490,28 @@ class _Handlers:
         return ""
 
     async def _chat_chunks(self, req, request_id: str, stream, tracker: UsageTracker, echo: str,
-                           plan: ToolPlan | None):
+                           plan: ToolPlan | None, reasoning: ReasoningPlan | None):
         chunk = ChunkWriter(request_id, "chat.completion.chunk", self.state.model_name, req.stream_options, tracker)
-        parsers = [ToolCallParser() for _ in range(req.n)] if plan is not None and plan.may_call else None
+        tools = plan is not None and plan.may_call
+        splitters = [OutputSplitter(reasoning, tools) for _ in range(req.n)]
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(req.n)])
         async for output in _closing(stream):
             tracker.observe(output)
             choices = []
             for c in output.outputs:
-                delta = {"content": c.text} if c.text or not c.finish_reason else {}
+                splitter = splitters[c.index]
+                split = splitter.feed(c.text, c.token_ids, final=c.finish_reason is not None)
+                delta = {}
+                if split.reasoning and req.include_reasoning:
+                    delta["reasoning_content"] = delta["reasoning"] = split.reasoning
+                if split.content or not (c.finish_reason or split.calls or delta):
+                    delta["content"] = split.content
+                if split.calls:
+                    delta["tool_calls"] = [call.as_openai() for call in split.calls]
                 finish_reason = c.finish_reason
-                if parsers is not None:
-                    parser = parsers[c.index]
-                    parsed = parser.feed(c.text, final=c.finish_reason is not None)
-                    delta = {"content": parsed.content} if parsed.content or not (c.finish_reason or parsed.calls) \
-                        else {}
-                    if parsed.calls:
-                        delta["tool_calls"] = [call.as_openai() for call in parsed.calls]
-                    finish_reason = plan.finish_reason(finish_reason, parser.num_complete)
+                if tools:
+                    finish_reason = plan.finish_reason(finish_reason, splitter.tools.num_complete)
                 choice = {"index": c.index, "delta": delta,
                           "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
                           if req.logprobs else None, "finish_reason": finish_reason}
@@ -456,8 +520,81 @@ class _Handlers:
                 choices.append(choice)
             yield chunk(choices)
         if chunk.include_usage:
+            tracker.count_reasoning(splitters)
             yield chunk([], tracker.usage())
         yield SSE_DONE
+
+    # ---- responses ----
+
+    async def responses_create(self) -> Response:
+        deadline = self.deadline()
+        with _within(deadline):
+            try:
+                return await self._responses_create(deadline)
+            except APIError as exc:  # a chat field's error, in the Responses API's words
+                raise attrs.evolve(exc, param=chat_param(exc.param)) from None
+
+    async def _responses_create(self, deadline: float | None) -> Response:
+        req: ResponsesRequest = await self.body(ResponsesRequest)
+        store = self.state.responses
+        check_request(req, store, self.state.reasoning_parser is not None)
+        history = [] if req.previous_response_id is None else \
+            store.get(req.previous_response_id, "previous_response_id").conversation
+        body, conversation = chat_body(req, history)
+        chat_req: ChatCompletionRequest = parse(body, ChatCompletionRequest)
+        chat = await self.prepare_chat(chat_req)
+        response_id = _response_id()
+        stored = store is not None and req.store is not False
+        builder = ResponseBuilder(response_head(req, response_id, self.state.model_name, stored))
+        tracker = UsageTracker(len(chat.ids))
+        stream = _before(deadline, self.client.generate({"prompt_token_ids": chat.ids}, chat.params,
+                                                               request_id=response_id, priority=req.priority))
+        remember = (lambda response: store.put(StoredResponse(response, conversation + output_messages(
+            response["output"])))) if stored else None
+        if req.stream:
+            return self.sse_response(self._response_events(chat, stream, tracker, builder, remember),
+                                     lambda error: sse_event(builder.error(_stream_error(error))))
+        final = await self._final(stream, tracker)
+        (c,) = final.outputs
+        splitter = OutputSplitter(chat.reasoning, chat.may_call)
+        builder.feed(splitter.feed(c.text, c.token_ids, final=True))
+        tracker.count_reasoning([splitter])
+        response, _ = builder.finish(responses_usage(tracker.usage()), c.finish_reason == "length")
+        if remember is not None:
+            remember(response)
+        return json_response(response)
+
+    async def _response_events(self, chat: PreparedChat, stream, tracker: UsageTracker, builder: ResponseBuilder,
+                               remember):
+        splitter = OutputSplitter(chat.reasoning, chat.may_call)
+        for event in builder.start():
+            yield sse_event(event)
+        finish_reason = None
+        async for output in _closing(stream):
+            tracker.observe(output)
+            (c,) = output.outputs
+            for event in builder.feed(splitter.feed(c.text, c.token_ids, final=c.finish_reason is not None)):
+                yield sse_event(event)
+            finish_reason = c.finish_reason or finish_reason
+        tracker.count_reasoning([splitter])
+        response, events = builder.finish(responses_usage(tracker.usage()), finish_reason == "length")
+        if remember is not None:
+            remember(response)
+        for event in events:
+            yield sse_event(event)
+
+    def _store(self) -> ResponseStore:
+        if self.state.responses is None:
+            raise APIError(404, "this server stores no responses (start it with --enable-responses-store)",
+                           code="response_not_found")
+        return self.state.responses
+
+    async def responses_get(self, response_id: str) -> Response:
+        return json_response(self._store().get(response_id).response)
+
+    async def responses_delete(self, response_id: str) -> Response:
+        self._store().delete(response_id)
+        return json_response({"id": response_id, "object": "response", "deleted": True})
 
     # ---- completions ----
 
@@ -540,33 +677,57 @@ class _Handlers:
         return final
 
     @staticmethod
-    def sse_response(chunks) -> Response:
-        response = Response(_guard(chunks), content_type="text/event-stream")
+    def sse_response(chunks, error_event=None) -> Response:
+        """An event stream of ``chunks``; a failure once it has begun ends it with
+        ``error_event(error)`` (a chat-shaped error and [DONE] by default)."""
+        response = Response(_guard(chunks, error_event), content_type="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # a long generation is not a stalled response
         return response
+
+
+@attrs.frozen
+class PreparedChat:
+    """A chat request ready to generate: prompt ids, engine parameters, tools and reasoning."""
+
+    ids: list[int]
+    params: SamplingParams
+    plan: ToolPlan | None
+    reasoning: ReasoningPlan | None
+
+    @property
+    def may_call(self) -> bool:
+        return self.plan is not None and self.plan.may_call
+
+
+@attrs.frozen
+class RenderedChat:
+    """A conversation through the chat template: its token ids and the text they encode."""
+
+    ids: list[int]
+    text: str
 
 
 def _template_message(message, content: str) -> dict[str, Any]:
     """A chat message as chat templates take it: OpenAI's developer role is a system message;
     name, tool_calls and tool_call_id pass through for templates that use them."""
     converted = {"role": "system" if message.role == "developer" else message.role, "content": content}
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
         if getattr(message, key) is not None:
             converted[key] = getattr(message, key)
     return converted
 
 
-async def _guard(events):
+async def _guard(events, error_event=None):
     """A response's SSE events; whatever fails once the status line has been sent (the engine,
     the request, its deadline, a rejection from the engine core, a bug), the stream ends with
-    an error event and [DONE] rather than a cut connection."""
+    an error event (and [DONE]) rather than a cut connection."""
     try:
         async with aclosing(events):  # (closed now, not at garbage collection: its requests abort)
             async for event in events:
                 yield event
     except Exception as error:
-        yield sse(_stream_error(error).body()) + SSE_DONE
+        yield error_event(error) if error_event is not None else sse(_stream_error(error).body()) + SSE_DONE
 
 
 async def _closing(stream):
@@ -587,6 +748,10 @@ def _stream_error(error: Exception) -> APIError:
         return engine_api_error(error)
     log.error("a stream failed after its headers were sent", exc_info=error)
     return APIError(500, "internal server error", type="server_error")
+
+
+def _response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
 
 
 _TIMED_OUT = object()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import attrs
 
@@ -20,6 +21,7 @@ from engine.config import (
     EngineConfig,
     resolve_device,
 )
+from engine.reasoning import REASONING_PARSERS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -156,6 +158,27 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=("hermes",), default="hermes",
                    help="the format of tool calls: Hermes (<tool_call>{json}</tool_call>), written into the "
                         "prompt when the chat template does not render tools, and enforced by a grammar")
+    p.add_argument("--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
+                   help="split the model's <think> reasoning from its answer (reasoning_content in chat "
+                        "completions, a reasoning item in responses); the answer alone is constrained")
+    p.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
+                   help='JSON object of chat template arguments for every request, e.g. \'{"enable_thinking": '
+                        'false}\' (a request\'s chat_template_kwargs override them)')
+    p.add_argument("--enable-responses-store", action="store_true",
+                   help="keep responses (store: true) in memory for previous_response_id, GET and DELETE "
+                        "/v1/responses/{id}; off: the Responses API is stateless")
+    p.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="most responses kept with --enable-responses-store (the oldest go first)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

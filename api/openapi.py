@@ -14,7 +14,8 @@ from typing import Any
 
 import attrs
 
-from api.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from api.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                          TokenizeRequest)
 
 _SCALARS = {int: {"type": "integer"}, float: {"type": "number"}, bool: {"type": "boolean"}, str: {"type": "string"}}
 
@@ -70,9 +71,18 @@ def _get(summary: str, content_type: str = "application/json") -> dict[str, Any]
     return {"get": {"summary": summary, "responses": {"200": {"description": summary, "content": {content_type: {}}}}}}
 
 
+def _stored_response() -> dict[str, Any]:
+    """GET and DELETE of a stored response (404 unless the server keeps them)."""
+    parameters = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    responses = {"200": {"description": "the response (GET) or its deletion (DELETE)",
+                         "content": {"application/json": {}}}, "401": _ERROR, "404": _ERROR}
+    return {"get": {"summary": "A stored response", "parameters": parameters, "responses": responses},
+            "delete": {"summary": "Delete a stored response", "parameters": parameters, "responses": responses}}
+
+
 def openapi_document(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of this server's endpoints."""
-    requests = (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest)
+    requests = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
     return {
         "openapi": "3.1.0",
         "info": {"title": "trio-llm-engine", "version": version,
@@ -81,6 +91,8 @@ def openapi_document(version: str) -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _post("Create a chat completion", ChatCompletionRequest, True),
             "/v1/completions": _post("Create a text completion", CompletionRequest, True),
+            "/v1/responses": _post("Create a response (OpenAI's Responses API)", ResponsesRequest, True),
+            "/v1/responses/{response_id}": _stored_response(),
             "/tokenize": _post("Token ids of a prompt or a conversation", TokenizeRequest, False),
             "/detokenize": _post("Text of token ids", DetokenizeRequest, False),
             "/v1/models": _get("The served model"),

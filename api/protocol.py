@@ -45,6 +45,7 @@ class ChatMessage:
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier turn's reasoning, for templates that render it
 
 
 @attrs.frozen
@@ -122,6 +123,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = attrs.field(default=None, metadata={"schema": {"anyOf": [
         {"type": "string", "enum": ["none", "auto", "required"]}, {"type": "object"}]}})
     parallel_tool_calls: bool = True
+    # With --reasoning-parser (vLLM's names): most tokens the reasoning may take before it is
+    # closed, and whether the response carries it.
+    thinking_token_budget: int | None = None
+    include_reasoning: bool = True
     audio: Any = None
     modalities: list[str] | None = None
 
@@ -149,6 +154,48 @@ class CompletionRequest(SamplingFields):
             raise unsupported("suffix", "suffix (insertion)")
         if self.best_of not in (None, self.n):
             raise unsupported("best_of", "best_of other than n")
+
+
+_INPUT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}
+
+
+@attrs.frozen(kw_only=True)
+class ResponsesRequest:
+    """``POST /v1/responses`` (OpenAI's Responses API), served by translation to a chat
+    completion (``api.responses``); vLLM's sampling extras are accepted as in chat."""
+
+    model: str | None = None
+    input: Any = attrs.field(metadata={"schema": _INPUT_SCHEMA})  # a string or input items
+    instructions: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = attrs.field(default=None, metadata={"schema": {"anyOf": [
+        {"type": "string", "enum": ["none", "auto", "required"]}, {"type": "object"}]}})
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    user: str | None = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    # vLLM's extras (as in chat completions)
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    priority: int = 0
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_token_budget: int | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -15,11 +15,13 @@ from hypercorn.trio import serve
 
 from api.app import Limits, ServerState, create_app
 from api.cli import build_parser, engine_config
+from api.responses import ResponseStore
 from backends.kv_cache_names import kv_cache_dtype_refusal
 from engine.config import EngineConfig
 from engine.errors import BackendUnavailableError, ConfigError, InvalidParameterError, first_leaf
 from engine.frontend.async_engine import open_engine
 from engine.models.loader import resolve_model
+from engine.reasoning import reasoning_parser
 from engine.signals import on_stop_signals
 
 log = logging.getLogger("engine.server")
@@ -44,7 +46,9 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
     limits = Limits(body_timeout=args.request_body_timeout, request_timeout=args.request_timeout,
                     max_prompts_per_request=args.max_prompts_per_request)
     state = ServerState(args.served_model_name or source.name, api_key=args.api_key, allowed_origins=origins,
-                        chat_template=template, limits=limits)
+                        chat_template=template, reasoning_parser=reasoning_parser(args.reasoning_parser),
+                        default_chat_template_kwargs=args.default_chat_template_kwargs, limits=limits,
+                        responses=ResponseStore(args.max_stored_responses) if args.enable_responses_store else None)
     app = create_app(state)
     hc = HypercornConfig()
     hc.bind = [f"fd://{args.listen_fd}" if args.listen_fd is not None else f"{args.host}:{args.port}"]
@@ -130,6 +134,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if refusal := kv_cache_dtype_refusal(args.backend, args.kv_cache_dtype):
         parser.error(refusal)
+    if args.max_stored_responses < 1:
+        parser.error("--max-stored-responses must be at least 1")
+    if args.enable_responses_store and args.api_server_count > 1:
+        parser.error("--enable-responses-store keeps responses in one server's memory: it needs --api-server-count 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.api_server_count > 1 and args.listen_fd is None:
         from api.launcher import run_launcher

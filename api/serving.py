@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
+import attrs
 import orjson
 
 from engine.outputs import PositionLogprobs, RequestOutput
+from engine.reasoning import Opening, ReasoningParser, count_reasoning_tokens
+from engine.tools import ParsedDelta, ToolCallParser
 
 
 def sse(data: Any) -> bytes:
@@ -18,10 +22,13 @@ def sse(data: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def _token_bytes(text: str) -> list[int]:
@@ -100,6 +107,7 @@ class UsageTracker:
     def __init__(self, num_prompt_tokens: int) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_completion_tokens = 0
+        self.num_reasoning_tokens: int | None = None  # counted where a reasoning parser is on
         self._cached_tokens: dict[int, int] = {}  # per prompt
 
     def observe(self, output: RequestOutput, prompt_index: int = 0) -> None:
@@ -108,4 +116,66 @@ class UsageTracker:
         self._cached_tokens[prompt_index] = output.num_cached_tokens
 
     def usage(self) -> dict:
-        return usage(self.num_prompt_tokens, self.num_completion_tokens, sum(self._cached_tokens.values()))
+        return usage(self.num_prompt_tokens, self.num_completion_tokens, sum(self._cached_tokens.values()),
+                     self.num_reasoning_tokens)
+
+    def count_reasoning(self, choices: list[OutputSplitter]) -> None:
+        """Count the reasoning tokens of finished choices (a no-op without a reasoning parser)."""
+        counts = [c.reasoning_tokens() for c in choices]
+        if any(n is not None for n in counts):
+            self.num_reasoning_tokens = sum(n or 0 for n in counts)
+
+
+@attrs.frozen
+class ReasoningPlan:
+    """A request's reasoning: its model's parser, where its output begins, and how to count
+    reasoning tokens (``decode``: token ids to text, as the output's text was made)."""
+
+    parser: ReasoningParser
+    opening: Opening
+    decode: Callable[[list[int]], str]
+
+
+@attrs.frozen
+class SplitDelta:
+    reasoning: str = ""
+    content: str = ""
+    calls: tuple = ()  # CallDelta values of the tool-call parser
+
+
+class OutputSplitter:
+    """One choice's output split, as it streams, into reasoning (with a reasoning parser), then
+    content and tool calls (when tools may be called): whatever reasoning ends in, a tool
+    call included, the answer's parser sees only the answer. Fed the whole output at once it
+    gives what the deltas add up to."""
+
+    def __init__(self, reasoning: ReasoningPlan | None, tools: bool) -> None:
+        self.reasoning = reasoning
+        self._splitter = reasoning.parser.splitter(reasoning.opening) if reasoning is not None else None
+        self.tools = ToolCallParser() if tools else None
+        self._token_ids: list[int] = []
+
+    @property
+    def has_reasoning(self) -> bool:
+        return self._splitter is not None and self._splitter.has_reasoning
+
+    def feed(self, text: str, token_ids=(), final: bool = False) -> SplitDelta:
+        reasoning, content = "", text
+        if self._splitter is not None:
+            self._token_ids.extend(token_ids)
+            split = self._splitter.feed(text, final)
+            reasoning, content = split.reasoning, split.content
+        if self.tools is None:
+            return SplitDelta(reasoning, content)
+        parsed: ParsedDelta = self.tools.feed(content, final)
+        return SplitDelta(reasoning, parsed.content, parsed.calls)
+
+    def reasoning_tokens(self) -> int | None:
+        """The output's tokens within its reasoning (None without a reasoning parser)."""
+        if self._splitter is None:
+            return None
+        if not self._splitter.has_reasoning:
+            return 0
+        end = self._splitter.reasoning_end
+        return len(self._token_ids) if end is None else count_reasoning_tokens(self.reasoning.decode,
+                                                                               self._token_ids, end)

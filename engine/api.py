@@ -61,8 +61,10 @@ class LLM:
         self.engine.block_manager.reset_prefix_cache()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of ``prompts``.
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of ``prompts``. ``use_tqdm``
+        (as in vLLM) shows a progress bar: requests done, output tokens per second.
 
         Raises:
             InvalidParameterError: a bad prompt or parameter (checked before anything is queued).
@@ -77,14 +79,14 @@ class LLM:
             if params.structured_outputs is not None:  # a bad constraint fails before anything runs
                 self.structured_outputs.compile(params.structured_outputs)
         final = [attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
-        return trio.run(self._generate_all, engine, inputs, final)
+        return trio.run(self._generate_all, engine, inputs, final, use_tqdm)
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-             parallel_tool_calls: bool = True) -> list[RequestOutput]:
+             parallel_tool_calls: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the chat template.
 
         With ``tools`` (OpenAI's function tools), the prompt lists them and calls come out in
@@ -103,26 +105,33 @@ class LLM:
         if plan is not None:
             params = self._params_per_prompt(sampling_params, len(prompts))
             sampling_params = [plan.constrain(p) for p in params]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod
     async def _generate_all(engine: Engine, inputs: list[tuple[str | None, list[int]]],
-                            params_list: list[SamplingParams]) -> list[RequestOutput]:
+                            params_list: list[SamplingParams], use_tqdm: bool = False) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(inputs)
+        progress = _Progress(len(inputs)) if use_tqdm else None
 
         async def collect(i: int, channel) -> None:
             async for output in channel:
                 results[i] = output
+            if progress is not None:
+                progress.done(results[i])
 
-        with ungrouped():
-            async with engine.serve() as client:
-                # Queue everything before the first step, so batches do not depend on task timing.
-                # Requests left unfinished by an error die with the engine when serve() exits.
-                channels = [client.submit({"prompt": text, "prompt_token_ids": ids}, params, request_id=str(i))
-                            for i, ((text, ids), params) in enumerate(zip(inputs, params_list))]
-                async with trio.open_nursery() as nursery:
-                    for i, channel in enumerate(channels):
-                        nursery.start_soon(collect, i, channel)
+        try:
+            with ungrouped():
+                async with engine.serve() as client:
+                    # Queue everything before the first step, so batches do not depend on task timing.
+                    # Requests left unfinished by an error die with the engine when serve() exits.
+                    channels = [client.submit({"prompt": text, "prompt_token_ids": ids}, params, request_id=str(i))
+                                for i, ((text, ids), params) in enumerate(zip(inputs, params_list))]
+                    async with trio.open_nursery() as nursery:
+                        for i, channel in enumerate(channels):
+                            nursery.start_soon(collect, i, channel)
+        finally:
+            if progress is not None:
+                progress.close()
         return results
 
     @staticmethod
@@ -135,6 +144,27 @@ class LLM:
         if len(params) != num_prompts:
             raise InvalidParameterError("sampling_params", f"got {len(params)} sampling_params for {num_prompts} prompts")
         return params
+
+
+class _Progress:
+    """``LLM.generate``'s progress bar (tqdm, as vLLM's): requests done and output tokens/s."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)
+        self._output_tokens = 0
+
+    def done(self, output: RequestOutput | None) -> None:
+        if output is not None:
+            self._output_tokens += sum(len(c.token_ids) for c in output.outputs)
+        elapsed = self._bar.format_dict["elapsed"]
+        self._bar.set_postfix_str(f"output {self._output_tokens / elapsed:.1f} tok/s" if elapsed else "",
+                                  refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -52,11 +52,16 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
     return tok
 
 
-def apply_chat_template(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, chat_template: str | None = None,
-                        **template_kwargs: Any) -> list[int]:
-    """Token ids of a conversation rendered with the model's (or the given) chat template."""
-    text = tokenizer.apply_chat_template(
+def render_chat_template(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                         continue_final_message: bool = False, chat_template: str | None = None,
+                         **template_kwargs: Any) -> str:
+    """A conversation as the model's (or the given) chat template writes it."""
+    return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
         continue_final_message=continue_final_message, chat_template=chat_template, **template_kwargs)
-    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+    """Token ids of a conversation rendered with the model's (or the given) chat template
+    (``options`` as for ``render_chat_template``)."""
+    return tokenizer.encode(render_chat_template(tokenizer, messages, **options), add_special_tokens=False)

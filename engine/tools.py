@@ -105,7 +105,8 @@ class ToolPlan:
             return {**self._hermes_tag("required"), "format": self._calls_only()}
         if content is not None:
             calls = self._hermes_tag("required")["format"]
-            return {**self._hermes_tag("auto"), "format": {"type": "or", "elements": [_as_format(content), calls]}}
+            text = as_structural_format(content, "tools")
+            return {**self._hermes_tag("auto"), "format": {"type": "or", "elements": [text, calls]}}
         return self._hermes_tag("auto")
 
     def _calls_only(self) -> dict[str, Any]:
@@ -211,8 +212,9 @@ def _tool(value: Any, index: int) -> Tool:
     return Tool(name, description, parameters)
 
 
-def _as_format(params: StructuredOutputsParams) -> dict[str, Any]:
-    """Another constraint as a structural-tag format, to sit beside the calls."""
+def as_structural_format(params: StructuredOutputsParams, param: str) -> dict[str, Any]:
+    """A constraint as a structural-tag format, to sit beside calls or after reasoning
+    (``param``: the request field an error names)."""
     from engine.sampling_params import parse_json_constraint
     from engine.structured_outputs import MAX_JSON_WHITESPACE
 
@@ -230,8 +232,8 @@ def _as_format(params: StructuredOutputsParams) -> dict[str, Any]:
         return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in params.choice]}
     tag = parse_json_constraint(params.structural_tag, "structural_tag")
     if not isinstance(tag, dict) or not isinstance(tag.get("format"), dict):
-        raise InvalidParameterError("tools", "tool_choice auto combines only with a structural_tag that has a "
-                                             "format (or with a JSON schema, regex, choice or grammar)")
+        raise InvalidParameterError(param, "a structural_tag combines with tool calls or reasoning only when it has "
+                                           "a format (a JSON schema, regex, choice or grammar always does)")
     return tag["format"]
 
 

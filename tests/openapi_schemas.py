@@ -46,6 +46,15 @@ class OpenAISchemas:
     def validate(self, name: str, instance: Any) -> None:
         self.validator(name).validate(instance)
 
+    def validate_response_event(self, event: dict) -> None:
+        """A Responses stream event, against the schema of its own type (one of the
+        ResponseStreamEvent alternatives: a failure then names the field, not just the union)."""
+        if not hasattr(self, "_event_schemas"):
+            schemas = self.doc["components"]["schemas"]
+            names = [ref["$ref"].rsplit("/", 1)[-1] for ref in schemas["ResponseStreamEvent"]["anyOf"]]
+            self._event_schemas = {schemas[n]["properties"]["type"]["enum"][0]: n for n in names}
+        self.validate(self._event_schemas[event["type"]], event)
+
     def validate_completion_chunk(self, chunk: dict) -> None:
         """Streamed text completions reuse CreateCompletionResponse, whose finish_reason the spec
         marks non-null although it is null until a choice ends (as OpenAI itself sends it)."""

@@ -96,6 +96,15 @@ def test_outputs_keep_prompt_order_and_accept_token_ids(llm):
     assert all(o.finished for o in outs)
 
 
+def test_generate_shows_progress_unless_told_not_to(llm, capsys):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate(["a", "b", "c"], params)
+    bar = capsys.readouterr().err
+    assert "Processed prompts" in bar and "3/3" in bar and "output" in bar and "tok/s" in bar
+    outputs = llm.generate(["a", "b", "c"], params, use_tqdm=False)
+    assert capsys.readouterr().err == "" and [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
+
+
 def test_chat_uses_the_template(llm):
     out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0, max_tokens=16))[0]
     assert "<|im_start|>assistant" in llm.get_tokenizer().decode(out.prompt_token_ids)

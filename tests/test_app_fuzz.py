@@ -22,6 +22,8 @@ from hypothesis import HealthCheck, given, settings
 
 from api.app import VERSION
 from api.openapi import openapi_document
+from api.responses import ResponseStore
+from engine.reasoning import REASONING_PARSERS
 from tests.conftest import ThreadedServer, tiny_engine_core
 
 MAX_MODEL_LEN = 64
@@ -36,7 +38,8 @@ LEAKS = re.compile(r"Traceback|File \"|\.py\b|/work/|site-packages|Error\(")
 def server(tiny_vocab_model, tokenizer):
     core = tiny_engine_core(tiny_vocab_model, num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
                             max_num_batched_tokens=512)
-    server = ThreadedServer(core, tokenizer)
+    # The responses store and a reasoning parser on, so that their paths are fuzzed too.
+    server = ThreadedServer(core, tokenizer, responses=ResponseStore(16), reasoning_parser=REASONING_PARSERS["qwen3"])
     yield server
     try:
         with requests.Session() as http:  # whichever of this module's tests ran, in whatever order
@@ -70,14 +73,16 @@ def test_schema_driven_requests_never_break_the_server(case, server, http):
 FIELDS = ["prompt", "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
           "stream", "stream_options", "logprobs", "top_logprobs", "logit_bias", "seed", "top_k", "min_p",
           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "stop_token_ids", "echo",
-          "prompt_logprobs", "priority", "cache_salt", "tools", "tool_choice", "response_format", "user", "tokens"]
+          "prompt_logprobs", "priority", "cache_salt", "tools", "tool_choice", "response_format", "user", "tokens",
+          "input", "instructions", "text", "max_output_tokens", "previous_response_id", "store", "reasoning",
+          "thinking_token_budget", "chat_template_kwargs", "include_reasoning"]
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8),
                                                                  inner, max_size=5),
     max_leaves=20)
 BODIES = st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=8)
-ROUTES = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+ROUTES = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"])
 
 
 @given(route=ROUTES, body=BODIES)
@@ -129,10 +134,36 @@ HOSTILE = [
 
 
 @pytest.mark.parametrize("body", HOSTILE)
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_hand_picked_hostile_bodies(server, http, route, body):
     check_answer(http.post(server.base_url + route, data=body, headers={"Content-Type": "application/json"},
                            timeout=60))
+
+
+RESPONSES_HOSTILE = [
+    {"input": [{"type": "message", "role": "user", "content": [{"type": "input_text"}]}]},
+    {"input": [{"role": "user", "content": [5]}]},
+    {"input": [{"type": "reasoning", "content": 5}, {"role": "user", "content": "x"}]},
+    {"input": [{"type": "function_call", "call_id": "a", "name": "f", "arguments": "{"}]},
+    {"input": [{"type": "function_call_output", "output": "x"}]},
+    {"input": [{"type": "function_call_output", "call_id": "a", "output": {"x": 1}}]},
+    {"input": [], "instructions": "x"},
+    {"input": "x", "previous_response_id": "resp_nope"},
+    {"input": "x", "tools": [{"type": "function"}]},
+    {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": "str"}], "tool_choice": "required"},
+    {"input": "x", "tool_choice": {"type": "function"}, "tools": [{"type": "function", "name": "f"}]},
+    {"input": "x", "text": {"format": "json"}},
+    {"input": "x", "text": {"format": {"type": "json_schema", "schema": 5}}},
+    {"input": "x", "metadata": {"a": 1}},
+    {"input": "x", "reasoning": {"effort": 5}, "thinking_token_budget": -1},
+    {"input": "x", "max_output_tokens": 0},
+    {"input": "x", "stream": True, "max_output_tokens": 100000000},
+]
+
+
+@pytest.mark.parametrize("body", RESPONSES_HOSTILE)
+def test_hand_picked_hostile_responses_requests(server, http, body):
+    check_answer(http.post(server.base_url + "/v1/responses", json=body, timeout=60))
 
 
 def post(server, http, body: dict, route: str = "/v1/completions") -> requests.Response:

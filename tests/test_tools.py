@@ -15,7 +15,8 @@ import pytest
 from engine.errors import InvalidParameterError
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import StructuredOutputManager
-from engine.tools import ToolCallParser, parse_tool_calls, plan_tools, prepare_messages, template_renders_tools
+from engine.tools import (ARGUMENTS_BEGIN, CALL_BEGIN, ToolCallParser, parse_tool_calls, plan_tools, prepare_messages,
+                          template_renders_tools)
 from tests.conftest import ThreadedServer
 
 
@@ -302,6 +303,28 @@ def test_sampled_calls_stream_byte_equal_and_a_second_turn_answers(live):
     for call in calls:
         assert f'{{"name": "{call["function"]["name"]}", "arguments": {call["function"]["arguments"]}}}' in text
     assert text.count("<tool_response>\n") == len(calls)
+
+
+@pytest.mark.slow
+def test_required_calls_from_the_first_token_even_with_barely_enough_tokens(live):
+    """tool_choice required: whatever is sampled, the output is a call from its first token,
+    so a max_tokens just large enough to name the function always returns a call. (The
+    header takes 18 tokens written canonically; sampled at temperature 1 the grammar lets
+    the model spell it in up to 23 here, and a whole call takes 33 or more.)"""
+    header = f'{CALL_BEGIN}get_weather{ARGUMENTS_BEGIN}'
+    max_tokens = len(live.client.tokenizer.encode(header, add_special_tokens=False)) + 6
+    client = openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    def one(seed: int):
+        return ask(client, False, messages=QUESTION, tools=TOOLS[:1], tool_choice="required", temperature=1.0,
+                   seed=seed, max_tokens=max_tokens)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(50)))
+    for seed, (content, calls, finish) in enumerate(results):
+        assert calls and calls[0]["function"]["name"] == "get_weather" and content is None, (seed, calls)
+        assert finish in ("tool_calls", "length"), seed
+    assert any(finish == "length" for _, _, finish in results)  # (the budget really was tight)
 
 
 @pytest.mark.slow

@@ -1,0 +1,300 @@
+"""Reasoning output (--reasoning-parser): where an output begins, the split of reasoning from
+the answer at every possible cut (tool calls right after the closing tag included), the
+grammar that puts the reasoning before a constraint and bounds it by a budget, and the real
+model through the HTTP API with a template that opens a reasoning block."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from api.serving import OutputSplitter, ReasoningPlan
+from engine.errors import InvalidParameterError
+from engine.reasoning import (
+    REASONING_PARSERS,
+    Opening,
+    count_reasoning_tokens,
+    reasoning_parser,
+    split_reasoning,
+)
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+from engine.structured_outputs import StructuredOutputManager
+from tests.conftest import ThreadedServer
+
+QWEN3, R1 = REASONING_PARSERS["qwen3"], REASONING_PARSERS["deepseek_r1"]
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+
+# A ChatML template that opens a reasoning block after the generation prompt, and closes an
+# empty one when enable_thinking is false (as Qwen3's templates do).
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n"
+    "{% endif %}{% endif %}")
+
+
+# ---- where an output begins ----
+
+@pytest.mark.parametrize("parser, prompt, opening", [
+    (QWEN3, "<|im_start|>assistant\n<think>\n", Opening.REASONING),
+    (QWEN3, "<|im_start|>assistant\n<think>\n\n</think>\n\n", Opening.CONTENT),
+    (QWEN3, "<|im_start|>assistant\n", Opening.MAYBE),
+    (QWEN3, "<think>old</think>answer<|im_end|>\n<|im_start|>assistant\n", Opening.MAYBE),
+    (R1, "<｜Assistant｜>", Opening.REASONING),
+    (R1, "<｜Assistant｜><think>\n", Opening.REASONING),
+    (R1, "<｜Assistant｜><think>\n\n</think>\n\n", Opening.CONTENT),
+])
+def test_the_prompt_says_where_the_output_begins(parser, prompt, opening):
+    assert parser.opening(prompt) is opening
+
+
+def test_an_unknown_parser_name_is_refused_naming_the_known_ones():
+    with pytest.raises(InvalidParameterError, match="deepseek_r1, qwen3"):
+        reasoning_parser("r2d2")
+    assert reasoning_parser(None) is None
+
+
+# ---- the split, at every cut ----
+
+TEXTS = [
+    "\nLet me think: 2 < 3 and </thi is not a tag.\n</think>\n\nThe answer is 5.",
+    "short</think>" + CALL,  # a call right after the closing tag
+    "a</think>\n\n" + CALL + "\n" + CALL,
+    "still thinking, cut off by max_tokens <",
+    "</think>",
+    "",
+    "<think>\nhmm\n</think>\n\nanswer",
+    "  <think>x</think>y",
+    "<thin",
+    "plain answer, no thinking at all",
+]
+
+
+def _fed(parser, opening, pieces, tools: bool):
+    splitter = OutputSplitter(ReasoningPlan(parser, opening, lambda ids: ""), tools)
+    reasoning, content, calls = "", "", []
+    for i, piece in enumerate(pieces):
+        split = splitter.feed(piece, final=i == len(pieces) - 1)
+        reasoning, content = reasoning + split.reasoning, content + split.content
+        for call in split.calls:
+            if call.name is not None:
+                calls.append([call.name, ""])
+            calls[-1][1] += call.arguments
+    return (reasoning if splitter.has_reasoning else None), content, calls
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("opening", list(Opening))
+@pytest.mark.parametrize("parser", [QWEN3, R1], ids=["qwen3", "deepseek_r1"])
+def test_streamed_pieces_add_up_to_the_whole_output_at_every_cut(parser, opening, text):
+    whole = _fed(parser, opening, [text], tools=True)
+    for cut in range(len(text) + 1):
+        assert _fed(parser, opening, [text[:cut], text[cut:]], tools=True) == whole, cut
+    for first in range(0, len(text) + 1, 3):  # two cuts
+        for second in range(first, len(text) + 1, 2):
+            assert _fed(parser, opening, [text[:first], text[first:second], text[second:]], True) == whole
+    assert _fed(parser, opening, list(text) + [""], tools=True) == whole  # a character at a time
+
+
+def test_what_the_split_gives():
+    assert split_reasoning(QWEN3, Opening.REASONING, TEXTS[0])[:2] == (
+        "\nLet me think: 2 < 3 and </thi is not a tag.\n", "The answer is 5.")
+    # The closing tag, then at once a call: the call is read from the answer, nothing leaks.
+    assert _fed(QWEN3, Opening.REASONING, ["short</think>" + CALL], tools=True) == (
+        "short", "", [["add", '{"a": 1, "b": 2}']])
+    # qwen3: an output that does not open a block is all answer; deepseek_r1 assumes one.
+    assert split_reasoning(QWEN3, Opening.MAYBE, "plain answer")[:2] == (None, "plain answer")
+    assert split_reasoning(R1, Opening.REASONING, "plain answer")[:2] == ("plain answer", "")
+    assert split_reasoning(QWEN3, Opening.MAYBE, "  <think>x</think>y")[:2] == ("x", "y")
+    # Thinking off: whatever the output holds is the answer.
+    assert split_reasoning(QWEN3, Opening.CONTENT, "<think>x</think>y")[:2] == (None, "<think>x</think>y")
+
+
+def test_the_real_tokenizer_token_by_token(tokenizer):
+    text = "I should add them.\n</think>\n\n" + CALL
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):] for i in range(len(ids))]
+    assert "".join(pieces) == text
+    assert _fed(QWEN3, Opening.REASONING, pieces, tools=True) == (
+        "I should add them.\n", "", [["add", '{"a": 1, "b": 2}']])
+    # The reasoning's tokens: those whose text lies within it.
+    reasoning_end = text.index("</think>")
+    count = count_reasoning_tokens(tokenizer.decode, ids, reasoning_end)
+    assert len(tokenizer.decode(ids[:count])) <= reasoning_end < len(tokenizer.decode(ids[:count + 1]))
+    assert count_reasoning_tokens(tokenizer.decode, ids, 0) == 0
+
+
+# ---- the grammar: reasoning first, then the constraint ----
+
+def _accepts(manager, params: SamplingParams, text: str, tokenizer) -> bool:
+    """Whether the grammar lets the model write ``text``, each token allowed by the mask filled
+    before it (as the engine samples: the mask is where a budget is enforced)."""
+    matcher = manager.compile(params.structured_outputs).matcher([tokenizer.eos_token_id])
+    bitmask = manager.backend.allocate_bitmask(1)
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if matcher.fill_bitmask(bitmask, 0) and not (bitmask[0, token // 32] >> (token % 32)) & 1:
+            return False
+        if not matcher.accept(token):
+            return False
+    return True
+
+
+def test_the_constraint_applies_after_the_reasoning(tokenizer):
+    manager = StructuredOutputManager(tokenizer, len(tokenizer))
+    json_mode = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    after = QWEN3.constrain(json_mode, Opening.REASONING, None)
+    assert _accepts(manager, after, 'Let me think about {braces}.\n</think>\n\n{"a": 1}', tokenizer)
+    assert not _accepts(manager, after, 'thinking</think>\n\nnot json', tokenizer)
+    maybe = QWEN3.constrain(json_mode, Opening.MAYBE, None)
+    assert _accepts(manager, maybe, '<think>hmm</think>{"a": 1}', tokenizer)
+    assert _accepts(manager, maybe, '{"a": 1}', tokenizer)  # no block: the constraint from the start
+    assert not _accepts(manager, maybe, 'hmm', tokenizer)
+    # Thinking off, or nothing to constrain: the parameters are left as they are.
+    assert QWEN3.constrain(json_mode, Opening.CONTENT, 5) is json_mode
+    plain = SamplingParams()
+    assert QWEN3.constrain(plain, Opening.REASONING, None) is plain
+
+
+def test_a_budget_closes_the_reasoning(tokenizer):
+    manager = StructuredOutputManager(tokenizer, len(tokenizer))
+    budget = QWEN3.constrain(SamplingParams(), Opening.REASONING, 4)
+    words = " one two three four five six"
+    ids = tokenizer.encode(words, add_special_tokens=False)
+    assert len(ids) == 6
+    assert _accepts(manager, budget, tokenizer.decode(ids[:4]) + "</think>\n\nfree text", tokenizer)
+    assert not _accepts(manager, budget, words, tokenizer)  # a fifth token of reasoning is refused
+
+
+# ---- the real model, through the API ----
+
+@pytest.fixture
+def thinking(llm):
+    server = ThreadedServer(llm.engine, llm.tokenizer, chat_template=THINKING_TEMPLATE, reasoning_parser=QWEN3)
+    yield server
+    server.close()
+
+
+QUESTION = [{"role": "user", "content": "What is 2 + 3? Answer in one sentence."}]
+
+
+def _chat(server, **body) -> dict:
+    response = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": QUESTION, **body},
+                          timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _streamed(server, **body) -> tuple[str, str, dict]:
+    reasoning = content = ""
+    usage = None
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", timeout=300, json={
+            "messages": QUESTION, "stream": True, "stream_options": {"include_usage": True}, **body}) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk["usage"] or usage
+            for choice in chunk["choices"]:
+                assert choice["delta"].get("reasoning") == choice["delta"].get("reasoning_content")
+                reasoning += choice["delta"].get("reasoning_content") or ""
+                content += choice["delta"].get("content") or ""
+    return reasoning, content, usage
+
+
+@pytest.mark.slow
+def test_a_budget_bounds_the_reasoning_and_the_stream_says_what_the_response_says(thinking):
+    for budget in (1, 5, 12):
+        body = dict(temperature=0, max_tokens=48, thinking_token_budget=budget)
+        message = _chat(thinking, **body)
+        choice, usage = message["choices"][0], message["usage"]
+        reasoning_tokens = usage["completion_tokens_details"]["reasoning_tokens"]
+        assert 1 <= reasoning_tokens <= budget, (budget, usage)
+        assert choice["message"]["reasoning_content"] == choice["message"]["reasoning"]
+        assert choice["message"]["reasoning_content"] and "</think>" not in choice["message"]["content"]
+        assert "<think>" not in choice["message"]["reasoning_content"]
+        streamed_reasoning, streamed_content, streamed_usage = _streamed(thinking, **body)
+        assert (streamed_reasoning, streamed_content) == (choice["message"]["reasoning_content"],
+                                                          choice["message"]["content"])
+        assert streamed_usage["completion_tokens_details"] == usage["completion_tokens_details"]
+        print(budget, repr(streamed_reasoning), repr(streamed_content), usage)
+
+
+@pytest.mark.slow
+def test_json_mode_constrains_the_answer_after_the_reasoning(thinking):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    for body in ({"response_format": {"type": "json_object"}},
+                 {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}):
+        message = _chat(thinking, temperature=0, max_tokens=60, thinking_token_budget=10, **body)["choices"][0]
+        assert message["message"]["reasoning_content"]
+        value = json.loads(message["message"]["content"])
+        assert isinstance(value, dict)
+        if "json_schema" in body["response_format"]:
+            jsonschema.validate(value, schema)
+
+
+@pytest.mark.slow
+def test_thinking_off_gives_content_never_null(thinking):
+    client = openai.OpenAI(base_url=thinking.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+    reply = client.chat.completions.create(model="tiny", messages=QUESTION, temperature=0, max_tokens=24,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = reply.choices[0].message
+    assert isinstance(message.content, str) and message.content
+    assert message.model_extra["reasoning_content"] is None
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 0
+    # Cut off while still reasoning: the answer is empty, not null.
+    cut = _chat(thinking, temperature=0, max_tokens=4)["choices"][0]
+    assert cut["message"]["content"] == "" and cut["finish_reason"] == "length" and cut["message"]["reasoning"]
+
+
+@pytest.mark.slow
+def test_default_template_arguments_apply_and_a_request_overrides_them(llm):
+    server = ThreadedServer(llm.engine, llm.tokenizer, chat_template=THINKING_TEMPLATE, reasoning_parser=QWEN3,
+                            default_chat_template_kwargs={"enable_thinking": False})
+    try:
+        off = _chat(server, temperature=0, max_tokens=8)["choices"][0]["message"]
+        on = _chat(server, temperature=0, max_tokens=8, chat_template_kwargs={"enable_thinking": True})
+        assert off["reasoning_content"] is None and off["content"]
+        assert on["choices"][0]["message"]["reasoning_content"]
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_a_budget_without_a_reasoning_parser_is_a_400(llm):
+    server = ThreadedServer(llm.engine, llm.tokenizer)
+    try:
+        response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+            "messages": QUESTION, "thinking_token_budget": 5})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "thinking_token_budget"
+        response = httpx.post(server.base_url + "/v1/chat/completions", timeout=60, json={
+            "messages": QUESTION, "thinking_token_budget": 0})
+        assert response.status_code == 400
+    finally:
+        server.close()
+
+
+def test_an_unknown_reasoning_parser_stops_the_server_at_start(capsys):
+    from api.server import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--reasoning-parser", "r2d2"])
+    assert stopped.value.code == 2
+    assert "--reasoning-parser: invalid choice: 'r2d2'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
+    (["--default-chat-template-kwargs", "{nope"], "not valid JSON"),
+    (["--enable-responses-store", "--api-server-count", "2"], "needs --api-server-count 1"),
+    (["--max-stored-responses", "0"], "at least 1"),
+])
+def test_bad_reasoning_and_responses_flags_stop_the_server_at_start(capsys, argv, words):
+    from api.server import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2 and words in capsys.readouterr().err

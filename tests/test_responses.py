@@ -1,0 +1,277 @@
+"""The Responses API (POST /v1/responses) through the official openai client: text equal to
+chat completions, every response and streamed event valid against OpenAI's schemas, a
+function-call round trip with no server state, text.format, the optional store, and bad
+input as OpenAI-shaped 400s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from api.app import ServerState
+from api.responses import ResponseStore, StoredResponse, input_messages
+from tests.conftest import ThreadedServer
+from tests.openapi_schemas import OpenAISchemas
+from tests.test_app import error, post
+from tests.test_reasoning import QWEN3, THINKING_TEMPLATE
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}},
+                          "required": ["city"], "additionalProperties": False}}
+QUESTION = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def schemas() -> OpenAISchemas:
+    return OpenAISchemas()
+
+
+@pytest.fixture
+def live(llm):
+    server = ThreadedServer(llm.engine, llm.tokenizer)
+    yield server
+    server.close()
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _events(server, body: dict) -> list[dict]:
+    """A streamed response's events, each checked against its SSE event name."""
+    events, name = [], None
+    with httpx.stream("POST", server.base_url + "/v1/responses", json={**body, "stream": True},
+                      timeout=300) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert event["type"] == name
+                events.append(event)
+    return events
+
+
+def _check_stream(schemas: OpenAISchemas, events: list[dict]) -> dict:
+    """Every event valid and numbered in order; the deltas add up to the final response."""
+    for event in events:
+        schemas.validate_response_event(event)
+        schemas.validate("ResponseStreamEvent", event)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    final = events[-1]["response"]
+    schemas.validate("Response", final)
+    texts: dict[str, str] = {}
+    for event in events:
+        if event["type"] in ("response.output_text.delta", "response.reasoning_text.delta",
+                             "response.function_call_arguments.delta"):
+            texts[event["item_id"]] = texts.get(event["item_id"], "") + event["delta"]
+    added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == [item["id"] for item in done] == [item["id"] for item in final["output"]]
+    assert done == final["output"]
+    for item in final["output"]:
+        whole = item["arguments"] if item["type"] == "function_call" else item["content"][0]["text"]
+        assert texts.get(item["id"], "") == whole
+    return final
+
+
+@pytest.mark.slow
+def test_text_equals_chat_completions_streamed_and_not(live, schemas):
+    client = _client(live)
+    chat = client.chat.completions.create(model="tiny", messages=[
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}],
+        temperature=0, max_tokens=24)
+    body = dict(model="tiny", instructions="You are terse.", input="Name three colours.", temperature=0,
+                max_output_tokens=24)
+    response = client.responses.create(**body)
+    schemas.validate("Response", response.model_dump(mode="json", exclude_unset=True, by_alias=True))
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+
+    final = _check_stream(schemas, _events(live, body))
+    assert final["output_text"] == response.output_text and final["status"] == response.status
+    assert [e.type for e in client.responses.create(**body, stream=True)][-1] == f"response.{response.status}"
+
+    # Given room, it completes.
+    done = client.responses.create(**{**body, "max_output_tokens": 200})
+    assert done.status == "completed" and done.incomplete_details is None
+
+
+@pytest.mark.slow
+def test_a_function_call_round_trip_with_the_history_sent_back_as_items(live, schemas):
+    client = _client(live)
+    body = dict(model="tiny", input=QUESTION, tools=[WEATHER], tool_choice="required", temperature=0,
+                max_output_tokens=60)
+    response = client.responses.create(**body)
+    schemas.validate("Response", response.model_dump(mode="json", exclude_unset=True, by_alias=True))
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(c.name == "get_weather" for c in calls)
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
+    assert not [item for item in response.output if item.type == "message"]  # required: calls only
+
+    final = _check_stream(schemas, _events(live, body))
+    assert [(i["name"], i["arguments"]) for i in final["output"]] == [(c.name, c.arguments) for c in calls]
+
+    # The second turn: the whole conversation as input items, nothing kept on the server.
+    history = [{"role": "user", "content": QUESTION},
+               *[{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments}
+                 for c in calls],
+               *[{"type": "function_call_output", "call_id": c.call_id, "output": "22 degrees and sunny"}
+                 for c in calls]]
+    answer = client.responses.create(model="tiny", input=history, tools=[WEATHER], temperature=0,
+                                     max_output_tokens=40)
+    assert answer.status in ("completed", "incomplete") and answer.output
+    # The prompt it answered is the chat conversation of those items.
+    chat_history = [{"role": "user", "content": QUESTION},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in calls]},
+                    *[{"role": "tool", "tool_call_id": c.call_id, "content": "22 degrees and sunny"} for c in calls]]
+    chat = client.chat.completions.create(model="tiny", messages=chat_history, temperature=0, max_tokens=40,
+                                          tools=[{"type": "function", "function": {
+                                              k: WEATHER[k] for k in ("name", "description", "parameters")}}])
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    assert answer.output_text == (chat.choices[0].message.content or "")
+
+
+@pytest.mark.slow
+def test_text_format_json_schema_gives_valid_json(live, schemas):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "maxLength": 20},
+                                               "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    client = _client(live)
+    response = client.responses.create(model="tiny", input="Give a colour and a count as JSON.", temperature=0,
+                                       max_output_tokens=60, text={"format": {
+                                           "type": "json_schema", "name": "answer", "schema": schema,
+                                           "strict": True}})
+    jsonschema.validate(json.loads(response.output_text), schema)
+    schemas.validate("Response", response.model_dump(mode="json", exclude_unset=True, by_alias=True))
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.slow
+def test_reasoning_comes_back_as_a_reasoning_item(llm, schemas):
+    server = ThreadedServer(llm.engine, llm.tokenizer, chat_template=THINKING_TEMPLATE, reasoning_parser=QWEN3)
+    try:
+        body = dict(input="What is 2 + 3?", temperature=0, max_output_tokens=40, thinking_token_budget=6,
+                    reasoning={"effort": "low"})
+        response = httpx.post(server.base_url + "/v1/responses", json=body, timeout=300).json()
+        schemas.validate("Response", response)
+        kinds = [item["type"] for item in response["output"]]
+        assert kinds[0] == "reasoning" and response["output"][0]["content"][0]["text"]
+        assert 1 <= response["usage"]["output_tokens_details"]["reasoning_tokens"] <= 6
+        final = _check_stream(schemas, _events(server, body))
+        assert [i["type"] for i in final["output"]] == kinds
+        assert final["output"][0]["content"] == response["output"][0]["content"]
+        assert final["output_text"] == response["output_text"]
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_the_store_continues_a_conversation_and_forgets_the_oldest(llm, schemas):
+    server = ThreadedServer(llm.engine, llm.tokenizer, responses=ResponseStore(2))
+    client = _client(server)
+    try:
+        first = client.responses.create(model="tiny", input="My name is Ada.", temperature=0, max_output_tokens=16)
+        assert first.store
+        again = client.responses.retrieve(first.id)
+        assert again.model_dump() == first.model_dump()
+        second = client.responses.create(model="tiny", input="What is my name?", previous_response_id=first.id,
+                                         temperature=0, max_output_tokens=16)
+        # The same conversation sent whole gives the same prompt.
+        history = [{"role": "user", "content": "My name is Ada."},
+                   {"role": "assistant", "content": first.output_text},
+                   {"role": "user", "content": "What is my name?"}]
+        whole = client.responses.create(model="tiny", input=history, temperature=0, max_output_tokens=16,
+                                        store=False)
+        assert not whole.store
+        assert second.usage.input_tokens == whole.usage.input_tokens
+        assert second.output_text == whole.output_text
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(whole.id)  # store: false
+        client.responses.create(model="tiny", input="x", temperature=0, max_output_tokens=2)  # a third: first goes
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
+        response = httpx.delete(f"{server.base_url}/v1/responses/{second.id}", timeout=30)
+        assert response.json() == {"id": second.id, "object": "response", "deleted": True}
+        missing = httpx.get(f"{server.base_url}/v1/responses/{second.id}", timeout=30)
+        assert missing.status_code == 404
+        schemas.validate("ErrorResponse", missing.json())
+        with pytest.raises(openai.NotFoundError):
+            client.responses.create(model="tiny", input="x", previous_response_id=second.id)
+    finally:
+        server.close()
+
+
+def test_a_store_keeps_at_most_its_capacity():
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put(StoredResponse({"id": f"r{i}"}, []))
+    assert len(store) == 2
+    assert store.get("r2").response == {"id": "r2"}
+
+
+# ---- bad input, no model ----
+
+class _Client:
+    """Enough of an engine client for requests refused before any tokenizing."""
+
+    errored = False
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"input": [{"type": "web_search_call", "id": "x"}]}, "input", "'web_search_call' are not supported"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input",
+     "'input_image'"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input", "call_id, name and arguments"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input", "role must be one of"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "--enable-responses-store"),
+    ({"input": "x", "store": True}, "store", "--enable-responses-store"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "'web_search'"),
+    ({"input": "x", "background": True}, "background", "background"),
+    ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "--reasoning-parser"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text", "text.format type"),
+    ({"input": 5}, "input", "input"),
+    ({}, "input", "input"),
+])
+async def test_bad_input_is_a_400_naming_the_field(body, param, words):
+    status, data = await post(ServerState("m", client=_Client()), "/v1/responses", body)
+    assert status == 400, data
+    err = error(data)
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_input_items_become_a_chat_conversation():
+    messages = input_messages([
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi "},
+                                                        {"type": "input_text", "text": "there"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"a\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "one"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+    ])
+    assert messages == [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "hmm", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"a\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+    ]
