@@ -376,7 +376,8 @@ class _Handlers:
             if isinstance(exc, InvalidParameterError):
                 raise
             raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
-        return RenderedChat(tokenizer.encode(text, add_special_tokens=False), text)
+        continued = messages[-1]["content"] if continue_final_message and messages else None
+        return RenderedChat(tokenizer.encode(text, add_special_tokens=False), text, continued)
 
     def reasoning(self, rendered: RenderedChat, params: SamplingParams, budget: int | None,
                   ) -> tuple[ReasoningPlan | None, SamplingParams]:
@@ -392,7 +393,7 @@ class _Handlers:
                 raise bad_request("thinking_token_budget needs a reasoning parser (start the server with "
                                   "--reasoning-parser)", "thinking_token_budget")
             return None, params
-        opening = parser.opening(rendered.text)
+        opening = parser.opening(rendered.text, rendered.continued)
         tokenizer, skip = self.client.tokenizer, params.skip_special_tokens
         plan = ReasoningPlan(parser, opening, lambda ids: tokenizer.decode(ids, skip_special_tokens=skip))
         return plan, parser.constrain(params, opening, budget)
@@ -440,7 +441,7 @@ class _Handlers:
         final = await self._final(stream, tracker)
         choices, splitters = [], []
         for c in final.outputs:
-            splitter = OutputSplitter(reasoning, tools)
+            splitter = OutputSplitter(reasoning, tools, chat.calls_only)
             splitters.append(splitter)
             split = splitter.feed(c.text, c.token_ids, final=True)
             message = {"role": "assistant", "content": echo + split.content, "refusal": None}
@@ -471,8 +472,13 @@ class _Handlers:
         self.check_model(req.model)
         self.check_prompts(1, req.n)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:  # (as vLLM: the template reads it; "none" turns thinking off)
+            template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+            if req.reasoning_effort == "none":
+                template_kwargs.setdefault("enable_thinking", False)
         rendered = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                          req.chat_template_kwargs, plan)
+                                          template_kwargs, plan)
         params = sampling_params(req, chat=True, defaults=self.state.client.default_sampling)
         if plan is not None:
             params = plan.constrain(params)
@@ -493,7 +499,7 @@ class _Handlers:
                            plan: ToolPlan | None, reasoning: ReasoningPlan | None):
         chunk = ChunkWriter(request_id, "chat.completion.chunk", self.state.model_name, req.stream_options, tracker)
         tools = plan is not None and plan.may_call
-        splitters = [OutputSplitter(reasoning, tools) for _ in range(req.n)]
+        splitters = [OutputSplitter(reasoning, tools, plan is not None and plan.calls_only) for _ in range(req.n)]
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(req.n)])
         async for output in _closing(stream):
@@ -533,6 +539,8 @@ class _Handlers:
                 return await self._responses_create(deadline)
             except APIError as exc:  # a chat field's error, in the Responses API's words
                 raise attrs.evolve(exc, param=chat_param(exc.param)) from None
+            except InvalidParameterError as exc:
+                raise APIError(400, _renamed(str(exc), exc.param), chat_param(exc.param)) from None
 
     async def _responses_create(self, deadline: float | None) -> Response:
         req: ResponsesRequest = await self.body(ResponsesRequest)
@@ -552,11 +560,13 @@ class _Handlers:
         remember = (lambda response: store.put(StoredResponse(response, conversation + output_messages(
             response["output"])))) if stored else None
         if req.stream:
-            return self.sse_response(self._response_events(chat, stream, tracker, builder, remember),
-                                     lambda error: sse_event(builder.error(_stream_error(error))))
+            def failed(error: Exception) -> bytes:
+                return b"".join(sse_event(event) for event in builder.fail(_stream_error(error)))
+
+            return self.sse_response(self._response_events(chat, stream, tracker, builder, remember), failed)
         final = await self._final(stream, tracker)
         (c,) = final.outputs
-        splitter = OutputSplitter(chat.reasoning, chat.may_call)
+        splitter = OutputSplitter(chat.reasoning, chat.may_call, chat.calls_only)
         builder.feed(splitter.feed(c.text, c.token_ids, final=True))
         tracker.count_reasoning([splitter])
         response, _ = builder.finish(responses_usage(tracker.usage()), c.finish_reason == "length")
@@ -566,7 +576,7 @@ class _Handlers:
 
     async def _response_events(self, chat: PreparedChat, stream, tracker: UsageTracker, builder: ResponseBuilder,
                                remember):
-        splitter = OutputSplitter(chat.reasoning, chat.may_call)
+        splitter = OutputSplitter(chat.reasoning, chat.may_call, chat.calls_only)
         for event in builder.start():
             yield sse_event(event)
         finish_reason = None
@@ -699,6 +709,10 @@ class PreparedChat:
     def may_call(self) -> bool:
         return self.plan is not None and self.plan.may_call
 
+    @property
+    def calls_only(self) -> bool:
+        return self.plan is not None and self.plan.calls_only
+
 
 @attrs.frozen
 class RenderedChat:
@@ -706,6 +720,7 @@ class RenderedChat:
 
     ids: list[int]
     text: str
+    continued: str | None = None  # the assistant message the output continues (continue_final_message)
 
 
 def _template_message(message, content: str) -> dict[str, Any]:
@@ -748,6 +763,12 @@ def _stream_error(error: Exception) -> APIError:
         return engine_api_error(error)
     log.error("a stream failed after its headers were sent", exc_info=error)
     return APIError(500, "internal server error", type="server_error")
+
+
+def _renamed(message: str, param: str | None) -> str:
+    """An engine error message about a chat field, naming the Responses field instead."""
+    name = chat_param(param)
+    return message.replace(param, name, 1) if param and name != param else message
 
 
 def _response_id() -> str:

@@ -127,6 +127,7 @@ class ChatCompletionRequest(SamplingFields):
     # closed, and whether the response carries it.
     thinking_token_budget: int | None = None
     include_reasoning: bool = True
+    reasoning_effort: str | None = None  # OpenAI's; passed to the chat template (as vLLM)
     audio: Any = None
     modalities: list[str] | None = None
 

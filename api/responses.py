@@ -38,8 +38,8 @@ INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoni
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 _ROLES = ("user", "assistant", "system", "developer")
 # Where a chat field's error is a Responses field's.
-_PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text",
-                "max_tokens": "max_output_tokens"}
+_PARAM_NAMES = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
+                "response_format": "text", "max_tokens": "max_output_tokens", "reasoning_effort": "reasoning"}
 
 
 def _item_id(prefix: str) -> str:
@@ -71,7 +71,7 @@ def check_request(req: ResponsesRequest, store: ResponseStore | None, reasoning_
             raise bad_request("previous_response_id needs the responses store: start the server with "
                               "--enable-responses-store, or send the conversation as input items",
                               "previous_response_id")
-    if req.reasoning and req.reasoning.get("effort") is not None and not reasoning_parser_on:
+    if req.reasoning and req.reasoning.get("effort") not in (None, "none", "minimal") and not reasoning_parser_on:
         raise bad_request("reasoning needs a reasoning parser: start the server with --reasoning-parser",
                           "reasoning")
 
@@ -85,7 +85,8 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dic
         "messages": messages, "stream": req.stream, "parallel_tool_calls": req.parallel_tool_calls,
         "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "top_k": req.top_k, "min_p": req.min_p,
         "repetition_penalty": req.repetition_penalty, "priority": req.priority, "user": req.user,
-        "chat_template_kwargs": _template_kwargs(req), "thinking_token_budget": req.thinking_token_budget,
+        "chat_template_kwargs": req.chat_template_kwargs, "thinking_token_budget": req.thinking_token_budget,
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
     if req.model is not None:
         body["model"] = req.model
@@ -104,16 +105,6 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dic
 def chat_param(param: str | None) -> str | None:
     """The Responses field a chat field's error is about."""
     return _PARAM_NAMES.get(param, param) if param else param
-
-
-def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
-    kwargs = dict(req.chat_template_kwargs or {})
-    effort = (req.reasoning or {}).get("effort")
-    if effort is not None:
-        kwargs.setdefault("reasoning_effort", effort)  # as vLLM passes chat's reasoning_effort
-        if effort == "none":
-            kwargs.setdefault("enable_thinking", False)
-    return kwargs or None
 
 
 def input_messages(value: Any) -> list[dict[str, Any]]:
@@ -240,16 +231,26 @@ class ResponseBuilder:
                 "incomplete_details": {"reason": incomplete} if incomplete else None}
         if usage is not None:  # (not while in progress)
             body["usage"] = usage
-        if status in ("completed", "incomplete"):
+        if status == "completed":
             body["completed_at"] = int(time.time())
         body["output_text"] = "".join(part["text"] for item in self.items if item["type"] == "message"
                                       for part in item["content"])
         return body
 
-    def error(self, error: APIError) -> dict[str, Any]:
-        """The event that ends a stream which failed once begun."""
+    def fail(self, error: APIError) -> list[dict[str, Any]]:
+        """The events that end a stream which failed once begun: ``error``, then
+        ``response.failed`` with what had been written (the open item left incomplete)."""
         body = error.body()["error"]
-        return self.event("error", code=body["code"], message=body["message"], param=chat_param(body["param"]))
+        events = [self.event("error", code=body["code"], message=body["message"], param=chat_param(body["param"]))]
+        if self._open is not None:
+            self._open["status"] = "incomplete"
+            self._open = None
+        response = self.response("failed")
+        code = "invalid_prompt" if error.status == 400 else (
+            "rate_limit_exceeded" if error.code == "overloaded" else "server_error")
+        response["error"] = {"code": code, "message": body["message"]}
+        events.append(self.event("response.failed", response=response))
+        return events
 
     def start(self) -> list[dict[str, Any]]:
         snapshot = self.response("in_progress")
@@ -261,9 +262,11 @@ class ResponseBuilder:
         events: list[dict[str, Any]] = []
         if split.reasoning:
             events += self._write("reasoning", split.reasoning)
-        if split.content:
-            events += self._write("message", split.content)
-        for call in split.calls:
+        for piece in split.pieces:
+            if isinstance(piece, str):
+                events += self._write("message", piece)
+                continue
+            call = piece
             if call.name is not None:
                 events += self._close()
                 item = {"type": "function_call", "id": _item_id("fc"), "call_id": call.id, "name": call.name,
@@ -375,8 +378,8 @@ def responses_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
     cached = chat_usage["prompt_tokens_details"]["cached_tokens"]
     reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {"input_tokens": chat_usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": cached,
-                                     "cache_write_tokens": chat_usage["prompt_tokens"] - cached},
+            # (cache writes are not counted apart here)
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": chat_usage["total_tokens"]}
 

@@ -138,9 +138,13 @@ class ReasoningPlan:
 
 @attrs.frozen
 class SplitDelta:
+    """New output of a choice: reasoning, then the answer as content and calls, and the
+    answer's ``pieces`` (content text and ``CallDelta`` values) in the order written."""
+
     reasoning: str = ""
     content: str = ""
     calls: tuple = ()  # CallDelta values of the tool-call parser
+    pieces: tuple = ()
 
 
 class OutputSplitter:
@@ -149,11 +153,14 @@ class OutputSplitter:
     call included, the answer's parser sees only the answer. Fed the whole output at once it
     gives what the deltas add up to."""
 
-    def __init__(self, reasoning: ReasoningPlan | None, tools: bool) -> None:
+    def __init__(self, reasoning: ReasoningPlan | None, tools: bool, calls_only: bool = False) -> None:
         self.reasoning = reasoning
         self._splitter = reasoning.parser.splitter(reasoning.opening) if reasoning is not None else None
-        self.tools = ToolCallParser() if tools else None
+        self.tools = ToolCallParser(calls_only) if tools else None
         self._token_ids: list[int] = []
+        # Where each fed piece began, as (tokens, characters) of the output before it.
+        self._starts: list[tuple[int, int]] = []
+        self._num_chars = 0
 
     @property
     def has_reasoning(self) -> bool:
@@ -162,20 +169,30 @@ class OutputSplitter:
     def feed(self, text: str, token_ids=(), final: bool = False) -> SplitDelta:
         reasoning, content = "", text
         if self._splitter is not None:
-            self._token_ids.extend(token_ids)
+            if not self._splitter.closed:  # (until the reasoning is closed: for counting its tokens)
+                self._starts.append((len(self._token_ids), self._num_chars))
+                self._token_ids.extend(token_ids)
+                self._num_chars += len(text)
             split = self._splitter.feed(text, final)
             reasoning, content = split.reasoning, split.content
         if self.tools is None:
-            return SplitDelta(reasoning, content)
+            return SplitDelta(reasoning, content, pieces=(content,) if content else ())
         parsed: ParsedDelta = self.tools.feed(content, final)
-        return SplitDelta(reasoning, parsed.content, parsed.calls)
+        return SplitDelta(reasoning, parsed.content, parsed.calls, parsed.pieces)
 
     def reasoning_tokens(self) -> int | None:
-        """The output's tokens within its reasoning (None without a reasoning parser)."""
-        if self._splitter is None:
+        """The output's tokens within its reasoning (None without a reasoning parser): all of
+        them when it was never closed; else those whose text ends before the closing tag,
+        searched for in the pieces around it."""
+        splitter = self._splitter
+        if splitter is None:
             return None
-        if not self._splitter.has_reasoning:
+        if not splitter.has_reasoning:
             return 0
-        end = self._splitter.reasoning_end
-        return len(self._token_ids) if end is None else count_reasoning_tokens(self.reasoning.decode,
-                                                                               self._token_ids, end)
+        if not splitter.closed:
+            return len(self._token_ids)
+        end = splitter.reasoning_end
+        at = max(i for i, (_, chars) in enumerate(self._starts) if chars <= end)
+        first_token, first_char = self._starts[at]
+        return first_token + count_reasoning_tokens(self.reasoning.decode, self._token_ids[first_token:],
+                                                    end - first_char)

@@ -5,14 +5,16 @@ Parsers, named as in vLLM:
 
 - ``deepseek_r1``: DeepSeek-R1 and its distillations. The output is reasoning until
   ``</think>``, whether or not it (or the prompt) opened the block: R1's template writes
-  ``<think>`` into the prompt, and some distillations leave it out.
+  ``<think>`` into the prompt, and some distillations leave it out (an opening tag the output
+  writes itself is dropped).
 - ``qwen3``: Qwen3 and QwQ. The output is reasoning only inside a block: one the prompt left
   open (Qwen3-Thinking's template), or one the output opens with ``<think>``.
 
-Where the output begins is read from the rendered prompt (``ReasoningParser.opening``): a
-prompt that ends inside a block begins in reasoning; one whose template closed an empty block
-at its very end (Qwen3's ``enable_thinking: false``) begins in the answer, so the answer is
-never taken for reasoning when thinking is off.
+Where the output begins is read from the end of the rendered prompt (``ReasoningParser.opening``):
+a template that opened a block there begins the output in reasoning; one that closed an empty
+block there (Qwen3's ``enable_thinking: false``) begins it in the answer, so the answer is never
+taken for reasoning when thinking is off. Tags earlier in the conversation (a user quoting one,
+an earlier turn) do not count; an assistant message being continued says where it left off.
 
 A request's output constraint (``response_format``, tools) applies to the answer only: the
 reasoning block comes first in its grammar (``ReasoningParser.constrain``), free text that a
@@ -22,6 +24,7 @@ reasoning block comes first in its grammar (``ReasoningParser.constrain``), free
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any
 
 import attrs
@@ -36,7 +39,8 @@ _GAP = r"[ \n]{0,4}"
 class Opening(enum.Enum):
     """Where a request's output begins."""
 
-    REASONING = "reasoning"  # inside a reasoning block (the prompt opened it, or the parser assumes it)
+    REASONING = "reasoning"  # inside a reasoning block the prompt opened
+    UNOPENED = "unopened"  # reasoning until the closing tag; the output may write the opening tag first
     MAYBE = "maybe"  # in the answer, unless the output opens a block first
     CONTENT = "content"  # in the answer (thinking is off)
 
@@ -57,14 +61,21 @@ class ReasoningParser:
     start: str = "<think>"
     end: str = "</think>"
 
-    def opening(self, prompt_text: str) -> Opening:
-        """Where the output of a prompt (its rendered text) begins."""
+    def opening(self, prompt_text: str, continued: str | None = None) -> Opening:
+        """Where the output of a prompt (its rendered text) begins; ``continued``: the content of
+        the assistant message the output continues (``continue_final_message``)."""
+        if continued is not None:
+            last_start, last_end = continued.rfind(self.start), continued.rfind(self.end)
+            if last_start > last_end:
+                return Opening.REASONING  # it stopped inside its reasoning
+            if last_end >= 0:
+                return Opening.CONTENT  # it stopped in its answer
         last_start, last_end = prompt_text.rfind(self.start), prompt_text.rfind(self.end)
-        if last_start > last_end:
-            return Opening.REASONING
-        if last_end >= 0 and not prompt_text[last_end + len(self.end):].strip():
+        if last_start > last_end and not prompt_text[last_start + len(self.start):].strip():
+            return Opening.REASONING  # the template opened a block
+        if last_end > last_start and not prompt_text[last_end + len(self.end):].strip():
             return Opening.CONTENT  # the template closed the block itself: thinking is off
-        return Opening.REASONING if self.implicit_start else Opening.MAYBE
+        return Opening.UNOPENED if self.implicit_start else Opening.MAYBE
 
     def splitter(self, opening: Opening) -> ReasoningSplitter:
         return ReasoningSplitter(self, opening)
@@ -72,19 +83,24 @@ class ReasoningParser:
     def constrain(self, params: SamplingParams, opening: Opening, budget: int | None) -> SamplingParams:
         """``params`` with the reasoning block ahead of its constraint in the grammar (and the
         budget in it); unchanged when the output begins in the answer, or when nothing
-        constrains the output and there is no budget."""
+        constrains the output and there is no budget. Where the output may open a block
+        (``MAYBE``), a budget makes the block required: a request with a budget is one that
+        thinks, and an answer that may open a block of its own would escape the budget."""
         constraint = params.structured_outputs
         if opening is Opening.CONTENT or (constraint is None and budget is None):
             return params
         from engine.tools import as_structural_format
 
         answer = {"type": "any_text"} if constraint is None else as_structural_format(constraint, "structured_outputs")
-        thinking = {"type": "tag", "begin": "" if opening is Opening.REASONING else self.start,
+        thinking = {"type": "tag", "begin": self.start if opening is Opening.MAYBE else "",
                     "content": {"type": "any_text", "excludes": [self.start, self.end], "max_tokens": budget},
                     "end": self.end}
-        after_thinking = {"type": "sequence", "elements": [thinking, {"type": "regex", "pattern": _GAP}, answer]}
-        output = after_thinking if opening is Opening.REASONING else {"type": "or", "elements": [after_thinking,
-                                                                                                   answer]}
+        elements = [thinking, {"type": "regex", "pattern": _GAP}, answer]
+        if opening is Opening.UNOPENED:
+            elements.insert(0, {"type": "regex", "pattern": f"({re.escape(self.start)})?"})
+        output = {"type": "sequence", "elements": elements}
+        if opening is Opening.MAYBE and budget is None:
+            output = {"type": "or", "elements": [output, answer]}
         tag = {"type": "structural_tag", "format": output}
         return attrs.evolve(params, structured_outputs=StructuredOutputsParams(structural_tag=tag))
 
@@ -120,7 +136,7 @@ class ReasoningDelta:
     content: str = ""
 
 
-_IN_REASONING, _MAY_OPEN, _AFTER_REASONING, _IN_CONTENT = range(4)
+_IN_REASONING, _UNOPENED, _MAY_OPEN, _AFTER_REASONING, _IN_CONTENT = range(5)
 
 
 class ReasoningSplitter:
@@ -129,18 +145,20 @@ class ReasoningSplitter:
     Feeding the whole text at once gives what the deltas add up to, however the text was cut
     (a tag split across tokens or chunks is held back until it is known). The reasoning is
     kept as written between the tags; whitespace between the closing tag and the answer is
-    not part of either. ``reasoning_end`` is the offset in the output text where the
-    reasoning stopped (for counting its tokens).
+    not part of either, nor is the start of a closing tag an output was cut off in.
+    ``reasoning_end`` is the offset in the output text where the reasoning stopped (None
+    while it goes on), ``closed`` whether it was closed.
     """
 
     def __init__(self, parser: ReasoningParser, opening: Opening) -> None:
         self.parser = parser
-        self._state = {Opening.REASONING: _IN_REASONING, Opening.MAYBE: _MAY_OPEN,
+        self._state = {Opening.REASONING: _IN_REASONING, Opening.UNOPENED: _UNOPENED, Opening.MAYBE: _MAY_OPEN,
                        Opening.CONTENT: _IN_CONTENT}[opening]
         self._buffer = ""
         self._consumed = 0  # characters of output before the buffer
-        self.reasoning_end: int | None = None if self._state == _IN_REASONING else 0
-        self.has_reasoning = self._state == _IN_REASONING
+        self.has_reasoning = self._state in (_IN_REASONING, _UNOPENED)
+        self.reasoning_end: int | None = None if self.has_reasoning else 0
+        self.closed = False
 
     @property
     def in_reasoning(self) -> bool:
@@ -151,7 +169,7 @@ class ReasoningSplitter:
         reasoning: list[str] = []
         content: list[str] = []
         while True:
-            if self._state == _MAY_OPEN:
+            if self._state in (_MAY_OPEN, _UNOPENED):
                 start = self.parser.start
                 stripped = self._buffer.lstrip()
                 if stripped.startswith(start):
@@ -160,18 +178,22 @@ class ReasoningSplitter:
                     continue
                 if start.startswith(stripped) and not final:
                     break  # (still) maybe the opening tag
-                self._state = _IN_CONTENT
+                self._state = _IN_REASONING if self._state == _UNOPENED else _IN_CONTENT
             elif self._state == _IN_REASONING:
                 end = self.parser.end
                 at = self._buffer.find(end)
                 if at < 0:
-                    keep = 0 if final else _held_back(self._buffer, end)
+                    keep = _held_back(self._buffer, end)
+                    if final and keep < 2:  # ("<" alone is text; "</" on is a cut-off closing tag)
+                        keep = 0
                     reasoning.append(self._take(len(self._buffer) - keep))
                     if final:
                         self.reasoning_end = self._consumed
+                        self._take(keep)
                     break
                 reasoning.append(self._take(at))
                 self.reasoning_end = self._consumed
+                self.closed = True
                 self._take(len(end))
                 self._state = _AFTER_REASONING
             elif self._state == _AFTER_REASONING:

@@ -40,6 +40,7 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 CALL_BEGIN = '<tool_call>\n{"name": "'
 ARGUMENTS_BEGIN = '", "arguments": '
 CALL_END = "}\n</tool_call>"
+_CALL_TAG = "<tool_call>"  # (text that ends in a whole tag of a cut-off call is framing, not content)
 TOOL_CHOICES = ("none", "auto", "required")
 # OpenAI's rule for function names.
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -90,6 +91,11 @@ class ToolPlan:
     def may_call(self) -> bool:
         """Calls may come out (so the output is read for them)."""
         return self.choice != "none"
+
+    @property
+    def calls_only(self) -> bool:
+        """The output is calls and nothing else (``required`` and named choices)."""
+        return self.choice in ("required", "named")
 
     def structural_tag(self, content: StructuredOutputsParams | None = None) -> dict[str, Any] | None:
         """The grammar of the output (an xgrammar structural tag), or None for ``none``.
@@ -374,8 +380,12 @@ class CallDelta:
 
 @attrs.frozen
 class ParsedDelta:
+    """New content and call output; ``pieces`` is the same in the order it was written
+    (content text and ``CallDelta`` values), for consumers that keep the two apart in order."""
+
     content: str = ""
     calls: tuple[CallDelta, ...] = ()
+    pieces: tuple[str | CallDelta, ...] = ()
 
 
 _IN_TEXT, _IN_NAME, _IN_ARGUMENTS = range(3)
@@ -391,7 +401,8 @@ class ToolCallParser:
     then says ``length``); one cut off before its name is complete is dropped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, calls_only: bool = False) -> None:
+        self.calls_only = calls_only  # the grammar allows calls alone (required, named): no text at all
         self._state = _IN_TEXT
         self._buffer = ""
         self._calls: list[dict[str, str]] = []  # {"id", "name", "arguments"}
@@ -408,8 +419,7 @@ class ToolCallParser:
 
     def feed(self, text: str, final: bool = False) -> ParsedDelta:
         self._buffer += text
-        content: list[str] = []
-        calls: list[CallDelta] = []
+        pieces: list[str | CallDelta] = []
         while True:
             if self._state == _IN_TEXT:
                 if self._after_call:
@@ -420,14 +430,16 @@ class ToolCallParser:
                     self._newline_due = self._has_content
                 at = self._buffer.find(CALL_BEGIN)
                 if at < 0:
-                    keep = 0 if final else _held_back(self._buffer, CALL_BEGIN, whitespace=True)
+                    keep = _held_back(self._buffer, CALL_BEGIN, whitespace=not final)
+                    if final:  # a call cut off in its framing is dropped, not shown as text
+                        keep = keep if self.calls_only or keep >= len(_CALL_TAG) else 0
                     text_part = self._buffer[:len(self._buffer) - keep]
-                    if final and self._calls:
+                    if final and (self._calls or keep):  # (whitespace before a call separates)
                         text_part = text_part.rstrip()
-                    content.append(self._content(text_part))
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    pieces.append(self._content(text_part))
+                    self._buffer = "" if final else self._buffer[len(self._buffer) - keep:]
                     break
-                content.append(self._content(self._buffer[:at].rstrip()))
+                pieces.append(self._content(self._buffer[:at].rstrip()))
                 self._buffer = self._buffer[at + len(CALL_BEGIN):]
                 self._state = _IN_NAME
             elif self._state == _IN_NAME:
@@ -438,7 +450,7 @@ class ToolCallParser:
                     break
                 call = {"id": f"call_{uuid.uuid4().hex[:24]}", "name": self._buffer[:at], "arguments": ""}
                 self._calls.append(call)
-                calls.append(CallDelta(len(self._calls) - 1, "", call["id"], call["name"]))
+                pieces.append(CallDelta(len(self._calls) - 1, "", call["id"], call["name"]))
                 self._buffer = self._buffer[at + len(ARGUMENTS_BEGIN):]
                 self._state = _IN_ARGUMENTS
             else:
@@ -448,7 +460,7 @@ class ToolCallParser:
                 end = at if at >= 0 else len(self._buffer) - _held_back(self._buffer, CALL_END)
                 if end:
                     self._calls[-1]["arguments"] += self._buffer[:end]
-                    calls.append(CallDelta(len(self._calls) - 1, self._buffer[:end]))
+                    pieces.append(CallDelta(len(self._calls) - 1, self._buffer[:end]))
                 if at < 0:
                     self._buffer = "" if final else self._buffer[end:]
                     break
@@ -456,7 +468,8 @@ class ToolCallParser:
                 self._state = _IN_TEXT
                 self._after_call = True
                 self.num_complete += 1
-        return ParsedDelta("".join(content), _merge(calls))
+        content = "".join(p for p in pieces if isinstance(p, str))
+        return ParsedDelta(content, _merge([p for p in pieces if isinstance(p, CallDelta)]), _merge(pieces))
 
     def _content(self, text: str) -> str:
         if text:
@@ -481,14 +494,21 @@ def _held_back(text: str, marker: str, whitespace: bool = False) -> int:
     return keep
 
 
-def _merge(calls: list[CallDelta]) -> tuple[CallDelta, ...]:
-    """One delta per call: its header (if new) with all its new argument text."""
-    merged: list[CallDelta] = []
-    for call in calls:
-        if merged and merged[-1].index == call.index:
-            merged[-1] = attrs.evolve(merged[-1], arguments=merged[-1].arguments + call.arguments)
-        else:
-            merged.append(call)
+def _merge(pieces: list) -> tuple:
+    """Pieces with neighbours of a kind joined: one delta per call (its header, if new, with
+    all its new argument text), one string per run of content; empty text left out."""
+    merged: list = []
+    for piece in pieces:
+        if isinstance(piece, str):
+            if not piece:
+                continue
+            if merged and isinstance(merged[-1], str):
+                merged[-1] += piece
+                continue
+        elif merged and isinstance(merged[-1], CallDelta) and merged[-1].index == piece.index:
+            merged[-1] = attrs.evolve(merged[-1], arguments=merged[-1].arguments + piece.arguments)
+            continue
+        merged.append(piece)
     return tuple(merged)
 
 

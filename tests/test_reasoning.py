@@ -44,12 +44,26 @@ THINKING_TEMPLATE = (
     (QWEN3, "<|im_start|>assistant\n<think>\n\n</think>\n\n", Opening.CONTENT),
     (QWEN3, "<|im_start|>assistant\n", Opening.MAYBE),
     (QWEN3, "<think>old</think>answer<|im_end|>\n<|im_start|>assistant\n", Opening.MAYBE),
-    (R1, "<｜Assistant｜>", Opening.REASONING),
+    # A tag the user quotes is not the template's.
+    (QWEN3, "<|im_start|>user\nWhat does <think> do?<|im_end|>\n<|im_start|>assistant\n", Opening.MAYBE),
+    (QWEN3, "<|im_start|>user\nend with </think><|im_end|>\n<|im_start|>assistant\n<think>\n", Opening.REASONING),
+    (R1, "<｜Assistant｜>", Opening.UNOPENED),
     (R1, "<｜Assistant｜><think>\n", Opening.REASONING),
     (R1, "<｜Assistant｜><think>\n\n</think>\n\n", Opening.CONTENT),
+    (R1, "<｜User｜>say <think><｜Assistant｜>", Opening.UNOPENED),
 ])
 def test_the_prompt_says_where_the_output_begins(parser, prompt, opening):
     assert parser.opening(prompt) is opening
+
+
+@pytest.mark.parametrize("parser, continued, opening", [
+    (R1, "<think>\nI know this.\n</think>\n\nHello, my answer is", Opening.CONTENT),
+    (QWEN3, "<think>\nFirst, I", Opening.REASONING),
+    (QWEN3, "Sure,", Opening.MAYBE),
+    (R1, "Sure,", Opening.UNOPENED),
+])
+def test_a_continued_message_says_where_it_left_off(parser, continued, opening):
+    assert parser.opening(f"<|im_start|>assistant\n{continued}", continued) is opening
 
 
 def test_an_unknown_parser_name_is_refused_naming_the_known_ones():
@@ -112,6 +126,12 @@ def test_what_the_split_gives():
     assert split_reasoning(QWEN3, Opening.MAYBE, "  <think>x</think>y")[:2] == ("x", "y")
     # Thinking off: whatever the output holds is the answer.
     assert split_reasoning(QWEN3, Opening.CONTENT, "<think>x</think>y")[:2] == (None, "<think>x</think>y")
+    # deepseek_r1 with an unopened block: an opening tag the model writes itself is markup.
+    assert split_reasoning(R1, Opening.UNOPENED, "<think>\nLet me see.\n</think>ok")[:2] == ("\nLet me see.\n", "ok")
+    assert split_reasoning(R1, Opening.UNOPENED, "Let me see.</think>ok")[:2] == ("Let me see.", "ok")
+    # Cut off inside the closing tag: the piece of tag is no reasoning ("<" alone is text).
+    assert split_reasoning(QWEN3, Opening.REASONING, "so 2 < 3\n</thin")[:2] == ("so 2 < 3\n", "")
+    assert split_reasoning(QWEN3, Opening.REASONING, "so 2 <")[:2] == ("so 2 <", "")
 
 
 def test_the_real_tokenizer_token_by_token(tokenizer):
@@ -126,6 +146,16 @@ def test_the_real_tokenizer_token_by_token(tokenizer):
     count = count_reasoning_tokens(tokenizer.decode, ids, reasoning_end)
     assert len(tokenizer.decode(ids[:count])) <= reasoning_end < len(tokenizer.decode(ids[:count + 1]))
     assert count_reasoning_tokens(tokenizer.decode, ids, 0) == 0
+    # Streamed a token at a time, or at once, the count is the same.
+    plan = ReasoningPlan(QWEN3, Opening.REASONING, tokenizer.decode)
+    whole, streamed = OutputSplitter(plan, tools=True), OutputSplitter(plan, tools=True)
+    whole.feed(text, ids, final=True)
+    for i, (piece, token) in enumerate(zip(pieces, ids)):
+        streamed.feed(piece, [token], final=i == len(ids) - 1)
+    assert whole.reasoning_tokens() == streamed.reasoning_tokens() == count
+    unclosed = OutputSplitter(plan, tools=False)
+    unclosed.feed("still thinking", [1, 2, 3], final=True)
+    assert unclosed.reasoning_tokens() == 3
 
 
 # ---- the grammar: reasoning first, then the constraint ----
@@ -161,12 +191,23 @@ def test_the_constraint_applies_after_the_reasoning(tokenizer):
 
 def test_a_budget_closes_the_reasoning(tokenizer):
     manager = StructuredOutputManager(tokenizer, len(tokenizer))
-    budget = QWEN3.constrain(SamplingParams(), Opening.REASONING, 4)
     words = " one two three four five six"
     ids = tokenizer.encode(words, add_special_tokens=False)
     assert len(ids) == 6
-    assert _accepts(manager, budget, tokenizer.decode(ids[:4]) + "</think>\n\nfree text", tokenizer)
+    four = tokenizer.decode(ids[:4])
+    budget = QWEN3.constrain(SamplingParams(), Opening.REASONING, 4)
+    assert _accepts(manager, budget, four + "</think>\n\nfree text", tokenizer)
     assert not _accepts(manager, budget, words, tokenizer)  # a fifth token of reasoning is refused
+    # Where the output may open a block, a budget makes it open one: no way around the budget.
+    maybe = QWEN3.constrain(SamplingParams(), Opening.MAYBE, 4)
+    assert _accepts(manager, maybe, f"<think>{four}</think>\n\nfree text", tokenizer)
+    assert not _accepts(manager, maybe, f"<think>{words}</think>", tokenizer)
+    assert not _accepts(manager, maybe, "an answer with no block", tokenizer)
+    # deepseek_r1, block unopened: the opening tag may come first, or not.
+    unopened = R1.constrain(SamplingParams(), Opening.UNOPENED, 4)
+    assert _accepts(manager, unopened, f"<think>{four}</think>ok", tokenizer)
+    assert _accepts(manager, unopened, f"{four}</think>ok", tokenizer)
+    assert not _accepts(manager, unopened, words, tokenizer)
 
 
 # ---- the real model, through the API ----

@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from api.app import ServerState
-from api.responses import ResponseStore, StoredResponse, input_messages
+from api.responses import ResponseStore, StoredResponse, input_messages, responses_usage
+from api.serving import usage
 from tests.conftest import ThreadedServer
 from tests.openapi_schemas import OpenAISchemas
 from tests.test_app import error, post
@@ -275,3 +276,73 @@ def test_input_items_become_a_chat_conversation():
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
         {"role": "tool", "tool_call_id": "c2", "content": "two"},
     ]
+
+
+# ---- building the output (no model) ----
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _built(pieces: list[str], reasoning: bool = False) -> tuple[dict, list[dict]]:
+    from api.responses import ResponseBuilder
+    from api.serving import OutputSplitter, ReasoningPlan
+    from engine.reasoning import Opening
+    from tests.test_reasoning import QWEN3 as parser
+
+    plan = ReasoningPlan(parser, Opening.REASONING, lambda ids: "") if reasoning else None
+    splitter = OutputSplitter(plan, tools=True)
+    builder = ResponseBuilder(_head())
+    events = builder.start()
+    for i, piece in enumerate(pieces):
+        events += builder.feed(splitter.feed(piece, final=i == len(pieces) - 1))
+    response, last = builder.finish(responses_usage(usage(3, len(pieces), 0)), cut_off=False)
+    return response, events + last
+
+
+@pytest.mark.parametrize("text, kinds", [
+    ("Sure." + CALL + "\nBye", ["message", "function_call", "message"]),
+    (CALL + "\n" + CALL, ["function_call", "function_call"]),
+    ("thinking</think>" + CALL + "after", ["reasoning", "function_call", "message"]),
+    ("", ["message"]),
+])
+def test_items_come_in_the_order_written_streamed_or_not(schemas, text, kinds):
+    reasoning = "</think>" in text
+    whole, _ = _built([text], reasoning)
+    assert [item["type"] for item in whole["output"]] == kinds
+    for cut in range(len(text) + 1):
+        response, events = _built([text[:cut], text[cut:]], reasoning)
+        if cut % 8 == 0:  # (validating every event is the slow part)
+            _check_stream(schemas, events)
+        assert _without_ids(response) == _without_ids(whole)
+    response, events = _built(list(text) + [""], reasoning)  # a character at a time
+    assert _without_ids(response) == _without_ids(whole)
+
+
+def _head() -> dict:
+    from api.protocol import ResponsesRequest
+    from api.responses import response_head
+
+    return response_head(ResponsesRequest(input="x"), "resp_x", "m", stored=False)
+
+
+def _without_ids(response: dict) -> list[dict]:
+    return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in response["output"]]
+
+
+def test_a_stream_that_fails_ends_with_error_then_response_failed(schemas):
+    from api.errors import APIError
+    from api.responses import ResponseBuilder
+
+    from api.serving import SplitDelta
+
+    builder = ResponseBuilder(_head())
+    events = builder.start() + builder.feed(SplitDelta(content="Hel", pieces=("Hel",)))
+    events += builder.fail(APIError(500, "the engine failed while serving this request", type="server_error",
+                                    code="engine_dead"))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert failed["output"][0]["status"] == "incomplete" and failed["output"][0]["content"][0]["text"] == "Hel"
+    for event in events:
+        schemas.validate_response_event(event)
