@@ -57,6 +57,7 @@ TEST_REQUIREMENTS = [
     "httpx>=0.27",
     "schemathesis>=4.0",  # fuzzes the server from its own /openapi.json
     "requests>=2.31",  # the synchronous client schemathesis calls the server with
+    "selenium>=4.20",  # drives Debian's headless chromium in tests/test_chat_page.py (chromedriver given: no download)
     "import-linter>=2.1",  # the layer contract (.importlinter) that .ci/run checks: a wrong import fails by name
 ]
 
@@ -66,6 +67,7 @@ setup(
     description="OpenAI-compatible LLM inference server: trio actors, paged KV cache, pluggable attention backends",
     python_requires=">=3.11",  # ExceptionGroup (trio nurseries)
     packages=find_packages(include=["engine", "engine.*", "backends", "backends.*", "api", "api.*"]),
+    package_data={"api": ["static/*"]},  # the chat page served at /
     install_requires=BASE_REQUIREMENTS,
     extras_require={"test": TEST_REQUIREMENTS},
     cmdclass={"build_py": BuildWithNative},

@@ -20,6 +20,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from api.errors import APIError, bad_request
+from api.frontend import Throughput, engine_stats_json, load_static
 from api.metrics import CONTENT_TYPE, Metrics
 from api.openapi import DOCS_HTML, openapi_document
 from api.responses import (
@@ -112,6 +113,7 @@ class ServerState:
     default_chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
     limits: Limits = Limits()
     responses: ResponseStore | None = None  # --enable-responses-store
+    frontend: bool = True  # the chat page at / (off: --disable-frontend)
     created: int = attrs.field(factory=lambda: int(time.time()))
     metrics: Metrics | None = None  # set by create_app
     draining: bool = False
@@ -128,7 +130,7 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 
 def create_app(state: ServerState) -> QuartTrio:
-    app = QuartTrio(__name__)
+    app = QuartTrio(__name__, static_folder=None)  # the page's files are served from memory (api/frontend.py)
     app.config["MAX_CONTENT_LENGTH"] = state.limits.max_body_bytes
     app.config["BODY_TIMEOUT"] = state.limits.body_timeout
     metrics = state.metrics = Metrics(lambda: state.client.engine_stats() if state.client else [_EMPTY_STATS],
@@ -179,6 +181,10 @@ def create_app(state: ServerState) -> QuartTrio:
     app.add_url_rule("/v1/responses", "responses", api.responses_create, methods=["POST"])
     app.add_url_rule("/v1/responses/<response_id>", "response", api.responses_get, methods=["GET"])
     app.add_url_rule("/v1/responses/<response_id>", "response_delete", api.responses_delete, methods=["DELETE"])
+    app.add_url_rule("/v1/engine/stats", "engine_stats", api.engine_stats, methods=["GET"])
+    if state.frontend:
+        app.add_url_rule("/", "page", api.page, methods=["GET"])
+        app.add_url_rule("/static/<name>", "page_file", api.page_file, methods=["GET"])
     return app
 
 
@@ -243,6 +249,8 @@ class _Handlers:
         self.state = state
         self.metrics_registry = metrics
         self._openapi = openapi_document(VERSION)
+        self._page = load_static() if state.frontend else {}
+        self._throughput = Throughput()
 
     # ---- helpers ----
 
@@ -315,6 +323,25 @@ class _Handlers:
 
     async def metrics(self) -> Response:
         return Response(self.metrics_registry.exposition(), content_type=CONTENT_TYPE)
+
+    async def page(self) -> Response:
+        return self._static_file("index.html")
+
+    async def page_file(self, name: str) -> Response:
+        return self._static_file(name)
+
+    def _static_file(self, name: str) -> Response:
+        file = self._page.get(name)
+        if file is None:
+            raise APIError(404, f"route {request.path} not found")
+        return Response(file.body, content_type=file.content_type, headers={"Cache-Control": "no-cache"})
+
+    async def engine_stats(self) -> Response:
+        """The chat page's live panel: counts and rates only, never a request's text."""
+        client = self.state.client
+        stats = client.engine_stats() if client else [_EMPTY_STATS]
+        max_len = client.max_model_len if client else None
+        return json_response(engine_stats_json(self.state.model_name, stats, self._throughput, max_len))
 
     async def models(self) -> Response:
         max_len = self.state.client.max_model_len if self.state.client else None

@@ -169,6 +169,8 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "/v1/responses/{id}; off: the Responses API is stateless")
     p.add_argument("--max-stored-responses", type=int, default=1000,
                    help="most responses kept with --enable-responses-store (the oldest go first)")
+    p.add_argument("--disable-frontend", action="store_true",
+                   help="do not serve the chat page at / (the API, /docs and /v1/engine/stats stay)")
 
 
 def _json_object(text: str) -> dict:

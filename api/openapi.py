@@ -99,6 +99,8 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/health": _get("200 when ready; 503 while loading, draining or after an engine failure", "text/plain"),
             "/version": _get("The server's version"),
             "/metrics": _get("Prometheus metrics", "text/plain"),
+            "/v1/engine/stats": _get("The engine's live counters (requests running and waiting, KV cache "
+                                     "usage, tokens per second): numbers only, never a request's text"),
         },
         "components": {"schemas": {cls.__name__: object_schema(cls) for cls in requests},
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},

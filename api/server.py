@@ -48,7 +48,8 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
     state = ServerState(args.served_model_name or source.name, api_key=args.api_key, allowed_origins=origins,
                         chat_template=template, reasoning_parser=reasoning_parser(args.reasoning_parser),
                         default_chat_template_kwargs=args.default_chat_template_kwargs, limits=limits,
-                        responses=ResponseStore(args.max_stored_responses) if args.enable_responses_store else None)
+                        responses=ResponseStore(args.max_stored_responses) if args.enable_responses_store else None,
+                        frontend=not args.disable_frontend)
     app = create_app(state)
     hc = HypercornConfig()
     hc.bind = [f"fd://{args.listen_fd}" if args.listen_fd is not None else f"{args.host}:{args.port}"]
@@ -112,7 +113,9 @@ def _log_ready(app, state: ServerState, client, args: argparse.Namespace, config
     log.info("serving %s as %r on http://%s:%d with backend %s; KV cache %d blocks x %d tokens = %d tokens",
              resolve_model(config.model).path.name, state.model_name, args.host, args.port, client.backend_name,
              stats.kv_blocks_total, config.block_size, stats.kv_blocks_total * config.block_size)
-    log.info("routes: %s", ", ".join(sorted(str(r.rule) for r in app.url_map.iter_rules() if r.endpoint != "static")))
+    log.info("routes: %s", ", ".join(sorted(str(r.rule) for r in app.url_map.iter_rules())))
+    if state.frontend:
+        log.info("chat page: http://%s:%d/ (--disable-frontend turns it off)", args.host, args.port)
 
 
 async def _stop_on_signals(shutdown: trio.Event, grace: float) -> None:
