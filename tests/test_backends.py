@@ -444,4 +444,9 @@ def test_engine_matches_the_torch_backend(request, backend_name, layers, kv_cach
     expected_tokens, expected_logprobs = greedy("torch")  # first: the emulated run patches the lookup
     tokens, logprobs = greedy(backend_name)
     assert tokens == expected_tokens
-    torch.testing.assert_close(logprobs, expected_logprobs, atol=1e-4, rtol=1e-4)
+    # A rounded cache: layer 1's outputs differ between backends in the last bits (another sum
+    # order), and that can move a layer-2 key or value across one rounding step (1/127 of its
+    # row's largest for int8): 2-4e-4 in a few logprobs on an AVX2 AMD EPYC, portable kernel too.
+    # A wrong kernel moves them by far more (weights at 5x the dummy std make attention count).
+    tolerance = 1e-4 if kv_cache_dtype == "float32" else 2e-3
+    torch.testing.assert_close(logprobs, expected_logprobs, atol=tolerance, rtol=tolerance)
