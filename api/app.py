@@ -562,17 +562,17 @@ class _Handlers:
     async def responses_create(self) -> Response:
         deadline = self.deadline()
         with _within(deadline):
+            req: ResponsesRequest = await self.body(ResponsesRequest)
+            check_request(req, self.state.responses, self.state.reasoning_parser is not None)
             try:
-                return await self._responses_create(deadline)
+                return await self._responses_create(req, deadline)
             except APIError as exc:  # a chat field's error, in the Responses API's words
                 raise attrs.evolve(exc, param=chat_param(exc.param)) from None
             except InvalidParameterError as exc:
                 raise APIError(400, _renamed(str(exc), exc.param), chat_param(exc.param)) from None
 
-    async def _responses_create(self, deadline: float | None) -> Response:
-        req: ResponsesRequest = await self.body(ResponsesRequest)
+    async def _responses_create(self, req: ResponsesRequest, deadline: float | None) -> Response:
         store = self.state.responses
-        check_request(req, store, self.state.reasoning_parser is not None)
         history = [] if req.previous_response_id is None else \
             store.get(req.previous_response_id, "previous_response_id").conversation
         body, conversation = chat_body(req, history)

@@ -264,7 +264,12 @@ class ResponseBuilder:
             events += self._write("reasoning", split.reasoning)
         for piece in split.pieces:
             if isinstance(piece, str):
-                events += self._write("message", piece)
+                if self._open is not None and self._open["type"] == "function_call":
+                    # (the newline that joins text after a call in chat's one content is no part
+                    # of a message item of its own)
+                    piece = piece.removeprefix("\n")
+                if piece:
+                    events += self._write("message", piece)
                 continue
             call = piece
             if call.name is not None:

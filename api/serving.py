@@ -181,18 +181,23 @@ class OutputSplitter:
         return SplitDelta(reasoning, parsed.content, parsed.calls, parsed.pieces)
 
     def reasoning_tokens(self) -> int | None:
-        """The output's tokens within its reasoning (None without a reasoning parser): all of
-        them when it was never closed; else those whose text ends before the closing tag,
-        searched for in the pieces around it."""
+        """The output's tokens within its reasoning (None without a reasoning parser): those
+        after an opening tag the output wrote, up to the closing tag (to the end when it was
+        never closed)."""
         splitter = self._splitter
         if splitter is None:
             return None
         if not splitter.has_reasoning:
             return 0
-        if not splitter.closed:
-            return len(self._token_ids)
-        end = splitter.reasoning_end
-        at = max(i for i, (_, chars) in enumerate(self._starts) if chars <= end)
+        end = self._tokens_within(splitter.reasoning_end) if splitter.closed else len(self._token_ids)
+        return end - self._tokens_within(splitter.reasoning_start)
+
+    def _tokens_within(self, offset: int) -> int:
+        """How many of the first tokens have their text end at or before ``offset`` characters,
+        searched for in the piece the offset falls in."""
+        if offset <= 0:
+            return 0
+        at = max(i for i, (_, chars) in enumerate(self._starts) if chars <= offset)
         first_token, first_char = self._starts[at]
         return first_token + count_reasoning_tokens(self.reasoning.decode, self._token_ids[first_token:],
-                                                    end - first_char)
+                                                    offset - first_char)

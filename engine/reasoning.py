@@ -146,8 +146,9 @@ class ReasoningSplitter:
     (a tag split across tokens or chunks is held back until it is known). The reasoning is
     kept as written between the tags; whitespace between the closing tag and the answer is
     not part of either, nor is the start of a closing tag an output was cut off in.
-    ``reasoning_end`` is the offset in the output text where the reasoning stopped (None
-    while it goes on), ``closed`` whether it was closed.
+    ``reasoning_start`` is the offset in the output text where the reasoning began (past an
+    opening tag the output wrote itself), ``reasoning_end`` where it stopped (None while it
+    goes on), ``closed`` whether it was closed.
     """
 
     def __init__(self, parser: ReasoningParser, opening: Opening) -> None:
@@ -158,6 +159,7 @@ class ReasoningSplitter:
         self._consumed = 0  # characters of output before the buffer
         self.has_reasoning = self._state in (_IN_REASONING, _UNOPENED)
         self.reasoning_end: int | None = None if self.has_reasoning else 0
+        self.reasoning_start = 0  # offset where the reasoning begins: after an opening tag the output wrote
         self.closed = False
 
     @property
@@ -175,6 +177,7 @@ class ReasoningSplitter:
                 if stripped.startswith(start):
                     self._take(len(self._buffer) - len(stripped) + len(start))
                     self._state, self.has_reasoning, self.reasoning_end = _IN_REASONING, True, None
+                    self.reasoning_start = self._consumed
                     continue
                 if start.startswith(stripped) and not final:
                     break  # (still) maybe the opening tag

@@ -158,6 +158,25 @@ def test_the_real_tokenizer_token_by_token(tokenizer):
     assert unclosed.reasoning_tokens() == 3
 
 
+@pytest.mark.parametrize("parser, opening", [(QWEN3, Opening.MAYBE), (R1, Opening.UNOPENED)])
+def test_an_opening_tag_the_model_writes_is_no_reasoning_token(tokenizer, parser, opening):
+    """Qwen3 without a template-opened block, or R1 writing its own tag: the count starts after
+    the tag, so a budget of N reports at most N (the grammar bounds the text inside the tag)."""
+    reasoning = " one two three four"
+    inside = tokenizer.encode(reasoning, add_special_tokens=False)
+    assert len(inside) == 4
+    plan = ReasoningPlan(parser, opening, tokenizer.decode)
+    for tail in ("</think>\n\nanswer", ""):  # closed, and cut off before the closing tag
+        text = "<think>" + reasoning + tail
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        pieces = [tokenizer.decode(ids[:i + 1])[len(tokenizer.decode(ids[:i])):] for i in range(len(ids))]
+        whole, streamed = OutputSplitter(plan, tools=False), OutputSplitter(plan, tools=False)
+        whole.feed(text, ids, final=True)
+        for i, (piece, token) in enumerate(zip(pieces, ids)):
+            streamed.feed(piece, [token], final=i == len(ids) - 1)
+        assert whole.reasoning_tokens() == streamed.reasoning_tokens() == 4
+
+
 # ---- the grammar: reasoning first, then the constraint ----
 
 def _accepts(manager, params: SamplingParams, text: str, tokenizer) -> bool:

@@ -246,6 +246,7 @@ class _Client:
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "--reasoning-parser"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text", "text.format type"),
     ({"input": 5}, "input", "input"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "stored prompt templates"),
     ({}, "input", "input"),
 ])
 async def test_bad_input_is_a_400_naming_the_field(body, param, words):
@@ -309,6 +310,8 @@ def test_items_come_in_the_order_written_streamed_or_not(schemas, text, kinds):
     reasoning = "</think>" in text
     whole, _ = _built([text], reasoning)
     assert [item["type"] for item in whole["output"]] == kinds
+    texts = [item["content"][0]["text"] for item in whole["output"] if item["type"] == "message"]
+    assert texts == [t for t in ("Sure.", "Bye", "after") if t in text] or texts == [""]
     for cut in range(len(text) + 1):
         response, events = _built([text[:cut], text[cut:]], reasoning)
         if cut % 8 == 0:  # (validating every event is the slow part)
