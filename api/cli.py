@@ -153,6 +153,11 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                    help='JSON, as in vLLM: {"backend": "xgrammar", "compile_timeout_s": 10, '
                         '"max_concurrent_compiles": 2, "cache_size": 512}. Requests constrain their output with '
                         'response_format, structured_outputs or the guided_* fields')
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                        '"prompt_lookup_max": 4, "disable_by_batch_size": 4}: propose tokens from the request\'s own '
+                        'prompt and output, verified exactly in one forward pass (the same output, faster for '
+                        'few streams; no proposals while more than disable_by_batch_size requests run)')
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted as in vLLM; tools (tool_choice none/auto/required/named) always work here")
     p.add_argument("--tool-call-parser", choices=("hermes",), default="hermes",

@@ -54,6 +54,28 @@ class _EngineCollector(Collector):
             for rank, stats in enumerate(engines):
                 metric.add_metric([self._model, str(rank)], value(stats))
             yield metric
+        if any(s.spec_accepted_per_pos for s in engines):  # (speculative decoding is on)
+            yield from self._spec_decode(engines)
+
+    def _spec_decode(self, engines: list[EngineStats]) -> Iterator:
+        """Speculative decoding's counters, as vLLM names them."""
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Steps of a request that carried proposed tokens.",
+             lambda s: s.spec_num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Proposed tokens computed.", lambda s: s.spec_num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens kept.", lambda s: s.spec_num_accepted_tokens),
+        ):
+            metric = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+            for rank, stats in enumerate(engines):
+                metric.add_metric([self._model, str(rank)], value(stats))
+            yield metric
+        metric = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Proposed tokens kept, by their position among a step's proposals.",
+                                     labels=["model_name", "engine", "position"])
+        for rank, stats in enumerate(engines):
+            for position, count in enumerate(stats.spec_accepted_per_pos):
+                metric.add_metric([self._model, str(rank), str(position)], count)
+        yield metric
 
 
 class Metrics:

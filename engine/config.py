@@ -15,6 +15,7 @@ import attrs
 
 from backends.kv_cache_names import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPE_NAMES
 from engine.errors import ConfigError
+from engine.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -162,6 +163,9 @@ class EngineConfig:
         structured_outputs_config: the grammar backend and its limits, as JSON text or a dict
             (``StructuredOutputsConfig``: backend, compile_timeout_s, max_concurrent_compiles,
             cache_size).
+        speculative_config: speculative decoding, as JSON text or a dict with vLLM's keys
+            (``engine.speculative.SpeculativeConfig``), e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 4}``; None: off.
         generation_config: ``auto`` (as vLLM): the sampling values of the model's
             ``generation_config.json`` (temperature, top_p, top_k, min_p, repetition_penalty)
             are the defaults of API requests that do not set them; ``vllm``: ignore them.
@@ -204,6 +208,7 @@ class EngineConfig:
     step_timeout: float | None = attrs.field(default=300.0, validator=_positive_seconds)
     stream_interval: int = attrs.field(default=1, validator=_positive)
     structured_outputs_config: str | dict | None = None
+    speculative_config: str | dict | None = None
     generation_config: str = attrs.field(default="auto", validator=_one_of(GENERATION_CONFIGS))
     engine_process: bool = False
     data_parallel_size: int = attrs.field(default=1, validator=_positive)
@@ -215,6 +220,7 @@ class EngineConfig:
         from engine.structured_outputs import StructuredOutputsConfig
 
         StructuredOutputsConfig.from_json(self.structured_outputs_config)  # a bad one fails here, not per request
+        self.speculative  # (a bad one fails here, before anything loads)
         if self.data_parallel_size_local is not None and self.data_parallel_size_local > self.data_parallel_size:
             raise ConfigError("data_parallel_size_local", f"data_parallel_size_local ({self.data_parallel_size_local}) "
                                                           f"exceeds data_parallel_size ({self.data_parallel_size})")
@@ -226,6 +232,11 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs}) when chunked prefill is off",
             )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` parsed (None: no speculative decoding)."""
+        return SpeculativeConfig.from_json(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **fields: Any) -> EngineConfig:

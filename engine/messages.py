@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -71,10 +72,23 @@ class EngineStats:
     num_prompt_tokens: int  # prompt tokens computed (cache hits excluded)
     num_generation_tokens: int
     num_steps: int
+    # Speculative decoding (vLLM's spec_decode counters; zero without it): steps of a request
+    # that carried drafts, draft tokens, drafts kept, and drafts kept per position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @classmethod
+    def total(cls, each: list[EngineStats]) -> EngineStats:
+        """Several engines' counters added up (per-position counts position by position)."""
+        per_pos = [sum(column) for column in itertools.zip_longest(*(s.spec_accepted_per_pos for s in each),
+                                                                    fillvalue=0)]
+        return cls(*(sum(getattr(s, f.name) for s in each) for f in attrs.fields(cls)[:-1]), tuple(per_pos))
 
 
 # ---- messages to the core actor ----

@@ -44,6 +44,11 @@ class StepPlan:
     next token). ``grammar_rows`` are sampling rows whose next token is constrained: row ``j``
     of ``grammar_bitmask`` (little-endian int32 words, ``ceil(vocab / 32)`` per row, bit set =
     allowed) is the mask of ``grammar_rows[j]``.
+
+    ``num_draft_tokens`` (empty when no row carries drafts) holds per row how many of its input
+    tokens are proposed ones (speculative decoding, engine/speculative.py): such a row is a
+    sampling row whose last known token is followed by that many drafts, and every one of its
+    positions is sampled in turn while the drafts hold.
     """
 
     request_ids: tuple[str, ...]
@@ -57,6 +62,7 @@ class StepPlan:
     preempted_ids: tuple[str, ...] = ()
     grammar_rows: tuple[int, ...] = ()
     grammar_bitmask: bytes = b""
+    num_draft_tokens: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -75,9 +81,13 @@ class StepPlan:
 class RunnerOutput:
     """Per request id: the sampled token (only for sampling rows), its logprobs if asked, prompt
     logprobs computed in this step if asked, and the error of each request whose own part of
-    the step failed (its other entries are to be ignored)."""
+    the step failed (its other entries are to be ignored). ``accepted`` holds, for a row whose
+    drafts were kept, those drafts (they come before its sampled token), and
+    ``accepted_logprobs`` their logprobs where asked."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     failed: dict[str, Exception] = attrs.field(factory=dict)
+    accepted: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
+    accepted_logprobs: dict[str, tuple[TokenLogprobs, ...]] = attrs.field(factory=dict)

@@ -295,9 +295,12 @@ class EngineCore:
             failed = {**failed, **plan.grammar_errors}
             grammar_finished = self._advance_grammars(plan, result.sampled, failed)
         deltas, failed_parents = self._fail_requests(failed)
-        self.scheduler.update(plan, result.sampled, grammar_finished)
+        accepted = result.accepted
+        self.scheduler.update(plan, result.sampled, grammar_finished, accepted)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled)
+        if accepted:
+            self._num_generation_tokens += sum(len(kept) for kept in accepted.values())
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
         ids, indices, tokens = [], [], []
         running = RequestStatus.RUNNING
@@ -309,6 +312,10 @@ class EngineCore:
             if failed_parents and request.parent_id in failed_parents:
                 continue
             token = sampled.get(request.request_id)
+            if accepted and request.request_id in accepted:
+                deltas.append(self._drafted_delta(request, start, logprobs.get(request.request_id),
+                                                  result.accepted_logprobs.get(request.request_id, ())))
+                continue
             if (token is not None and request.status is running
                     and (plain or (not prompt_logprobs and request.request_id not in logprobs))
                     and len(request.token_ids) > num_prompt + 1):  # not its first token
@@ -324,6 +331,13 @@ class EngineCore:
             deltas.append(self._delta(request, () if token is None else (token,),
                                       () if new_lp is None else (new_lp,), tuple(prompt_lps)))
         return deltas, Decodes(tuple(ids), tuple(indices), tuple(tokens))
+
+    def _drafted_delta(self, request: Request, start: int, last_logprobs, kept_logprobs) -> TokenDelta:
+        """The tokens a drafted step appended (the kept drafts and the sampled token, up to
+        one that stopped the request) and, where asked, their logprobs."""
+        new_tokens = tuple(request.token_ids[start + 1:])
+        new_logprobs = (*kept_logprobs, last_logprobs) if last_logprobs is not None else ()
+        return self._delta(request, new_tokens, new_logprobs[:len(new_tokens)])
 
     @staticmethod
     def _advance_grammars(output: SchedulerOutput, sampled: dict[str, int], failed: dict[str, Exception]) -> set[str]:
@@ -383,7 +397,7 @@ class EngineCore:
         return CoreActor(self, inbox, outbox)
 
     def stats(self) -> EngineStats:
-        kv = self.block_manager
+        kv, spec = self.block_manager, self.scheduler.spec_stats
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -395,6 +409,10 @@ class EngineCore:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             num_steps=self._num_steps,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(spec.accepted_per_pos),
         )
 
 

@@ -128,13 +128,80 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(plan, hidden, failed)
         if not batch.sample_rows:
             return RunnerOutput({}, {}, prompt_logprobs, failed)
-        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
+        drafts = plan.num_draft_tokens
+        first = batch.sample_rows  # each sampling row's first sampled position: its last known token
+        if drafts:
+            first = [at - drafts[row] for at, row in zip(first, plan.sample_rows)]
+        logits = self.model.compute_logits(hidden[first])  # [num_sampled, vocab]
         ids = [plan.request_ids[row] for row in plan.sample_rows]
         rows = [self.requests[i] for i in ids]
+        if drafts:
+            for request, row in zip(rows, plan.sample_rows):
+                request.num_tokens -= drafts[row]
         result = self.sampler(logits, rows, self._grammar(plan))
         failed.update((ids[row], error) for row, error in result.errors.items())
+        sampled = dict(zip(ids, result.token_ids))
         logprobs = {i: lp for i, lp in zip(ids, result.logprobs) if lp is not None}
-        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs, failed)
+        if not drafts:
+            return RunnerOutput(sampled, logprobs, prompt_logprobs, failed)
+        accepted, accepted_logprobs = self._verify(plan, batch, hidden, rows, sampled, logprobs, failed)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, failed, accepted, accepted_logprobs)
+
+    def _verify(self, plan: StepPlan, batch: _Batch, hidden: torch.Tensor, rows: list[RunnerRequest],
+                sampled: dict[str, int], logprobs: dict[str, TokenLogprobs], failed: dict[str, Exception],
+                ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[TokenLogprobs, ...]]]:
+        """Sample the positions after each drafted row's first, in turn, while the drafts equal
+        what is sampled (engine/speculative.py). ``sampled`` and ``logprobs`` (of the first
+        positions) become each row's last sampled token; returns the drafts kept before it and
+        their logprobs. A request with penalties keeps in its history only the tokens kept."""
+        drafts = plan.num_draft_tokens
+        spec = [(i, row) for i, row in enumerate(plan.sample_rows)
+                if drafts[row] and plan.request_ids[row] not in failed]
+        # The rows of every later position of every drafted row, and their logits in one product.
+        later, index = [], {}
+        for i, row in spec:
+            last = batch.sample_rows[i]
+            for j in range(1, drafts[row] + 1):
+                index[i, j] = len(later)
+                later.append(last - drafts[row] + j)
+        logits = self.model.compute_logits(hidden[later]) if later else None
+        proposed = {i: plan.token_ids[batch.sample_rows[i] - drafts[row] + 1:batch.sample_rows[i] + 1]
+                    for i, row in spec}
+        kept: dict[str, list[int]] = {}
+        kept_logprobs: dict[str, list[TokenLogprobs]] = {}
+        alive = []
+        for i, _ in spec:
+            request_id = rows[i].request_id
+            if sampled[request_id] == proposed[i][0]:
+                alive.append(i)
+                kept[request_id] = [sampled[request_id]]
+                kept_logprobs[request_id] = [logprobs.pop(request_id)] if request_id in logprobs else []
+        j = 1
+        while alive:
+            for i in alive:
+                rows[i].num_tokens += 1  # (position j knows the j drafts before it)
+            result = self.sampler(logits[[index[i, j] for i in alive]], [rows[i] for i in alive])
+            still = []
+            for n, (i, token) in enumerate(zip(alive, result.token_ids)):
+                request_id = rows[i].request_id
+                if n in result.errors:
+                    failed[request_id] = result.errors[n]
+                elif j < len(proposed[i]) and token == proposed[i][j]:
+                    kept[request_id].append(token)
+                    if result.logprobs[n] is not None:
+                        kept_logprobs[request_id].append(result.logprobs[n])
+                    still.append(i)
+                else:
+                    sampled[request_id] = token
+                    if result.logprobs[n] is not None:
+                        logprobs[request_id] = result.logprobs[n]
+            alive, j = still, j + 1
+        for i, row in spec:
+            history = rows[i].token_ids
+            if history is not None:  # (the drafts that were not kept leave the penalties' history)
+                del history[plan.starts[row] + 1 + len(kept.get(rows[i].request_id, ())):]
+        return ({r: tuple(t) for r, t in kept.items()},
+                {r: tuple(lps) for r, lps in kept_logprobs.items() if lps})
 
     def _take_in(self, plan: StepPlan) -> None:
         """Drop the state of requests that ended or were preempted; add new ones; grow tables."""

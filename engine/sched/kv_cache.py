@@ -186,6 +186,15 @@ class BlockManager:
             self._cache_full_blocks(request, owned, num_done // self.block_size, num_tokens // self.block_size)
         return True
 
+    def cache_computed_blocks(self, request: Request, start: int) -> None:
+        """Register in the prefix cache the blocks that the tokens computed from position
+        ``start`` on filled, once those tokens are known: a step that computed proposed tokens
+        (speculative decoding) allocated their blocks before they were known."""
+        owned = self._owned.get(request.request_id)
+        first, end = start // self.block_size, request.num_computed_tokens // self.block_size
+        if self.enable_prefix_caching and owned and end > first:
+            self._cache_full_blocks(request, owned, first, end)
+
     def free(self, request: Request) -> None:
         """Release every block ``request`` owns; idempotent. Tail blocks are freed first so
         that a shared prefix outlives the request's private suffix in the LRU order."""

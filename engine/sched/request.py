@@ -75,6 +75,9 @@ class Request:
     # core fills its token mask into each step's plan and advances it by the sampled token; it
     # survives preemption, since recomputing samples nothing twice.
     matcher: Any = None
+    # Proposed tokens after the last known one, computed in the step being scheduled
+    # (speculative decoding; empty when none): the step's plan carries them after that token.
+    spec_token_ids: list[int] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -18,6 +18,7 @@ import attrs
 from engine.plan import NewRequest, StepPlan
 from engine.sched.kv_cache import BlockManager
 from engine.sched.request import Request, RequestStatus
+from engine.speculative import SpeculativeConfig, ngram_drafts
 
 
 class ScheduledChunk(NamedTuple):
@@ -110,6 +111,28 @@ PREFILL_BOUND_WINDOW = 64
 
 
 @attrs.define
+class SpecDecodeStats:
+    """Speculative decoding's counters (vLLM's ``spec_decode`` metrics): drafts (steps of a
+    request that carried any), draft tokens, kept tokens, and kept tokens per draft position."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.accepted_per_pos = [0] * self.num_speculative_tokens
+
+    def record(self, num_drafts: int, num_kept: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_kept
+        for position in range(num_kept):
+            self.accepted_per_pos[position] += 1
+
+
+@attrs.define
 class StepBudget:
     """Tokens one step may still take: in all, and in prefill chunks (more than one token)."""
 
@@ -162,6 +185,8 @@ class Scheduler:
         self._recent_prefill = self._recent_output = 0.0
         # Prompt tokens to compute and max_tokens of requests admitted recently (decayed per admission).
         self._admitted_prefill = self._admitted_max_tokens = 0.0
+        self.speculative: SpeculativeConfig | None = config.speculative
+        self.spec_stats = SpecDecodeStats(self.speculative.num_speculative_tokens if self.speculative else 0)
 
     # ---- membership ----
 
@@ -249,6 +274,7 @@ class Scheduler:
         grammar_rows: list[int] = []
         new: list[NewRequest] = []
         new_blocks: list[tuple[str, tuple[int, ...]]] = []
+        drafted: list[int] = []  # per row, when any row carries drafts
         tables, bs, constrained = self.kv.tables, self.kv.block_size, self._num_constrained > 0
         for row, (request, start, num_new, samples) in enumerate(chunks):
             request_id = request.request_id
@@ -257,6 +283,11 @@ class Scheduler:
             counts.append(num_new)
             if num_new == 1:
                 tokens.append(request.token_ids[start])
+            elif request.spec_token_ids:
+                tokens.append(request.token_ids[start])
+                tokens += request.spec_token_ids
+                drafted += [0] * (row - len(drafted))
+                drafted.append(len(request.spec_token_ids))
             else:
                 tokens += request.token_ids[start:start + num_new]
             if samples:
@@ -272,8 +303,11 @@ class Scheduler:
                 owned = tables[request_id]
                 new_blocks.append((request_id, tuple([b.block_id for b in owned[have:]])))
                 request.num_runner_blocks = len(owned)
+        if drafted:
+            drafted += [0] * (len(ids) - len(drafted))
         return StepPlan(tuple(ids), tuple(starts), tuple(counts), tuple(tokens), tuple(sample_rows), tuple(new),
-                        tuple(new_blocks), tuple(finished), tuple(preempted)), tuple(grammar_rows)
+                        tuple(new_blocks), tuple(finished), tuple(preempted),
+                        num_draft_tokens=tuple(drafted)), tuple(grammar_rows)
 
     def _prefill_cap(self) -> float:
         """The prefill tokens this step may carry: capped when it also decodes.
@@ -317,6 +351,7 @@ class Scheduler:
         if self.kv.sliding_window is not None:  # blocks every window has passed go back before any is asked for
             for request in self.running:
                 self.kv.free_out_of_window(request)
+        drafting = self.speculative is not None and len(self.running) <= self.speculative.disable_by_batch_size
         for request in list(self.running):
             if budget.tokens == 0:
                 break
@@ -324,6 +359,13 @@ class Scheduler:
                 continue
             start = request.num_computed_tokens
             num_new = len(request.token_ids) - start
+            if drafting and num_new == 1:
+                drafts = self._drafts(request, budget.tokens - 1)
+                if drafts and allocate(request, 1 + len(drafts)):  # (no room: it decodes as usual)
+                    request.spec_token_ids = drafts
+                    scheduled[request.request_id] = _chunk(ScheduledChunk, (request, start, 1 + len(drafts), True))
+                    budget.tokens -= 1 + len(drafts)
+                    continue
             # A decode: most requests, every step. Its token has room in the blocks the request
             # owns, which are the blocks the runner was sent (every allocation reaches the runner
             # in its step's plan), and does not fill its block (a full block is registered in the
@@ -349,6 +391,18 @@ class Scheduler:
                 scheduled[request.request_id] = ScheduledChunk.of(request, request.num_computed_tokens, num_new)
                 budget.spend(num_new)
 
+    def _drafts(self, request: Request, room: int) -> list[int]:
+        """Proposed tokens to compute after ``request``'s last known one this step: at most
+        ``room``, and no more than its max_tokens and max_model_len leave room for with the token
+        sampled after them. None for a request under a grammar (its masks are filled per
+        sampled position)."""
+        spec = self.speculative
+        most = min(spec.num_speculative_tokens, room, request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        if most < 1 or request.matcher is not None:
+            return []
+        return ngram_drafts(request.token_ids, most, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
     def _pick_victim(self) -> Request:
         if self.priority_policy:
             return max(self.running, key=self._order_key)
@@ -358,6 +412,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_runner_blocks = -1  # the plan names it preempted: the runner drops its state
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -395,11 +450,13 @@ class Scheduler:
             self._admitted_max_tokens = keep * self._admitted_max_tokens + request.max_tokens
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int],
-               grammar_finished: Collection[str] = ()) -> list[Request]:
+               grammar_finished: Collection[str] = (), accepted: dict[str, tuple[int, ...]] | None = None,
+               ) -> list[Request]:
         """Account for a finished step: advance computed counts, append sampled tokens and
         finish requests that hit a stop condition, or whose structured-output grammar is
         complete (``grammar_finished``: its stop token is in, whatever ``ignore_eos`` or
-        ``min_tokens`` say). Returns the requests finished here."""
+        ``min_tokens`` say). ``accepted``: per drafted request, the drafts kept (they come
+        before its sampled token). Returns the requests finished here."""
         finished = []
         keep = 1 - 1 / PREFILL_RATE_WINDOW
         self._recent_prefill *= keep
@@ -407,6 +464,10 @@ class Scheduler:
         running, max_model_len = RequestStatus.RUNNING, self.max_model_len
         for request, start, num_new_tokens, _ in output.chunks:
             if request.status is not running:  # finished (aborted) while the step ran
+                continue
+            if request.spec_token_ids:
+                if self._update_drafted(request, start, sampled, accepted or {}):
+                    finished.append(request)
                 continue
             request.num_computed_tokens = start + num_new_tokens
             token = sampled.get(request.request_id)
@@ -427,6 +488,32 @@ class Scheduler:
                 self.finish(request, status, stop_reason)
                 finished.append(request)
         return finished
+
+    def _update_drafted(self, request: Request, start: int, sampled: dict[str, int],
+                        accepted: dict[str, tuple[int, ...]]) -> bool:
+        """A step that computed drafts after ``request``'s last known token (never one under a
+        grammar): the KV of the kept ones is valid (the rest is overwritten later); the kept
+        drafts, then the sampled token, are appended one at a time until one stops the request;
+        blocks now full of known, computed tokens join the prefix cache. Returns whether it
+        finished."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        kept = accepted.get(request.request_id, ())
+        self.spec_stats.record(len(drafts), len(kept))
+        request.num_computed_tokens = start + 1 + len(kept)
+        token = sampled.get(request.request_id)
+        if token is None:  # (its part of the step failed: it is finished as an error)
+            return False
+        status = stop_reason = None
+        for token in (*kept, token):
+            request.token_ids.append(token)
+            status, stop_reason = self._check_stop(request, token)
+            if status is not None:
+                break
+        self.kv.cache_computed_blocks(request, start)
+        if status is None:
+            return False
+        self.finish(request, status, stop_reason)
+        return True
 
     def _check_stop(self, request: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = request.params

@@ -154,7 +154,7 @@ class DataParallelCore:
 
     def stats(self) -> EngineStats:
         each = self.engine_stats()
-        return EngineStats(*(sum(getattr(s, f.name) for s in each) for f in attrs.fields(EngineStats)))
+        return EngineStats.total(each)
 
     @property
     def num_running_requests(self) -> int:

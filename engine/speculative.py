@@ -1,0 +1,129 @@
+"""Speculative decoding: what ``--speculative-config`` says, and the n-gram proposer.
+
+A decoding request may carry a few proposed next tokens (drafts) into a step: the model
+computes its last known token and the drafts in one pass, and the runner samples each
+position in turn exactly as it would have without speculation (every sampling parameter, the
+request's own seeded draws), keeping drafts while they equal what it samples. The first
+position where they differ gives the sampled token instead, and when all are kept the last
+position gives one more. So the output is what the model samples, whatever was proposed: for
+a proposal of one token per position (an n-gram's), comparing a draw from the target's
+distribution with the draft is the rejection rule of Leviathan et al. with a one-hot draft
+distribution (keep x with probability p(x), else draw from p without x), in one step.
+
+Proposals cost a longer forward pass; on a CPU a decode step is bound by reading the weights
+until the batch is large, so at a few streams the extra tokens are nearly free, and under
+load they are not: proposals stop while more than ``disable_by_batch_size`` requests run
+(vLLM's key).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from engine.errors import ConfigError
+
+METHODS = ("ngram",)
+# Proposals stop while more requests than this run (a step then costs about its tokens here).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+
+
+def _error(message: str) -> ConfigError:
+    return ConfigError("speculative_config", f"speculative_config: {message}")
+
+
+def _at_least_one(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _error(f"{attribute.name} must be an integer of at least 1, got {value!r}")
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    """``--speculative-config`` (vLLM's keys).
+
+    Attributes:
+        method: ``ngram``: prompt lookup, proposing what followed the latest earlier place
+            where the request's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens
+            (prompt and output) occur.
+        num_speculative_tokens: most drafts a request carries into a step.
+        prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram matched.
+        disable_by_batch_size: no proposals while more than this many requests run.
+    """
+
+    method: str
+    num_speculative_tokens: int = attrs.field(validator=_at_least_one)
+    prompt_lookup_min: int = attrs.field(default=2, validator=_at_least_one)
+    prompt_lookup_max: int = attrs.field(default=4, validator=_at_least_one)
+    disable_by_batch_size: int = attrs.field(default=DEFAULT_DISABLE_BY_BATCH_SIZE, validator=_at_least_one)
+
+    def __attrs_post_init__(self) -> None:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise _error(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds "
+                                                    f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_json(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """Parse ``--speculative-config`` (JSON text or a dict); None when not given.
+
+        Raises:
+            ConfigError: not a JSON object, an unknown key or method, or a bad value.
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        fields = _object(value)
+        method = fields.get("method")
+        if method == "draft_model" or (method is None and "model" in fields):
+            raise _error("method 'draft_model' is not supported yet; this engine "
+                                                    "proposes with 'ngram' (prompt lookup)")
+        if method not in METHODS:
+            raise _error(f"unknown speculative method {method!r}; known: "
+                                                    f"{', '.join(METHODS)}")
+        known = {a.name for a in attrs.fields(cls)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise _error(f"unknown key(s) {', '.join(unknown)}; known: "
+                                                    f"{', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in fields:
+            raise _error("num_speculative_tokens is required")
+        if "prompt_lookup_max" not in fields and "prompt_lookup_min" in fields:
+            fields = {**fields, "prompt_lookup_max": max(fields["prompt_lookup_min"], 4)}
+        return cls(**fields)
+
+
+def _object(value: str | dict) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise _error(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _error("must be a JSON object, e.g. "
+                                                '{"method": "ngram", "num_speculative_tokens": 4}')
+    return value
+
+
+def ngram_drafts(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``num_drafts`` tokens that followed an earlier occurrence of the longest suffix of
+    ``token_ids`` of ``max_n`` .. ``min_n`` tokens that occurs before; [] if none. The
+    occurrence is the latest with ``num_drafts`` tokens after it, or else the first (in a
+    repeating text the latest may be too near the end to say much).
+
+    The search is over numpy arrays (a comparison per n-gram length over every position),
+    about 30 us for 2,000 tokens."""
+    size = len(token_ids)
+    if num_drafts < 1 or size <= min_n:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        # Windows starting at 0 .. size - n - 1: each has at least one token after it.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:size - 1], n)
+        hits = np.flatnonzero((windows == tokens[size - n:]).all(axis=1))
+        if hits.size:
+            roomy = hits[hits + n + num_drafts <= size]
+            start = int(roomy[-1] if roomy.size else hits[0]) + n
+            return tokens[start:start + num_drafts].tolist()
+    return []
