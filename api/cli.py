@@ -174,6 +174,9 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "/v1/responses/{id}; off: the Responses API is stateless")
     p.add_argument("--max-stored-responses", type=int, default=1000,
                    help="most responses kept with --enable-responses-store (the oldest go first)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no activity line every 10 s (throughputs, requests, KV cache use, speculative decoding's "
+                        "acceptance)")
     p.add_argument("--disable-frontend", action="store_true",
                    help="do not serve the chat page at / (the API, /docs and /v1/engine/stats stay)")
 

@@ -20,11 +20,16 @@ from backends.kv_cache_names import kv_cache_dtype_refusal
 from engine.config import EngineConfig
 from engine.errors import BackendUnavailableError, ConfigError, InvalidParameterError, first_leaf
 from engine.frontend.async_engine import open_engine
+from engine.frontend.stats import activity_line
+from engine.messages import EngineStats
 from engine.models.loader import resolve_model
 from engine.reasoning import reasoning_parser
 from engine.signals import on_stop_signals
 
 log = logging.getLogger("engine.server")
+
+# Seconds between the activity lines (vLLM's default; --disable-log-stats turns them off).
+LOG_STATS_INTERVAL_S = 10.0
 
 # Seconds hypercorn gives open connections to finish once told to stop (the requests on
 # them have been drained or ended by then; this is for writing their last bytes).
@@ -72,6 +77,8 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
         log.info("loading %s (backend %s)...", source.path, config.backend)
         async with open_engine(config, engine_fds=args.engine_fd) as client:
             state.attach(client)
+            if not args.disable_log_stats:
+                nursery.start_soon(_log_stats, client)
             if shared_socket:
                 nursery.start_soon(http)
             _log_ready(app, state, client, args, config)
@@ -106,6 +113,18 @@ async def _wait_for_shutdown(shutdown: trio.Event, client, on_engine_failure: st
         await shutdown.wait()
         nursery.cancel_scope.cancel()
     return failed
+
+
+async def _log_stats(client, interval: float = LOG_STATS_INTERVAL_S) -> None:
+    """Every ``interval`` seconds with activity, one line of what the engines did (as vLLM's)."""
+    before = EngineStats.total(client.engine_stats())
+    while True:
+        await trio.sleep(interval)
+        now = EngineStats.total(client.engine_stats())
+        line = activity_line(before, now, interval)
+        if line is not None:
+            log.info("%s", line)
+        before = now
 
 
 def _log_ready(app, state: ServerState, client, args: argparse.Namespace, config: EngineConfig) -> None:

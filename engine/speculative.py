@@ -50,15 +50,18 @@ class SpeculativeConfig:
             where the request's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens
             (prompt and output) occur.
         num_speculative_tokens: most drafts a request carries into a step.
-        prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram matched.
-        disable_by_batch_size: no proposals while more than this many requests run.
+        prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram matched (one
+            given alone sets the other, as in vLLM; neither: 2 and 4).
+        disable_by_batch_size: no proposals while more than this many requests run (None:
+            proposals at any batch size).
     """
 
     method: str
     num_speculative_tokens: int = attrs.field(validator=_at_least_one)
     prompt_lookup_min: int = attrs.field(default=2, validator=_at_least_one)
     prompt_lookup_max: int = attrs.field(default=4, validator=_at_least_one)
-    disable_by_batch_size: int = attrs.field(default=DEFAULT_DISABLE_BY_BATCH_SIZE, validator=_at_least_one)
+    disable_by_batch_size: int | None = attrs.field(default=DEFAULT_DISABLE_BY_BATCH_SIZE,
+                                                    validator=attrs.validators.optional(_at_least_one))
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -89,8 +92,9 @@ class SpeculativeConfig:
                                                     f"{', '.join(sorted(known))}")
         if "num_speculative_tokens" not in fields:
             raise _error("num_speculative_tokens is required")
-        if "prompt_lookup_max" not in fields and "prompt_lookup_min" in fields:
-            fields = {**fields, "prompt_lookup_max": max(fields["prompt_lookup_min"], 4)}
+        if ("prompt_lookup_min" in fields) != ("prompt_lookup_max" in fields):
+            given = fields.get("prompt_lookup_min", fields.get("prompt_lookup_max"))
+            fields = {**fields, "prompt_lookup_min": given, "prompt_lookup_max": given}
         return cls(**fields)
 
 

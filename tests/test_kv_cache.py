@@ -90,6 +90,21 @@ def test_without_a_model_wide_window_nothing_is_given_back():
     assert kv.num_free_blocks == 4
 
 
+def test_blocks_registered_for_tokens_never_computed_leave_the_cache_on_preemption():
+    """allocate registers a block its scheduled tokens fill before the step writes its KV; a
+    request preempted before that step ran (forget_uncomputed) takes such blocks out of the
+    cache, and keeps those its computed tokens filled."""
+    kv = BlockManager(num_blocks=8, block_size=4)
+    request = make_request("a", list(range(10)))
+    assert kv.allocate(request, 10)  # scheduled: blocks 0 and 1 full of known tokens, registered at once
+    request.num_computed_tokens = 6  # (as if the step that computed tokens 0..5 had run, and 6..9 were next)
+    kv.forget_uncomputed(request)
+    probe = make_request("b", list(range(12)))
+    assert len(kv.find_cached_prefix(probe)) == 1  # block 0 (computed); not block 1 (tokens 6, 7 never were)
+    kv.free(request)
+    kv.check_invariants()
+
+
 def test_allocation_that_does_not_fit_changes_nothing():
     kv = BlockManager(num_blocks=2, block_size=4)
     assert not kv.allocate(make_request("a", list(range(9))), 9)

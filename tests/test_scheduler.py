@@ -336,3 +336,4 @@ def test_without_chunked_prefill_the_mixed_budget_does_not_apply():
     s.add_request(make_request("r2", 30, max_tokens=50, arrival=1))
     out, _ = run_step(s)
     assert {c.request.request_id: c.num_new_tokens for c in out.chunks} == {"r1": 1, "r2": 30}
+

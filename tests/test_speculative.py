@@ -167,26 +167,35 @@ def test_seeded_sampling_with_every_parameter_is_the_same_with_proposals(model, 
 # ---- the sampled distribution ----
 
 def test_kept_and_sampled_tokens_follow_the_targets_distribution(monkeypatch):
-    """One step of 40,000 rows on a toy vocabulary, each row's last known token followed by
-    two drafts: the first output token is distributed as the target's first position (p0), and
-    where the first draft was kept, the second as the target's second position (p1). A
-    chi-square test at p > 0.001 each; keeping drafts whatever was sampled fails it."""
-    counts0, counts1 = _toy_step(monkeypatch, keep_anyway=False)
+    """One step of 40,000 rows on a toy vocabulary, each row's last known token followed by two
+    drafts (3, then 4). Each output position must follow the target's distribution there: the
+    first token p0, the second (where the first draft was kept) p1, the third (both kept: the
+    bonus) p0 again; and the first draft is kept at the rate p0(3). Chi-square tests at p > 1e-3;
+    a rule that also keeps a rejected draft half of the time fails them."""
+    from engine.runner import model_runner
+
     p0, p1 = _TOY_TARGETS
-    assert _chi_square_p(counts0, p0) > 1e-3
-    assert _chi_square_p(counts1, p1) > 1e-3
-    broken0, _ = _toy_step(monkeypatch, keep_anyway=True)
-    assert _chi_square_p(broken0, p0) < 1e-6
+    first, second, third, kept = _toy_step(monkeypatch)
+    assert _chi_square_p(first, p0) > 1e-3
+    assert _chi_square_p(second, p1) > 1e-3
+    assert _chi_square_p(third, p0) > 1e-3
+    assert _chi_square_p(torch.tensor([kept, 40_000 - kept]), torch.tensor([float(p0[3]), 1 - float(p0[3])])) > 1e-3
+    generator = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(model_runner, "keeps_draft",
+                        lambda sampled, draft: sampled == draft or bool(torch.rand(1, generator=generator) < 0.5))
+    broken, _, _, _ = _toy_step(monkeypatch)
+    assert _chi_square_p(broken, p0) < 1e-6
 
 
 _TOY_TARGETS = (torch.tensor([0.05, 0.4, 0.1, 0.2, 0.15, 0.1]), torch.tensor([0.3, 0.1, 0.1, 0.2, 0.2, 0.1]))
-_TOY_DRAFTS = (3, 4)  # the proposed tokens: p0 keeps the first 20% of the time
+_TOY_DRAFTS = (3, 4)  # the proposed tokens: p0 keeps the first 20% of the time, p1 the second 20%
 
 
-def _toy_step(monkeypatch, keep_anyway: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _toy_step(monkeypatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Run ``ModelRunner.execute`` with a stub model whose logits at a row's positions are
-    log p0, log p1, log p0 (drafts after the last known token); count the first output token
-    and, where the first draft was kept, the second."""
+    log p0, log p1, log p0 (drafts after the last known token). Returns the counts of the
+    first output token, of the second and third where there are any, and how many first
+    drafts were kept."""
     from engine.plan import NewRequest, StepPlan
     from engine.runner import model_runner
     from engine.runner.model_runner import ModelRunner
@@ -207,8 +216,6 @@ def _toy_step(monkeypatch, keep_anyway: bool) -> tuple[torch.Tensor, torch.Tenso
     runner.block_size, runner.device, runner.requests, runner._block_ids = 16, "cpu", {}, {}
     runner.block_tables = model_runner.BlockTables()
     runner.sampler = model_runner.Sampler(0)
-    if keep_anyway:
-        monkeypatch.setattr(runner, "sampler", _KeepingSampler(runner.sampler))
     params = SamplingParams(temperature=1.0, max_tokens=8)
     ids = tuple(f"r{i}" for i in range(rows))
     plan = StepPlan(ids, (2,) * rows, (3,) * rows, (7, *_TOY_DRAFTS) * rows, tuple(range(rows)),
@@ -216,9 +223,9 @@ def _toy_step(monkeypatch, keep_anyway: bool) -> tuple[torch.Tensor, torch.Tenso
                     new_block_ids=tuple((i, (1,)) for i in ids), num_draft_tokens=(2,) * rows)
     monkeypatch.setattr(runner, "_prepare", lambda plan: _toy_batch(runner, plan, rows))
     out = runner.execute(plan)
-    first = torch.tensor([out.accepted[i][0] if i in out.accepted else out.sampled[i] for i in ids])
-    second = torch.tensor([(out.accepted[i][1:] or (out.sampled[i],))[0] for i in ids if i in out.accepted])
-    return torch.bincount(first, minlength=6), torch.bincount(second, minlength=6)
+    outputs = [(*out.accepted.get(i, ()), out.sampled[i]) for i in ids]
+    counts = [torch.bincount(torch.tensor([o[n] for o in outputs if len(o) > n]), minlength=6) for n in range(3)]
+    return counts[0], counts[1], counts[2], sum(1 for i in ids if i in out.accepted)
 
 
 def _toy_batch(runner, plan, rows: int):
@@ -228,23 +235,6 @@ def _toy_batch(runner, plan, rows: int):
         request.num_tokens = 5  # (what _prepare sets: the row's last position + 1)
     positions = torch.tensor([2, 3, 4] * rows)
     return _Batch(torch.tensor(plan.token_ids), positions, None, [3 * i + 2 for i in range(rows)])
-
-
-class _KeepingSampler:
-    """A sampler made wrong on purpose: where a row's draw is not its draft, it reports the
-    draft anyway (so every draft is kept)."""
-
-    def __init__(self, sampler) -> None:
-        self.sampler = sampler
-        self.calls = 0
-
-    def forget(self, request_ids) -> None:
-        self.sampler.forget(request_ids)
-
-    def __call__(self, logits, requests, grammar=None):
-        out = self.sampler(logits, requests, grammar)
-        self.calls += 1
-        return type(out)([_TOY_DRAFTS[min(self.calls - 1, 1)]] * len(out.token_ids), out.logprobs, out.errors)
 
 
 def _chi_square_p(counts: torch.Tensor, p: torch.Tensor) -> float:
@@ -356,3 +346,53 @@ def test_the_counters_appear_in_metrics_and_add_up(tiny_model):
     # Without speculative decoding the series are not there (as in vLLM).
     plain = _tiny_core(tiny_model, speculative_config=None).stats()
     assert "spec_decode" not in Metrics(lambda: [plain], "m").exposition().decode()
+
+
+@pytest.mark.slow
+def test_a_stop_token_among_kept_drafts_ends_the_output_there(model, tokenizer):
+    """The model copies a text, so its drafts (from the prompt) are kept: a stop token from the
+    middle of the copy ends the output there as without proposals, and what was kept after it
+    in the same step is dropped (with its logprobs)."""
+    message = "Repeat exactly: The keeper climbed the stairs every evening to light the lamp, and he never missed it."
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    [(tokens, _)] = _run(_core(model, "cpu", None), [prompt], SamplingParams(temperature=0, max_tokens=40))
+    at = next(i for i in range(10, len(tokens)) if tokens[i] not in tokens[:i])
+    params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[tokens[at]], logprobs=0)
+    results = []
+    for speculative in (None, NGRAM):
+        core = _core(model, "cpu", speculative)
+        core.add_request("x", prompt, params)
+        deltas = []
+        while core.has_unfinished_requests:
+            deltas += core.step()
+        out = [t for d in deltas for t in d.new_token_ids]
+        assert len([lp for d in deltas for lp in d.new_logprobs]) == len(out)
+        results.append((out, deltas[-1].finish_reason, deltas[-1].stop_reason))
+        assert core.block_manager.num_used_blocks == 0
+    assert core.stats().spec_num_accepted_tokens >= at // 2
+    assert results[0] == results[1] == (tokens[:at + 1], "stop", tokens[at])
+
+
+def test_one_lookup_bound_given_alone_sets_the_other():
+    assert SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1}) \
+        == SpeculativeConfig("ngram", 3, 1, 1)
+    assert SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5}') \
+        == SpeculativeConfig("ngram", 3, 5, 5)
+    assert SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3}).prompt_lookup_max == 4
+    assert SpeculativeConfig.from_json(
+        {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}).disable_by_batch_size is None
+
+
+def test_the_activity_line_says_the_mean_acceptance_length():
+    from engine.frontend.stats import activity_line
+    from engine.messages import EngineStats
+
+    idle = EngineStats(0, 0, 0, 100, 0, 0, 0, 500, 1000, 10)
+    assert activity_line(idle, idle, 10.0) is None
+    busy = EngineStats(1, 2, 25, 100, 0, 0, 0, 600, 1300, 20, 50, 200, 100, (40, 30, 20, 10))
+    line = activity_line(idle, busy, 10.0)
+    assert line == ("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 30.0 tokens/s, Running: 1 reqs, "
+                    "Waiting: 2 reqs, KV cache usage: 25.0%; SpecDecoding: mean acceptance length 3.00, "
+                    "draft acceptance rate 50.0%")

@@ -298,9 +298,7 @@ class EngineCore:
         accepted = result.accepted
         self.scheduler.update(plan, result.sampled, grammar_finished, accepted)
         self._num_steps += 1
-        self._num_generation_tokens += len(result.sampled)
-        if accepted:
-            self._num_generation_tokens += sum(len(kept) for kept in accepted.values())
+        self._num_generation_tokens += len(result.sampled)  # (and a drafted row's kept tokens, below)
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
         ids, indices, tokens = [], [], []
         running = RequestStatus.RUNNING
@@ -336,6 +334,7 @@ class EngineCore:
         """The tokens a drafted step appended (the kept drafts and the sampled token, up to
         one that stopped the request) and, where asked, their logprobs."""
         new_tokens = tuple(request.token_ids[start + 1:])
+        self._num_generation_tokens += len(new_tokens) - 1
         new_logprobs = (*kept_logprobs, last_logprobs) if last_logprobs is not None else ()
         return self._delta(request, new_tokens, new_logprobs[:len(new_tokens)])
 

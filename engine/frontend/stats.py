@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import attrs
 
+from engine.messages import EngineStats
+
 
 @attrs.frozen
 class FinishedRequestStats:
@@ -65,3 +67,23 @@ class RequestTimes:
         queue = None if self.first_scheduled is None else max(0.0, self.first_scheduled - self.arrival)
         stats.finished.append(FinishedRequestStats(reasons, stats.now - self.arrival, queue, num_prompt_tokens,
                                                    num_generation_tokens))
+
+
+def activity_line(before: EngineStats, now: EngineStats, seconds: float) -> str | None:
+    """What the engines did between two snapshots, as vLLM's periodic log line says it
+    (throughputs, requests, KV cache use, and speculative decoding's acceptance where it is
+    on); None when nothing happened and nothing runs or waits."""
+    prompt = now.num_prompt_tokens - before.num_prompt_tokens
+    generated = now.num_generation_tokens - before.num_generation_tokens
+    if not (prompt or generated or now.num_running or now.num_waiting):
+        return None
+    line = (f"Avg prompt throughput: {prompt / seconds:.1f} tokens/s, Avg generation throughput: "
+            f"{generated / seconds:.1f} tokens/s, Running: {now.num_running} reqs, Waiting: {now.num_waiting} reqs, "
+            f"KV cache usage: {100 * now.kv_cache_usage:.1f}%")
+    drafts = now.spec_num_drafts - before.spec_num_drafts
+    if drafts:
+        drafted = now.spec_num_draft_tokens - before.spec_num_draft_tokens
+        kept = now.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        line += (f"; SpecDecoding: mean acceptance length {1 + kept / drafts:.2f}, "
+                 f"draft acceptance rate {100 * kept / drafted:.1f}%")
+    return line

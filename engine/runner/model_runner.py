@@ -17,6 +17,14 @@ from engine.runner.requests import RunnerRequest
 from engine.runner.sampler import Sampler, isolated, position_logprobs
 
 
+def keeps_draft(sampled: int, draft: int) -> bool:
+    """The acceptance rule of a proposed token (engine/speculative.py): kept where the token
+    sampled at its position is that token. For a proposal of one token (an n-gram's), that is
+    Leviathan et al.'s rule: kept with probability p(draft), else the sampled token, drawn from
+    p without the draft."""
+    return sampled == draft
+
+
 @attrs.frozen
 class _Batch:
     input_ids: torch.Tensor  # [T]
@@ -172,9 +180,9 @@ class ModelRunner:
         alive = []
         for i, _ in spec:
             request_id = rows[i].request_id
-            if sampled[request_id] == proposed[i][0]:
+            if keeps_draft(sampled[request_id], proposed[i][0]):
                 alive.append(i)
-                kept[request_id] = [sampled[request_id]]
+                kept[request_id] = [proposed[i][0]]  # (the token whose KV the step computed)
                 kept_logprobs[request_id] = [logprobs.pop(request_id)] if request_id in logprobs else []
         j = 1
         while alive:
@@ -186,8 +194,8 @@ class ModelRunner:
                 request_id = rows[i].request_id
                 if n in result.errors:
                     failed[request_id] = result.errors[n]
-                elif j < len(proposed[i]) and token == proposed[i][j]:
-                    kept[request_id].append(token)
+                elif j < len(proposed[i]) and keeps_draft(token, proposed[i][j]):
+                    kept[request_id].append(proposed[i][j])
                     if result.logprobs[n] is not None:
                         kept_logprobs[request_id].append(result.logprobs[n])
                     still.append(i)

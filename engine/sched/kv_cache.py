@@ -195,6 +195,16 @@ class BlockManager:
         if self.enable_prefix_caching and owned and end > first:
             self._cache_full_blocks(request, owned, first, end)
 
+    def forget_uncomputed(self, request: Request) -> None:
+        """Take out of the prefix cache the blocks of ``request`` that ``allocate`` registered
+        for tokens not computed yet (a block is registered when a scheduled chunk fills it, before
+        the step writes its KV): for a request preempted before its step ran."""
+        owned = self._owned.get(request.request_id, ())
+        for block in owned[request.num_computed_tokens // self.block_size:]:
+            if block.block_hash is not None and self._cached.get(block.block_hash) is block and block.ref_count == 1:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+
     def free(self, request: Request) -> None:
         """Release every block ``request`` owns; idempotent. Tail blocks are freed first so
         that a shared prefix outlives the request's private suffix in the LRU order."""

@@ -218,6 +218,7 @@ class Scheduler:
             self._recent_prefill += request.num_prompt_tokens - request.num_cached_tokens
         request.status = status
         request.stop_reason = stop_reason
+        request.spec_token_ids = []
         self.kv.free(request)
         del self.requests[request.request_id]
         self._num_constrained -= request.matcher is not None
@@ -253,6 +254,9 @@ class Scheduler:
         self._schedule_running(budget, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
+        spec = self.speculative
+        if spec is not None and (spec.disable_by_batch_size is None or len(self.running) <= spec.disable_by_batch_size):
+            self._schedule_drafts(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, []
         chunks = list(scheduled.values())
         plan, constrained = self._plan(chunks, preempted, finished)
@@ -351,7 +355,6 @@ class Scheduler:
         if self.kv.sliding_window is not None:  # blocks every window has passed go back before any is asked for
             for request in self.running:
                 self.kv.free_out_of_window(request)
-        drafting = self.speculative is not None and len(self.running) <= self.speculative.disable_by_batch_size
         for request in list(self.running):
             if budget.tokens == 0:
                 break
@@ -359,13 +362,6 @@ class Scheduler:
                 continue
             start = request.num_computed_tokens
             num_new = len(request.token_ids) - start
-            if drafting and num_new == 1:
-                drafts = self._drafts(request, budget.tokens - 1)
-                if drafts and allocate(request, 1 + len(drafts)):  # (no room: it decodes as usual)
-                    request.spec_token_ids = drafts
-                    scheduled[request.request_id] = _chunk(ScheduledChunk, (request, start, 1 + len(drafts), True))
-                    budget.tokens -= 1 + len(drafts)
-                    continue
             # A decode: most requests, every step. Its token has room in the blocks the request
             # owns, which are the blocks the runner was sent (every allocation reaches the runner
             # in its step's plan), and does not fill its block (a full block is registered in the
@@ -391,6 +387,22 @@ class Scheduler:
                 scheduled[request.request_id] = ScheduledChunk.of(request, request.num_computed_tokens, num_new)
                 budget.spend(num_new)
 
+    def _schedule_drafts(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk]) -> None:
+        """Give decoding requests proposed tokens after their next one, from what the step
+        has left: tokens of its budget and free blocks (a proposal never preempts anyone nor
+        keeps anyone's token or prompt out of the step)."""
+        for request_id, chunk in scheduled.items():
+            if budget.tokens == 0:
+                break
+            request = chunk.request
+            if chunk.num_new_tokens != 1 or chunk.start != len(request.token_ids) - 1:
+                continue
+            drafts = self._drafts(request, budget.tokens)
+            if drafts and self.kv.allocate(request, 1 + len(drafts)):
+                request.spec_token_ids = drafts
+                scheduled[request_id] = _chunk(ScheduledChunk, (request, chunk.start, 1 + len(drafts), True))
+                budget.tokens -= len(drafts)
+
     def _drafts(self, request: Request, room: int) -> list[int]:
         """Proposed tokens to compute after ``request``'s last known one this step: at most
         ``room``, and no more than its max_tokens and max_model_len leave room for with the token
@@ -410,6 +422,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self.kv.forget_uncomputed(request)  # (blocks registered this step whose KV will not be written)
         self.kv.free(request)
         request.num_runner_blocks = -1  # the plan names it preempted: the runner drops its state
         request.spec_token_ids = []
