@@ -154,8 +154,8 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         '"max_concurrent_compiles": 2, "cache_size": 512}. Requests constrain their output with '
                         'response_format, structured_outputs or the guided_* fields')
     p.add_argument("--speculative-config", default=None,
-                   help='JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                        '"prompt_lookup_max": 4, "disable_by_batch_size": 4}: propose tokens from the request\'s own '
+                   help='JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, '
+                        '"prompt_lookup_max": 5, "disable_by_batch_size": 4}: propose tokens from the request\'s own '
                         'prompt and output, verified exactly in one forward pass (the same output, faster for '
                         'few streams; no proposals while more than disable_by_batch_size requests run)')
     p.add_argument("--enable-auto-tool-choice", action="store_true",

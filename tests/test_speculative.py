@@ -380,7 +380,7 @@ def test_one_lookup_bound_given_alone_sets_the_other():
         == SpeculativeConfig("ngram", 3, 1, 1)
     assert SpeculativeConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5}') \
         == SpeculativeConfig("ngram", 3, 5, 5)
-    assert SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3}).prompt_lookup_max == 4
+    assert SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 3}).prompt_lookup_max == 5
     assert SpeculativeConfig.from_json(
         {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}).disable_by_batch_size is None
 

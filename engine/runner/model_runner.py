@@ -17,6 +17,14 @@ from engine.runner.requests import RunnerRequest
 from engine.runner.sampler import Sampler, isolated, position_logprobs
 
 
+def _plain_greedy(request: RunnerRequest) -> bool:
+    """Whether the sampler's token for ``request`` is the argmax of its raw logits (and it
+    wants no logprobs), at any position of this step."""
+    params = request.params
+    return (params.greedy and params.logprobs is None and not params.logit_bias and not params.needs_penalties
+            and request.num_output_tokens >= params.min_tokens)
+
+
 def keeps_draft(sampled: int, draft: int) -> bool:
     """The acceptance rule of a proposed token (engine/speculative.py): kept where the token
     sampled at its position is that token. For a proposal of one token (an n-gram's), that is
@@ -138,9 +146,13 @@ class ModelRunner:
             return RunnerOutput({}, {}, prompt_logprobs, failed)
         drafts = plan.num_draft_tokens
         first = batch.sample_rows  # each sampling row's first sampled position: its last known token
-        if drafts:
+        if drafts:  # (and the later positions of drafted rows, through the LM head at once)
             first = [at - drafts[row] for at, row in zip(first, plan.sample_rows)]
-        logits = self.model.compute_logits(hidden[first])  # [num_sampled, vocab]
+            later, index = self._later_positions(plan, batch)
+            logits = self.model.compute_logits(hidden[first + later])
+            logits, later_logits = logits[:len(first)], logits[len(first):]
+        else:
+            logits = self.model.compute_logits(hidden[first])  # [num_sampled, vocab]
         ids = [plan.request_ids[row] for row in plan.sample_rows]
         rows = [self.requests[i] for i in ids]
         if drafts:
@@ -152,27 +164,33 @@ class ModelRunner:
         logprobs = {i: lp for i, lp in zip(ids, result.logprobs) if lp is not None}
         if not drafts:
             return RunnerOutput(sampled, logprobs, prompt_logprobs, failed)
-        accepted, accepted_logprobs = self._verify(plan, batch, hidden, rows, sampled, logprobs, failed)
+        accepted, accepted_logprobs = self._verify(plan, batch, later_logits, index, rows, sampled, logprobs, failed)
         return RunnerOutput(sampled, logprobs, prompt_logprobs, failed, accepted, accepted_logprobs)
 
-    def _verify(self, plan: StepPlan, batch: _Batch, hidden: torch.Tensor, rows: list[RunnerRequest],
-                sampled: dict[str, int], logprobs: dict[str, TokenLogprobs], failed: dict[str, Exception],
-                ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[TokenLogprobs, ...]]]:
-        """Sample the positions after each drafted row's first, in turn, while the drafts equal
-        what is sampled (engine/speculative.py). ``sampled`` and ``logprobs`` (of the first
-        positions) become each row's last sampled token; returns the drafts kept before it and
-        their logprobs. A request with penalties keeps in its history only the tokens kept."""
+    @staticmethod
+    def _later_positions(plan: StepPlan, batch: _Batch) -> tuple[list[int], dict[tuple[int, int], int]]:
+        """The token rows of every drafted row's positions after its first, and where position
+        ``j`` of sampling row ``i`` is among them."""
         drafts = plan.num_draft_tokens
-        spec = [(i, row) for i, row in enumerate(plan.sample_rows)
-                if drafts[row] and plan.request_ids[row] not in failed]
-        # The rows of every later position of every drafted row, and their logits in one product.
         later, index = [], {}
-        for i, row in spec:
+        for i, row in enumerate(plan.sample_rows):
             last = batch.sample_rows[i]
             for j in range(1, drafts[row] + 1):
                 index[i, j] = len(later)
                 later.append(last - drafts[row] + j)
-        logits = self.model.compute_logits(hidden[later]) if later else None
+        return later, index
+
+    def _verify(self, plan: StepPlan, batch: _Batch, logits: torch.Tensor, index: dict[tuple[int, int], int],
+                rows: list[RunnerRequest], sampled: dict[str, int], logprobs: dict[str, TokenLogprobs],
+                failed: dict[str, Exception]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[TokenLogprobs, ...]]]:
+        """Sample the positions after each drafted row's first, in turn, while the drafts equal
+        what is sampled (engine/speculative.py); ``logits`` are those positions' (``index``).
+        ``sampled`` and ``logprobs`` (of the first positions) become each row's last sampled
+        token; returns the drafts kept before it and their logprobs. A request with penalties
+        keeps in its history only the tokens kept."""
+        drafts = plan.num_draft_tokens
+        spec = [(i, row) for i, row in enumerate(plan.sample_rows)
+                if drafts[row] and plan.request_ids[row] not in failed]
         proposed = {i: plan.token_ids[batch.sample_rows[i] - drafts[row] + 1:batch.sample_rows[i] + 1]
                     for i, row in spec}
         kept: dict[str, list[int]] = {}
@@ -184,6 +202,8 @@ class ModelRunner:
                 alive.append(i)
                 kept[request_id] = [proposed[i][0]]  # (the token whose KV the step computed)
                 kept_logprobs[request_id] = [logprobs.pop(request_id)] if request_id in logprobs else []
+        if alive:
+            alive = self._verify_plain_greedy(alive, rows, logits, index, proposed, sampled, kept)
         j = 1
         while alive:
             for i in alive:
@@ -204,12 +224,39 @@ class ModelRunner:
                     if result.logprobs[n] is not None:
                         logprobs[request_id] = result.logprobs[n]
             alive, j = still, j + 1
+        self._truncate_histories(plan, spec, rows, kept)
+        return ({r: tuple(t) for r, t in kept.items()},
+                {r: tuple(lps) for r, lps in kept_logprobs.items() if lps})
+
+    @staticmethod
+    def _verify_plain_greedy(alive: list[int], rows: list[RunnerRequest], logits: torch.Tensor, index: dict,
+                             proposed: dict, sampled: dict[str, int], kept: dict[str, list[int]]) -> list[int]:
+        """The drafted rows whose sampling is a plain argmax (greedy, nothing changes their
+        logits, no logprobs) take every later position's token from one argmax over their
+        logits, which is what the sampler would pick there. Returns the other rows."""
+        plain = [i for i in alive if _plain_greedy(rows[i])]
+        if not plain:
+            return alive
+        at = [index[i, j] for i in plain for j in range(1, len(proposed[i]) + 1)]
+        best = dict(zip(at, logits[at].argmax(dim=-1).tolist()))
+        for i in plain:
+            request_id, drafts = rows[i].request_id, proposed[i]
+            for j in range(1, len(drafts) + 1):
+                token = best[index[i, j]]
+                if j < len(drafts) and keeps_draft(token, drafts[j]):
+                    kept[request_id].append(drafts[j])
+                else:
+                    sampled[request_id] = token
+                    break
+        return [i for i in alive if not _plain_greedy(rows[i])]
+
+    @staticmethod
+    def _truncate_histories(plan: StepPlan, spec: list[tuple[int, int]], rows: list[RunnerRequest],
+                            kept: dict[str, list[int]]) -> None:
         for i, row in spec:
             history = rows[i].token_ids
             if history is not None:  # (the drafts that were not kept leave the penalties' history)
                 del history[plan.starts[row] + 1 + len(kept.get(rows[i].request_id, ())):]
-        return ({r: tuple(t) for r, t in kept.items()},
-                {r: tuple(lps) for r, lps in kept_logprobs.items() if lps})
 
     def _take_in(self, plan: StepPlan) -> None:
         """Drop the state of requests that ended or were preempted; add new ones; grow tables."""

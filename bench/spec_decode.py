@@ -1,0 +1,137 @@
+"""Speculative decoding with n-gram proposals against none, in the engine (no HTTP), alternated.
+
+Two workloads on the default model (chat-templated prompts, greedy, ``ignore_eos`` off so
+answers end where the model ends them, at most ``--max-tokens``):
+
+- ``edit``: copy a piece of code or text with one change (most of the answer is in the prompt:
+  what prompt lookup is for);
+- ``chat``: plain questions (little to look up).
+
+At concurrency 1 the prompts run one at a time; at ``--streams`` (64) they are all queued at
+once, where proposals stop (``disable_by_batch_size``) unless ``--force`` sets it above the
+batch. Printed: output tok/s per configuration, the ratio to no proposals from the same round,
+and the mean tokens per drafted step (kept drafts + 1).
+
+    python bench/spec_decode.py [--rounds 2] [--max-tokens 128] [--streams 64] [--force]
+        [--workloads edit,chat] [--concurrency 1,streams]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core.engine_core import EngineCore  # noqa: E402
+from engine.models.loader import load_model, resolve_model  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.tokenizer import tokenizer_for  # noqa: E402
+
+CODE = [
+    "def area(width, height):\n    result = width * height\n    return result\n\n\nprint(area(2, 3))\n",
+    "for item in items:\n    if item.ready:\n        process(item)\n    else:\n        skip(item)\nreport(items)\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n",
+    "x = load('data.csv')\ny = clean(x)\nz = train(y, epochs=3)\nsave(z, 'model.bin')\nprint('done')\n",
+]
+TEXT = [
+    "The keeper climbed the stairs every evening to light the lamp. He had done so for twenty years, "
+    "through storms and calm nights, and never once missed a night.",
+    "Dear Sam, thank you for the books you sent. I read the first one twice and liked it very much; "
+    "the second is on my desk and I will start it this weekend.",
+]
+EDITS = ["rename the variables", "add a comment at the top", "use single quotes"]
+QUESTIONS = ["Tell me about the sea.", "What is a lighthouse?", "Why do leaves fall in autumn?",
+             "Write a short poem about the moon.", "How do trains work?", "What is bread made of?",
+             "Explain chess to a child.", "Why is the sky blue?"]
+
+
+def workloads() -> dict[str, list[str]]:
+    edit = [f"Copy this with one change ({change}):\n\n{code}" for code in CODE for change in EDITS[:2]]
+    edit += [f"Rewrite this, changing only the name: {text}" for text in TEXT]
+    return {"edit": edit[:8], "chat": QUESTIONS}
+
+
+def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams, at_once: bool) -> tuple[int, float]:
+    """(output tokens, seconds): the prompts all queued at once, or one after the other."""
+    total, start = 0, time.perf_counter()
+    batches = [prompts] if at_once else [[p] for p in prompts]
+    for batch in batches:
+        for i, prompt in enumerate(batch):
+            core.add_request(f"{time.perf_counter_ns()}-{i}", prompt, params)
+        while core.has_unfinished_requests:
+            total += sum(len(d.new_token_ids) for d in core.step())
+    return total, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--streams", type=int, default=64)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--prompt-lookup-min", type=int, default=3)
+    parser.add_argument("--prompt-lookup-max", type=int, default=5)
+    parser.add_argument("--force", action="store_true", help="proposals at --streams too (disable_by_batch_size)")
+    parser.add_argument("--workloads", default="edit,chat", help="comma-separated: edit, chat")
+    parser.add_argument("--concurrency", default="1,streams", help="comma-separated: 1, streams")
+    args = parser.parse_args()
+    print(f"CPU: {platform.processor() or platform.machine()} ({_cpu_name()}), torch threads {torch.get_num_threads()}")
+    model = load_model(resolve_model(None), "auto", torch.float32, "cpu", 0)
+    config = EngineConfig(backend="cpu", dtype="float32", max_num_seqs=max(args.streams, 1), enable_prefix_caching=False)
+    tokenizer = tokenizer_for(config)
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
+            **({"disable_by_batch_size": args.streams} if args.force else {})}
+    cores = {"none": EngineCore(config, model=model),
+             "ngram": EngineCore(EngineConfig(**{**_fields(config), "speculative_config": spec}), model=model)}
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for name, messages in workloads().items():
+        if name not in args.workloads.split(","):
+            continue
+        prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False,
+                                                                  add_generation_prompt=True), add_special_tokens=False)
+                   for m in messages]
+        shapes = {"1": ("1 stream", prompts, False),
+                  "streams": (f"{args.streams} streams", (prompts * args.streams)[:args.streams], True)}
+        for label, batch, at_once in (shapes[c] for c in args.concurrency.split(",")):
+            for round_ in range(args.rounds if not at_once else 1):
+                rates = {}
+                for key, core in cores.items():
+                    before = core.stats()
+                    tokens, seconds = run(core, batch, params, at_once)
+                    after = core.stats()
+                    rates[key] = tokens / seconds
+                    drafted = after.spec_num_drafts - before.spec_num_drafts
+                    kept = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+                    per_step = f", {1 + kept / drafted:.2f} tokens per drafted step" if drafted else ""
+                    print(f"{name:5s} {label:11s} round {round_ + 1}: {key:5s} {rates[key]:7.1f} output tok/s "
+                          f"({tokens} tokens){per_step}")
+                print(f"{name:5s} {label:11s} round {round_ + 1}: ngram / none = {rates['ngram'] / rates['none']:.2f}x")
+
+
+def _fields(config: EngineConfig) -> dict:
+    import attrs
+
+    return attrs.asdict(config)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    main()
