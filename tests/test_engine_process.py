@@ -251,3 +251,28 @@ async def test_a_grammar_compiling_in_the_engine_process_holds_back_only_its_own
         await until(lambda: len(received) == 8)
         assert isinstance(received[-1], AbortRequest) and "x" in received[-1].request_ids
         nursery.cancel_scope.cancel()
+
+
+async def test_speculative_decoding_in_engine_processes_gives_the_tokens_of_one_process_without():
+    """n-gram proposals in the engine process and in two data-parallel engines: the tokens of one
+    process without proposals (the prompts repeat themselves, so proposals are kept), streamed
+    as deltas of several tokens, and the speculative counters reach the front, added up."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}
+    prompts = ["one two three four, one two three four, one two three four,",
+               "red green blue, red green blue, red green blue, red green blue,", "a b c a b c a b c a b c"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run(**fields):
+        async with open_engine(**CONFIG, **fields) as client:
+            tokens, sizes = {}, []
+            async for index, output in client.generate_many(prompts, params):
+                tokens.setdefault(index, []).extend(output.outputs[0].token_ids)
+                sizes.append(len(output.outputs[0].token_ids))
+            return [tokens[i] for i in range(len(prompts))], max(sizes), client.stats()
+
+    plain, _, _ = await run()
+    for layout in (dict(engine_process=True), dict(data_parallel_size=2)):
+        tokens, largest_delta, stats = await run(speculative_config=spec, **layout)
+        assert tokens == plain, layout
+        assert largest_delta > 1 and stats.spec_num_accepted_tokens > 0 and stats.kv_blocks_used == 0
+        assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens

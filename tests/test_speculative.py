@@ -396,3 +396,38 @@ def test_the_activity_line_says_the_mean_acceptance_length():
     assert line == ("Avg prompt throughput: 10.0 tokens/s, Avg generation throughput: 30.0 tokens/s, Running: 1 reqs, "
                     "Waiting: 2 reqs, KV cache usage: 25.0%; SpecDecoding: mean acceptance length 3.00, "
                     "draft acceptance rate 50.0%")
+
+
+# ---- through the HTTP server ----
+
+@pytest.mark.slow
+async def test_streamed_answers_with_proposals_equal_the_whole_answer_and_stop_strings_hold(model, tokenizer):
+    """Chat completions with n-gram proposals: streamed deltas (several tokens a step) add up
+    to the non-streamed text; a stop string inside a copied passage ends both at the same
+    place, leaving it out, as a server without proposals does."""
+    import orjson
+
+    from tests.conftest import serve_http
+
+    message = "Repeat exactly: The keeper climbed the stairs every evening to light the lamp, and he never missed it."
+    body = {"model": "tiny", "messages": [{"role": "user", "content": message}], "temperature": 0, "max_tokens": 40}
+    answers = []
+    for speculative in (None, NGRAM):
+        async with serve_http(_core(model, "cpu", speculative), tokenizer) as server:
+            whole = (await server.http.post("/v1/chat/completions", json=body)).json()
+            streamed, events = "", 0
+            async with server.http.stream("POST", "/v1/chat/completions",
+                                          json={**body, "stream": True, "stop": ["the lamp"]}) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        events += 1
+                        streamed += orjson.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            stopped = (await server.http.post("/v1/chat/completions", json={**body, "stop": ["the lamp"]})).json()
+            answers.append((whole["choices"][0]["message"]["content"], streamed,
+                            stopped["choices"][0]["message"]["content"], events))
+            if speculative:
+                assert server.client.stats().spec_num_accepted_tokens > 0
+    (plain, plain_stream, plain_stop, plain_events), (text, stream, stop, spec_events) = answers
+    assert text == plain and "the lamp" in text
+    assert stream == stop == plain_stop == plain_stream == text[:text.index("the lamp")]
+    assert spec_events < plain_events  # several tokens a step
