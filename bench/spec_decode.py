@@ -19,15 +19,16 @@ and the mean tokens per drafted step (kept drafts + 1).
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.packed import cpu_name  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.models.loader import load_model, resolve_model  # noqa: E402
@@ -83,7 +84,7 @@ def main() -> None:
     parser.add_argument("--workloads", default="edit,chat", help="comma-separated: edit, chat")
     parser.add_argument("--concurrency", default="1,streams", help="comma-separated: 1, streams")
     args = parser.parse_args()
-    print(f"CPU: {platform.processor() or platform.machine()} ({_cpu_name()}), torch threads {torch.get_num_threads()}")
+    print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}")
     model = load_model(resolve_model(None), "auto", torch.float32, "cpu", 0)
     config = EngineConfig(backend="cpu", dtype="float32", max_num_seqs=max(args.streams, 1), enable_prefix_caching=False)
     tokenizer = tokenizer_for(config)
@@ -91,7 +92,7 @@ def main() -> None:
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
             **({"disable_by_batch_size": args.streams} if args.force else {})}
     cores = {"none": EngineCore(config, model=model),
-             "ngram": EngineCore(EngineConfig(**{**_fields(config), "speculative_config": spec}), model=model)}
+             "ngram": EngineCore(attrs.evolve(config, speculative_config=spec), model=model)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for name, messages in workloads().items():
         if name not in args.workloads.split(","):
@@ -115,22 +116,6 @@ def main() -> None:
                     print(f"{name:5s} {label:11s} round {round_ + 1}: {key:5s} {rates[key]:7.1f} output tok/s "
                           f"({tokens} tokens){per_step}")
                 print(f"{name:5s} {label:11s} round {round_ + 1}: ngram / none = {rates['ngram'] / rates['none']:.2f}x")
-
-
-def _fields(config: EngineConfig) -> dict:
-    import attrs
-
-    return attrs.asdict(config)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
