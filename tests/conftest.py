@@ -109,6 +109,20 @@ def assert_matches_reference(ours: list[int], ref: Reference, label: str = "", n
     assert len(ours) == len(ref.token_ids), f"{label}: lengths differ: {len(ours)} vs {len(ref.token_ids)}"
 
 
+def run_prompts(core, prompts: list[list[int]], params) -> list[tuple[list[int], list]]:
+    """Queue every prompt in an ``EngineCore`` at once (request ids "0", "1", ...) and step it
+    until idle: each prompt's tokens and their ``TokenLogprobs``, in prompt order."""
+    for i, prompt in enumerate(prompts):
+        core.add_request(str(i), prompt, params)
+    outputs = {str(i): ([], []) for i in range(len(prompts))}
+    while core.has_unfinished_requests:
+        for delta in core.step():
+            tokens, logprobs = outputs[delta.request_id]
+            tokens += delta.new_token_ids
+            logprobs += delta.new_logprobs
+    return [outputs[str(i)] for i in range(len(prompts))]
+
+
 @pytest.fixture(scope="session")
 def shared_llm():
     from engine.api import LLM

@@ -35,6 +35,7 @@ from backends.errors import BackendUnavailableError
 from backends.cpu import CpuAttentionBackend
 from backends.cuda import CudaAttentionBackend
 from backends.reference import TorchAttentionBackend
+from tests.conftest import run_prompts
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 HALF_PRECISION = {"cpu": (torch.bfloat16,), "cpu-portable": (torch.bfloat16,), "cuda": (torch.bfloat16, torch.float16),
@@ -428,18 +429,9 @@ def test_engine_matches_the_torch_backend(request, backend_name, layers, kv_cach
         core = EngineCore(EngineConfig(backend=name, device=device, dtype="float32", num_kv_blocks=128,
                                        max_num_batched_tokens=64, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype),
                           model=model)
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-        for i, prompt in enumerate(prompts):
-            core.add_request(str(i), prompt, params)
-        tokens = {str(i): [] for i in range(len(prompts))}
-        logprobs = {str(i): [] for i in range(len(prompts))}
-        while core.has_unfinished_requests:
-            for delta in core.step():
-                tokens[delta.request_id] += delta.new_token_ids
-                logprobs[delta.request_id] += [p.logprob for p in delta.new_logprobs]
+        outputs = run_prompts(core, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0))
         assert core.stats().prefix_cache_hits > 0
-        order = [str(i) for i in range(len(prompts))]
-        return [tokens[i] for i in order], torch.tensor([x for i in order for x in logprobs[i]])
+        return [tokens for tokens, _ in outputs], torch.tensor([p.logprob for _, lps in outputs for p in lps])
 
     expected_tokens, expected_logprobs = greedy("torch")  # first: the emulated run patches the lookup
     tokens, logprobs = greedy(backend_name)

@@ -21,6 +21,7 @@ from engine.errors import ConfigError
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import dummy_weights
 from engine.sampling_params import SamplingParams
+from tests.conftest import run_prompts
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
 ENGINE_READY = re.compile(r"KV cache (\w+)( \(auto on this backend\))?: (\d+) blocks of (\d+) tokens \((\d+) tokens\), "
@@ -137,15 +138,9 @@ def test_every_type_serves_through_prefix_caching_preemption_and_windows(model, 
     def run(**fields):
         core = EngineCore(EngineConfig(backend="cpu", dtype="float32", kv_cache_dtype=kv_cache_dtype,
                                        max_num_batched_tokens=32, **fields), model=model)
-        for i, prompt in enumerate(prompts):
-            core.add_request(str(i), prompt, params)
-        tokens = {str(i): [] for i in range(len(prompts))}
-        logprobs = {str(i): [] for i in range(len(prompts))}
-        while core.has_unfinished_requests:
-            for delta in core.step():
-                tokens[delta.request_id] += delta.new_token_ids
-                logprobs[delta.request_id] += delta.new_logprobs
-        return tokens, logprobs, core
+        outputs = run_prompts(core, prompts, params)
+        return ({str(i): t for i, (t, _) in enumerate(outputs)}, {str(i): lp for i, (_, lp) in enumerate(outputs)},
+                core)
 
     tight, _, core = run(num_kv_blocks=14, max_num_seqs=4)
     stats = core.stats()

@@ -17,7 +17,7 @@ from engine.core.engine_core import EngineCore
 from engine.errors import ConfigError
 from engine.sampling_params import SamplingParams
 from engine.speculative import SpeculativeConfig, ngram_drafts
-from tests.conftest import NEAR_TIE
+from tests.conftest import NEAR_TIE, run_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
@@ -99,18 +99,11 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list]]:
-    """Each prompt's tokens and their logprobs, the prompts all queued at once."""
-    for i, prompt in enumerate(prompts):
-        core.add_request(str(i), prompt, params)
-    tokens = {str(i): [] for i in range(len(prompts))}
-    logprobs = {str(i): [] for i in range(len(prompts))}
-    while core.has_unfinished_requests:
-        for delta in core.step():
-            tokens[delta.request_id] += delta.new_token_ids
-            logprobs[delta.request_id] += delta.new_logprobs
+    """Each prompt's tokens and their logprobs, the prompts all queued at once; no block left."""
+    outputs = run_prompts(core, prompts, params)
     assert core.block_manager.num_used_blocks == 0
     core.block_manager.check_invariants()
-    return [(tokens[str(i)], logprobs[str(i)]) for i in range(len(prompts))]
+    return outputs
 
 
 def _core(model, backend: str, speculative: dict | None, **fields) -> EngineCore:
