@@ -35,47 +35,45 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator:
         engines = self._engine_stats()
-        for family, name, doc, value in (
-            (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.",
-             lambda s: s.num_running),
-            (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-             lambda s: s.num_waiting),
-            (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).",
-             lambda s: s.kv_cache_usage),
-            (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens computed.", lambda s: s.num_prompt_tokens),
-            (CounterMetricFamily, "vllm:generation_tokens", "Tokens generated.", lambda s: s.num_generation_tokens),
-            (CounterMetricFamily, "vllm:num_preemptions", "Requests preempted.", lambda s: s.num_preemptions),
-            (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             lambda s: s.prefix_cache_queries),
-            (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             lambda s: s.prefix_cache_hits),
-        ):
+        series = _SERIES + (_SPEC_DECODE_SERIES if any(s.spec_accepted_per_pos for s in engines) else ())
+        for family, name, doc, value in series:
             metric = family(name, doc, labels=["model_name", "engine"])
             for rank, stats in enumerate(engines):
                 metric.add_metric([self._model, str(rank)], value(stats))
             yield metric
-        if any(s.spec_accepted_per_pos for s in engines):  # (speculative decoding is on)
-            yield from self._spec_decode(engines)
-
-    def _spec_decode(self, engines: list[EngineStats]) -> Iterator:
-        """Speculative decoding's counters, as vLLM names them."""
-        for name, doc, value in (
-            ("vllm:spec_decode_num_drafts", "Steps of a request that carried proposed tokens.",
-             lambda s: s.spec_num_drafts),
-            ("vllm:spec_decode_num_draft_tokens", "Proposed tokens computed.", lambda s: s.spec_num_draft_tokens),
-            ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens kept.", lambda s: s.spec_num_accepted_tokens),
-        ):
-            metric = CounterMetricFamily(name, doc, labels=["model_name", "engine"])
+        if series is not _SERIES:  # (speculative decoding is on)
+            metric = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                         "Proposed tokens kept, by their position among a step's proposals.",
+                                         labels=["model_name", "engine", "position"])
             for rank, stats in enumerate(engines):
-                metric.add_metric([self._model, str(rank)], value(stats))
+                for position, count in enumerate(stats.spec_accepted_per_pos):
+                    metric.add_metric([self._model, str(rank), str(position)], count)
             yield metric
-        metric = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                     "Proposed tokens kept, by their position among a step's proposals.",
-                                     labels=["model_name", "engine", "position"])
-        for rank, stats in enumerate(engines):
-            for position, count in enumerate(stats.spec_accepted_per_pos):
-                metric.add_metric([self._model, str(rank), str(position)], count)
-        yield metric
+
+
+# (family, name, description, value of an engine's stats) of each engine-labelled series.
+_SERIES = (
+    (GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch.", lambda s: s.num_running),
+    (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+    (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).",
+     lambda s: s.kv_cache_usage),
+    (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens computed.", lambda s: s.num_prompt_tokens),
+    (CounterMetricFamily, "vllm:generation_tokens", "Tokens generated.", lambda s: s.num_generation_tokens),
+    (CounterMetricFamily, "vllm:num_preemptions", "Requests preempted.", lambda s: s.num_preemptions),
+    (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+     lambda s: s.prefix_cache_queries),
+    (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+     lambda s: s.prefix_cache_hits),
+)
+# Speculative decoding's, as vLLM names them (only where it is on).
+_SPEC_DECODE_SERIES = (
+    (CounterMetricFamily, "vllm:spec_decode_num_drafts", "Steps of a request that carried proposed tokens.",
+     lambda s: s.spec_num_drafts),
+    (CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Proposed tokens computed.",
+     lambda s: s.spec_num_draft_tokens),
+    (CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Proposed tokens kept.",
+     lambda s: s.spec_num_accepted_tokens),
+)
 
 
 class Metrics:

@@ -85,10 +85,14 @@ class EngineStats:
 
     @classmethod
     def total(cls, each: list[EngineStats]) -> EngineStats:
-        """Several engines' counters added up (per-position counts position by position)."""
-        per_pos = [sum(column) for column in itertools.zip_longest(*(s.spec_accepted_per_pos for s in each),
-                                                                    fillvalue=0)]
-        return cls(*(sum(getattr(s, f.name) for s in each) for f in attrs.fields(cls)[:-1]), tuple(per_pos))
+        """Several engines' counters added up (tuples of counts position by position)."""
+        def added(field: attrs.Attribute) -> Any:
+            values = [getattr(s, field.name) for s in each]
+            if isinstance(field.default, tuple):
+                return tuple(map(sum, itertools.zip_longest(*values, fillvalue=0)))
+            return sum(values)
+
+        return cls(**{f.name: added(f) for f in attrs.fields(cls)})
 
 
 # ---- messages to the core actor ----

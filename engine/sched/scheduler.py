@@ -218,7 +218,6 @@ class Scheduler:
             self._recent_prefill += request.num_prompt_tokens - request.num_cached_tokens
         request.status = status
         request.stop_reason = stop_reason
-        request.spec_token_ids = []
         self.kv.free(request)
         del self.requests[request.request_id]
         self._num_constrained -= request.matcher is not None
@@ -425,7 +424,6 @@ class Scheduler:
         self.kv.forget_uncomputed(request)  # (blocks registered this step whose KV will not be written)
         self.kv.free(request)
         request.num_runner_blocks = -1  # the plan names it preempted: the runner drops its state
-        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
