@@ -225,7 +225,7 @@ def _toy_batch(runner, plan, rows: int):
     from engine.runner.model_runner import _Batch
 
     for request in runner.requests.values():
-        request.num_tokens = 5  # (what _prepare sets: the row's last position + 1)
+        request.num_tokens = 3  # (what _prepare sets: the known tokens, up to the first sampled position)
     positions = torch.tensor([2, 3, 4] * rows)
     return _Batch(torch.tensor(plan.token_ids), positions, None, [3 * i + 2 for i in range(rows)])
 

@@ -144,27 +144,35 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(plan, hidden, failed)
         if not batch.sample_rows:
             return RunnerOutput({}, {}, prompt_logprobs, failed)
-        drafts = plan.num_draft_tokens
-        first = batch.sample_rows  # each sampling row's first sampled position: its last known token
-        if drafts:  # (and the later positions of drafted rows, through the LM head at once)
-            first = [at - drafts[row] for at, row in zip(first, plan.sample_rows)]
-            later, index = self._later_positions(plan, batch)
-            logits = self.model.compute_logits(hidden[first + later])
-            logits, later_logits = logits[:len(first)], logits[len(first):]
-        else:
-            logits = self.model.compute_logits(hidden[first])  # [num_sampled, vocab]
+        if plan.num_draft_tokens:
+            return self._sample_drafted(plan, batch, hidden, prompt_logprobs, failed)
+        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
+        _, sampled, logprobs = self._sample(plan, logits, failed)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, failed)
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, failed: dict[str, Exception],
+                ) -> tuple[list[RunnerRequest], dict[str, int], dict[str, TokenLogprobs]]:
+        """One token per sampling row from its ``logits`` row (the grammar masks applied): the
+        rows' requests, the tokens and their logprobs (where asked) by request id."""
         ids = [plan.request_ids[row] for row in plan.sample_rows]
         rows = [self.requests[i] for i in ids]
-        if drafts:
-            for request, row in zip(rows, plan.sample_rows):
-                request.num_tokens -= drafts[row]
         result = self.sampler(logits, rows, self._grammar(plan))
         failed.update((ids[row], error) for row, error in result.errors.items())
-        sampled = dict(zip(ids, result.token_ids))
         logprobs = {i: lp for i, lp in zip(ids, result.logprobs) if lp is not None}
-        if not drafts:
-            return RunnerOutput(sampled, logprobs, prompt_logprobs, failed)
-        accepted, accepted_logprobs = self._verify(plan, batch, later_logits, index, rows, sampled, logprobs, failed)
+        return rows, dict(zip(ids, result.token_ids)), logprobs
+
+    def _sample_drafted(self, plan: StepPlan, batch: _Batch, hidden: torch.Tensor,
+                        prompt_logprobs: dict[str, list[TokenLogprobs]], failed: dict[str, Exception]) -> RunnerOutput:
+        """A step with proposed tokens: every sampling row's first position (its last known
+        token) and the later positions of drafted rows go through the LM head at once; the first
+        are sampled together, then the later ones are verified (``_verify``)."""
+        drafts = plan.num_draft_tokens
+        first = [at - drafts[row] for at, row in zip(batch.sample_rows, plan.sample_rows)]
+        later, index = self._later_positions(plan, batch)
+        logits = self.model.compute_logits(hidden[first + later])
+        rows, sampled, logprobs = self._sample(plan, logits[:len(first)], failed)
+        accepted, accepted_logprobs = self._verify(plan, batch, logits[len(first):], index, rows, sampled,
+                                                   logprobs, failed)
         return RunnerOutput(sampled, logprobs, prompt_logprobs, failed, accepted, accepted_logprobs)
 
     @staticmethod
@@ -300,8 +308,9 @@ class ModelRunner:
             offset += n
             starts.append(offset)
             seq_lens.append(end)
-        for row in plan.sample_rows:
-            requests[plan.request_ids[row]].num_tokens = seq_lens[row]
+        drafts = plan.num_draft_tokens
+        for row in plan.sample_rows:  # (a drafted row samples first where its known tokens end)
+            requests[plan.request_ids[row]].num_tokens = seq_lens[row] - (drafts[row] if drafts else 0)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
