@@ -21,7 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_OUT = ROOT.parent / "backends" / "lib"
-CUDA_ARCHS = ("80", "90")
+# PA_CUDA_ARCHS=90 builds one architecture only (quicker, on the GPU machine itself).
+CUDA_ARCHS = tuple(os.environ.get("PA_CUDA_ARCHS", "80,90").split(","))
 
 
 def _run(cmd: list[str]) -> None:

@@ -3,7 +3,7 @@ by transformers from a config (its quirks switched on: rotary scaling with promp
 original context, per-head q/k norms, fused projections, sliding windows shorter than the
 prompts, soft-capping, Gemma's norms and embeddings), saved as safetensors, loaded by our
 loader; greedy tokens and logprobs must equal transformers' in fp32, under chunked prefill,
-prefix caching and preemption, on the torch and cpu backends.
+prefix caching and preemption, on the torch and cpu backends (and cuda and triton where a GPU is).
 """
 
 from __future__ import annotations
@@ -95,8 +95,13 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 160, (n,), generator=gen).tolist() for n in lengths] + [shared + [5, 6], shared + [7]]
 
 
+# On a machine with a GPU the CUDA library and the Triton kernels run the same models there.
+BACKENDS = ["torch", "cpu"] + (["cuda", "triton"] if torch.cuda.is_available() else [])
+
+
 def run(directory, backend: str, **fields) -> tuple[dict[str, list[int]], dict[str, list[float]], EngineCore]:
-    core = EngineCore(EngineConfig(model=str(directory), backend=backend, **FP32, device="cpu",
+    device = "cuda" if backend in ("cuda", "triton") else "cpu"
+    core = EngineCore(EngineConfig(model=str(directory), backend=backend, **FP32, device=device,
                                    **{"num_kv_blocks": 64, "max_num_batched_tokens": 32, "max_num_seqs": 4,
                                       **fields}))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
@@ -111,7 +116,7 @@ def run(directory, backend: str, **fields) -> tuple[dict[str, list[int]], dict[s
     return tokens, logprobs, core
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_tokens_and_logprobs_match_transformers(family_model, backend):
     directory, hf = family_model
     # 32-token steps split the long prompts (chunked prefill); the shared 40-token prefix hits
