@@ -19,6 +19,9 @@ KV_CACHE_DTYPES = tuple(kvc.KV_CACHE_DTYPES)
 
 class CpuAttentionBackend:
     name = "cpu"
+    # Whether each output row is summed in an order set by its own sequence and position alone
+    # (--batch-invariant): no split key ranges, one way of dotting keys (pa_cpu_attention's fixed_order)
+    batch_invariant = False
 
     def __init__(self, lib=None) -> None:
         self._lib = lib if lib is not None else native.load_library("pa_cpu", "cpu")
@@ -72,7 +75,7 @@ class CpuAttentionBackend:
         _, shape, query_start_loc, seq_lens, block_tables = plan
         rc = self._lib.pa_cpu_attention(shape, native.ptr(out), native.ptr(query), native.ptr(kv_cache),
                                         native.scales_pointer(kv_scales, query.device), query_start_loc, seq_lens,
-                                        block_tables, scale, window or 0, softcap or 0.0)
+                                        block_tables, scale, window or 0, softcap or 0.0, self.batch_invariant)
         native.check_rc(rc, self._lib, "pa_cpu", "attention")
         return out
 

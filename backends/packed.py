@@ -30,6 +30,8 @@ ISA_CAP_VARIABLE = "QM_CPU_ISA"
 # How a product takes its fp32 activations -> the kernel: as they are; rounded to int16 per block
 # of 32 (integer dot products); rounded to bf16 (bf16 dot products, AVX512_BF16 only)
 ACTIVATIONS = {"float32": "qm_linear", "int16": "qm_linear_q16", "bfloat16": "qm_linear_bf16"}
+# Plain weights qm_linear_rows also multiplies (batch invariance): torch dtype -> the C API's type id
+DENSE_TYPES = {torch.float32: 0, torch.bfloat16: 30}
 
 
 @cache
@@ -110,10 +112,12 @@ class PackedMatrix:
         self._ptr = self._ffi.cast("void *", data.data_ptr())
         self._n = data.shape[0]
         self._kernels = {kind: getattr(self._lib, name) for kind, name in ACTIVATIONS.items()}
+        self._kernels["fixed_order"] = self._lib.qm_linear_rows
 
     def linear(self, x: torch.Tensor, isa: str = "best", activations: str = "float32") -> torch.Tensor:
         """``x @ W.T`` for ``x`` float32, contiguous, ``[M, K]`` (the caller guarantees it), with
-        ``x`` taken as ``activations`` says (``ACTIVATIONS``)."""
+        ``x`` taken as ``activations`` says (``ACTIVATIONS``), or, for ``fixed_order``, as they
+        are and every row of the result summed in one order whatever ``M`` (batch-invariant)."""
         m = x.shape[0]
         out = torch.empty(m, self._n, dtype=torch.float32)
         cast = self._ffi.cast
@@ -122,6 +126,29 @@ class PackedMatrix:
         if rc:
             _rc(rc, "packed linear")
         return out
+
+
+class DenseMatrix(PackedMatrix):
+    """A plain float32 or bfloat16 weight ``[N, K]`` (K a multiple of 32) through the same row
+    tiles, for products that must not depend on the batch (``qm_linear_rows``; fixed order only)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dtype not in DENSE_TYPES or weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(f"a dense weight for the row tiles must be a 2-d CPU float32 or bfloat16 tensor; "
+                             f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        if weight.shape[1] % BLOCK:
+            raise ValueError(f"the row tiles take whole blocks of {BLOCK} inputs; this weight has {weight.shape[1]}")
+        self._type = DENSE_TYPES[weight.dtype]
+        self.data, self.kind, self.k = weight.contiguous(), str(weight.dtype).removeprefix("torch."), weight.shape[1]
+        self._lib, self._ffi = library(), _ffi()
+        self._ptr = self._ffi.cast("void *", self.data.data_ptr())
+        self._n = weight.shape[0]
+        self._kernels = {"fixed_order": self._lib.qm_linear_rows}
+
+    def linear(self, x: torch.Tensor, isa: str = "best", activations: str = "fixed_order") -> torch.Tensor:
+        if activations != "fixed_order":
+            raise ValueError("dense weights go through the row tiles in fixed order only")
+        return super().linear(x, isa, activations)
 
 
 def dequantize_rows(packed: torch.Tensor, kind: str, k: int, rows: torch.Tensor, isa: str = "best") -> torch.Tensor:

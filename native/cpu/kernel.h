@@ -41,6 +41,9 @@ struct Problem {
     int group;
     int row;          // elements of the cache's type in one row (head_size, + 2 for int8's scale)
     int64_t kv_half;  // elements in one of K or V
+    // Each row summed in an order set by its sequence and position alone (batch-invariant):
+    // no split key ranges, and one way of dotting a block's keys whatever the rows of the item.
+    bool fixed_order;
 };
 
 // Elements of a cache row of `kv_dtype` for `head_size` values, and the bytes of one element.

@@ -82,7 +82,7 @@ std::vector<WorkItem> plan(const Problem& p, int num_threads, int64_t* partial_f
     for (const WorkItem& t : tiles) {
         const int keys = t.k_end - t.k_begin;
         int splits = 1;
-        if (static_cast<int64_t>(tiles.size()) < wanted && keys >= 2 * pa::kMinSplitKeys)
+        if (!p.fixed_order && static_cast<int64_t>(tiles.size()) < wanted && keys >= 2 * pa::kMinSplitKeys)
             splits = static_cast<int>(std::min<int64_t>((wanted + tiles.size() - 1) / tiles.size(), keys / pa::kMinSplitKeys));
         const int chunk = (keys + splits - 1) / splits;
         const int64_t part_size = static_cast<int64_t>(t.q_end - t.q_begin) * s.num_heads * (s.head_size + 2);
@@ -171,7 +171,7 @@ int pa_cpu_write_kv(const pa_shape* s, const void* key, const void* value, void*
 
 int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void* kv_cache, const float* kv_scales,
                      const int32_t* qsl, const int32_t* seq_lens, const int32_t* block_tables, float scale,
-                     int32_t window, float softcap) {
+                     int32_t window, float softcap, int32_t fixed_order) {
     if (int rc = check_shape(s)) return rc;
     if (window < 0 || !(softcap >= 0.f)) return fail("window and softcap must be >= 0 (0: none)");
     const bool fp8 = s->kv_dtype == PA_FP8_E4M3 || s->kv_dtype == PA_FP8_E5M2;
@@ -182,7 +182,7 @@ int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void
     const int row = pa::row_elements(s->kv_dtype, s->head_size);
     Problem p{s, query, kv_cache, out, qsl, seq_lens, block_tables, scale * k_scale, v_scale, window, softcap,
               s->num_heads / s->num_kv_heads, row,
-              static_cast<int64_t>(s->num_blocks) * s->block_size * s->num_kv_heads * row};
+              static_cast<int64_t>(s->num_blocks) * s->block_size * s->num_kv_heads * row, fixed_order != 0};
     for (int seq = 0; seq < s->num_seqs; ++seq) {
         const int q_len = qsl[seq + 1] - qsl[seq];
         if (q_len < 0 || q_len > seq_lens[seq]) return fail("a sequence has more new tokens than its seq_len");

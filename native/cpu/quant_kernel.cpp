@@ -60,6 +60,19 @@ inline float fp16(const uint8_t* p) {
 
 // The 32 quantized values of a block as floats (before scale and offset).
 inline void block_values(int type, const uint8_t* b, float* q) {
+    if (type == kF32) {
+        std::memcpy(q, b, 32 * sizeof(float));
+        return;
+    }
+    if (type == kBF16) {
+        for (int i = 0; i < 32; ++i) {
+            uint16_t h;
+            std::memcpy(&h, b + 2 * i, 2);
+            const uint32_t bits = static_cast<uint32_t>(h) << 16;
+            std::memcpy(q + i, &bits, 4);
+        }
+        return;
+    }
     if (type == kQ8_0) {
         const int8_t* s = reinterpret_cast<const int8_t*>(b + 2);
         for (int i = 0; i < 32; ++i) q[i] = static_cast<float>(s[i]);
@@ -94,6 +107,10 @@ struct Simd16 {
     static float hsum(V v) { return _mm512_reduce_add_ps(v); }
     static V from_i8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }   // 16 bytes
     static V from_u8(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v)); }
+    static V from_bf16(const uint8_t* p) {  // 16 bf16 values
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
 };
 #endif
 // 8 fp32 lanes; a block of 32 values is four vectors.
@@ -116,6 +133,10 @@ struct Simd8 {
     }
     static V from_i8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }   // the low 8 bytes
     static V from_u8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+    static V from_bf16(const uint8_t* p) {  // 8 bf16 values
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
 };
 
 // The row tiles (up to 7 rows, memory-bound) take the widest vectors. The 8-row tile and the
@@ -145,6 +166,14 @@ inline void bytes_to_vectors(__m128i lo, __m128i hi, typename S::V* q) {
 // The block's quantized values, in order.
 template <class S>
 inline void block_vectors(int type, const uint8_t* b, typename S::V* q) {
+    if (type == kF32) {
+        for (int i = 0; i < kVecs<S>; ++i) q[i] = S::load(reinterpret_cast<const float*>(b) + i * S::kLanes);
+        return;
+    }
+    if (type == kBF16) {  // a bf16 value is the high half of its float
+        for (int i = 0; i < kVecs<S>; ++i) q[i] = S::from_bf16(b + 2 * i * S::kLanes);
+        return;
+    }
     if (type == kQ8_0 || type == kQ8_M) {
         const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (type == kQ8_0 ? 2 : 4)));
         const __m128i lo = _mm256_castsi256_si128(all), hi = _mm256_extracti128_si256(all, 1);
@@ -260,8 +289,8 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         for (int t = 0; t < T; ++t) vacc[t] = Simd::zero();
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* blk = row + b * j.block_bytes;
-            float d, offset;
-            scale_offset(Type, blk, &d, &offset);
+            float d = 1.f, offset = 0.f;
+            if constexpr (!kDense<Type>) scale_offset(Type, blk, &d, &offset);
             V q[kVecs<Simd>];
             Words w;
             if constexpr (Int16) {
@@ -280,7 +309,7 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
                     for (int i = 1; i < kVecs<Simd>; ++i) s = Simd::fmadd(q[i], Simd::load(x + i * Simd::kLanes), s);
                     vacc[t] = Simd::fmadd(vd, s, vacc[t]);
                 }
-                acc[t] += offset * j.xsum[xb];
+                if constexpr (!kDense<Type>) acc[t] += offset * j.xsum[xb];
             }
         }
         for (int t = 0; t < T; ++t) j.y[(m0 + t) * j.n + n] = Simd::hsum(vacc[t]) + acc[t];
@@ -288,9 +317,9 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         float lanes[T][8] = {};
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* blk = row + b * j.block_bytes;
-            float d, offset, q[32];
+            float d = 1.f, offset = 0.f, q[32];
             int w[32];
-            scale_offset(Type, blk, &d, &offset);
+            if constexpr (!kDense<Type>) scale_offset(Type, blk, &d, &offset);
             if constexpr (Int16) {
                 block_ints(Type, blk, w);
             } else {
@@ -310,7 +339,7 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
                         lanes[t][l] += d * s;
                     }
                 }
-                acc[t] += offset * j.xsum[xb];
+                if constexpr (!kDense<Type>) acc[t] += offset * j.xsum[xb];
             }
         }
         for (int t = 0; t < T; ++t) {
@@ -604,6 +633,34 @@ void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
     }
 }
 
+// qm_linear_rows: tiles of 7 rows and one of what is left, whatever m. Each row's sums run in
+// the same order in every tile (rows_tile), so a row of y does not depend on the other rows of x.
+template <int Type>
+void fixed_rows_of(const Job& j, int64_t n0, int64_t n1) {
+    int64_t m0 = 0;
+    for (; m0 + 7 <= j.m; m0 += 7) rows_tile<Type, 7, false>(j, n0, n1, m0);
+    switch (j.m - m0) {
+        case 6: return rows_tile<Type, 6, false>(j, n0, n1, m0);
+        case 5: return rows_tile<Type, 5, false>(j, n0, n1, m0);
+        case 4: return rows_tile<Type, 4, false>(j, n0, n1, m0);
+        case 3: return rows_tile<Type, 3, false>(j, n0, n1, m0);
+        case 2: return rows_tile<Type, 2, false>(j, n0, n1, m0);
+        case 1: return rows_tile<Type, 1, false>(j, n0, n1, m0);
+        default: return;
+    }
+}
+
+void fixed_rows(const Job& j, int64_t n0, int64_t n1) {
+    switch (j.type) {
+        case kQ4_0: return fixed_rows_of<kQ4_0>(j, n0, n1);
+        case kQ4_1: return fixed_rows_of<kQ4_1>(j, n0, n1);
+        case kQ8_0: return fixed_rows_of<kQ8_0>(j, n0, n1);
+        case kQ8_M: return fixed_rows_of<kQ8_M>(j, n0, n1);
+        case kF32: return fixed_rows_of<kF32>(j, n0, n1);
+        case kBF16: return fixed_rows_of<kBF16>(j, n0, n1);
+    }
+}
+
 void linear_rows(const Job& j, int64_t n0, int64_t n1) {
     switch (j.type) {
         case kQ4_0: return linear_rows_of<kQ4_0>(j, n0, n1);
@@ -641,15 +698,15 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
 
 Kernels kernels() {
 #if QM_BF16
-    return {linear_rows, dequantize_row, bf16_rows, round_to_bf16, to_slabs, "avx512+vnni+bf16"};
+    return {linear_rows, fixed_rows, dequantize_row, bf16_rows, round_to_bf16, to_slabs, "avx512+vnni+bf16"};
 #elif QM_AVX512 && defined(__AVX512VNNI__)
-    return {linear_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx512+vnni"};
+    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx512+vnni"};
 #elif QM_AVX512
-    return {linear_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx512"};
+    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx512"};
 #elif QM_AVX2
-    return {linear_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx2+fma"};
+    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx2+fma"};
 #else
-    return {linear_rows, dequantize_row, nullptr, nullptr, nullptr, "portable"};
+    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, nullptr, "portable"};
 #endif
 }
 

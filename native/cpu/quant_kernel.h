@@ -9,6 +9,11 @@ namespace qm {
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML type ids
 constexpr int kQ8_M = 100;                      // not a GGML type: uint8 with a scale and a min (int8 at load)
+// Plain float weights (GGML's ids), for qm_linear_rows alone: rows of k floats or bf16 values,
+// "blocks" of 32 with no scale or offset.
+constexpr int kF32 = 0, kBF16 = 30;
+template <int Type>
+constexpr bool kDense = Type == kF32 || Type == kBF16;
 
 struct Job {
     int type;
@@ -39,6 +44,9 @@ constexpr int64_t kPanelMinRows = 16;  // from this many rows of x, the vector p
 
 struct Kernels {
     void (*linear_rows)(const Job&, int64_t n0, int64_t n1);
+    // The row tiles alone, whatever m (qm_linear_rows): each row of y summed in one order
+    // (batch-invariant); packed and dense (kF32, kBF16) weights
+    void (*fixed_rows)(const Job&, int64_t n0, int64_t n1);
     void (*dequantize_row)(int type, const uint8_t* row, int64_t k, int64_t block_bytes, float* out);
     // x as bf16 (Job::xbf16): the products, and x rounded into the slabs they read with each
     // block's sums (Job::xbf16_sums); both null without AVX512_BF16

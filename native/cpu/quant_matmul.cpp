@@ -93,6 +93,8 @@ int64_t block_bytes(int type) {
         case qm::kQ4_1: return 20;
         case qm::kQ8_0: return 34;
         case qm::kQ8_M: return 36;
+        case qm::kF32: return 128;  // (qm_linear_rows alone)
+        case qm::kBF16: return 64;
         default: return 0;
     }
 }
@@ -132,8 +134,12 @@ int threads_for(int64_t work, int64_t chunks) {
                                                                       work / kMinWorkPerThread})));
 }
 
-int check(int type, const void* w, int64_t k, const void* out) {
-    if (block_bytes(type) == 0) return fail("unsupported packed type " + std::to_string(type) + " (2: Q4_0, 3: Q4_1, 8: Q8_0, 100: Q8_M)");
+bool dense(int type) { return type == qm::kF32 || type == qm::kBF16; }
+
+int check(int type, const void* w, int64_t k, const void* out, bool dense_allowed = false) {
+    if (block_bytes(type) == 0 || (dense(type) && !dense_allowed))
+        return fail("unsupported packed type " + std::to_string(type) + " (2: Q4_0, 3: Q4_1, 8: Q8_0, 100: Q8_M" +
+                    (dense_allowed ? "; 0: F32, 30: BF16" : "") + ")");
     if (k <= 0 || k % 32) return fail("k must be a positive multiple of 32; got " + std::to_string(k));
     if (w == nullptr || out == nullptr) return fail("null pointer");
     return 0;
@@ -159,7 +165,8 @@ void round_to_int16(const float* x, int64_t count, int16_t* q, float* scale, flo
     }
 }
 
-enum class Activations { kFloat32, kInt16, kBfloat16 };
+// kFixedOrder: fp32 activations through the row tiles alone, whatever m (qm_linear_rows).
+enum class Activations { kFloat32, kInt16, kBfloat16, kFixedOrder };
 
 // A per-call buffer that is written whole before it is read: not zero-filled first, as a
 // std::vector's would be (the slabs of x are as large as x).
@@ -171,7 +178,7 @@ std::unique_ptr<T[]> scratch(int64_t count) {
 // qm_linear, qm_linear_q16 (int16 activations) and qm_linear_bf16.
 int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa,
            Activations activations) {
-    if (check(type, w, k, y) || x == nullptr) return 1;
+    if (check(type, w, k, y, activations == Activations::kFixedOrder) || x == nullptr) return 1;
     const qm::Kernels* kern = pick(isa);
     if (kern == nullptr) return 1;
     if (activations == Activations::kBfloat16 && kern->bf16_rows == nullptr)
@@ -199,7 +206,9 @@ int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_
         job.xq16 = xq.get();
         job.xd = xd.get();
         job.xsum = xsum.get();
-    } else if (m >= qm::kPanelMinRows && kern->to_slabs != nullptr) {  // x transposed, in slabs of 16 rows, for the panels
+    } else if (activations == Activations::kFixedOrder && dense(type)) {
+        // (plain weights: no offsets to fold)
+    } else if (activations != Activations::kFixedOrder && m >= qm::kPanelMinRows && kern->to_slabs != nullptr) {  // x transposed, in slabs of 16 rows, for the panels
         xt = scratch<float>(k * m_pad);
         kern->to_slabs(x, m, k, xt.get());
         job.xt = xt.get();
@@ -217,7 +226,9 @@ int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_
     // Chunks of 16 output rows (48 for the panel products: whole panels of 6, or of 12 for the
     // bf16 ones): enough work per chunk, and whole cache lines of y per thread.
     const bool panels = job.xt != nullptr || job.xbf16 != nullptr;
-    const auto rows = job.xbf16 != nullptr ? kern->bf16_rows : kern->linear_rows;
+    const auto rows = activations == Activations::kFixedOrder ? kern->fixed_rows
+                      : job.xbf16 != nullptr                 ? kern->bf16_rows
+                                                             : kern->linear_rows;
     const int64_t chunk = panels ? 48 : 16, chunks = (n + chunk - 1) / chunk;
     const int threads = threads_for(n * blocks * m, chunks);
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -244,6 +255,10 @@ int qm_linear_q16(int type, const void* w, int64_t n, int64_t k, const float* x,
 
 int qm_linear_bf16(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa) {
     return linear(type, w, n, k, x, m, y, isa, Activations::kBfloat16);
+}
+
+int qm_linear_rows(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y, int isa) {
+    return linear(type, w, n, k, x, m, y, isa, Activations::kFixedOrder);
 }
 
 int qm_dequantize_rows(int type, const void* w, int64_t k, const int64_t* rows, int64_t count, float* out, int isa) {

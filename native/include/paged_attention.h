@@ -32,7 +32,7 @@
 
 /* Raised whenever a signature or pa_shape changes: the Python side refuses a library built
  * from other sources (a stale .so would read its arguments wrongly, past buffers' ends). */
-#define PA_ABI_VERSION 2
+#define PA_ABI_VERSION 3
 
 #ifdef __cplusplus
 extern "C" {
@@ -58,9 +58,13 @@ typedef struct pa_shape {
 /* CPU library (libpa_cpu.so) */
 int pa_cpu_write_kv(const pa_shape* shape, const void* key, const void* value, void* kv_cache,
                     const int64_t* slot_mapping, const float* kv_scales);
+/* fixed_order != 0: every output row is summed in an order set by its own sequence and position
+ * alone (batch-invariant): key ranges are never split across threads, and the keys of a block are
+ * always dotted with the queries the same way, whatever else the call holds. */
 int pa_cpu_attention(const pa_shape* shape, void* out, const void* query, const void* kv_cache,
                      const float* kv_scales, const int32_t* query_start_loc, const int32_t* seq_lens,
-                     const int32_t* block_tables, float scale, int32_t window, float softcap);
+                     const int32_t* block_tables, float scale, int32_t window, float softcap,
+                     int32_t fixed_order);
 const char* pa_cpu_last_error(void);
 int pa_cpu_abi_version(void); /* PA_ABI_VERSION of the sources it was built from */
 const char* pa_cpu_isa(void); /* "avx2+fma+f16c" or "portable": the path chosen at run time */
