@@ -136,6 +136,10 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the KV cache's element type (auto: the backend's choice, int8 on cpu, the model's dtype "
                         "elsewhere; int8 keeps a float16 scale per row of a head; fp8 is fp8_e4m3)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logprobs are the same bits whatever else runs (batch size, "
+                        "chunked prefill, prefix cache, preemption): fixed summation orders (cpu backend); "
+                        "slower in large batches")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8 KV cache: each layer's K and V scales from the first forward pass (default 1.0)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,

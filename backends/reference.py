@@ -30,6 +30,9 @@ BUCKET_RATIO = 0.75
 class TorchAttentionBackend:
     name = "torch"
     layer_ops = TORCH_LAYER_OPS
+    # --batch-invariant: each query row attends alone, over exactly the keys it sees (no padded
+    # buckets, no rows of a prompt together), so its sums follow its position alone (_attend_rows)
+    batch_invariant = False
     def kv_cache_dtypes_for(self, model_dtype: torch.dtype) -> tuple[str, ...]:
         return tuple(kvc.KV_CACHE_DTYPES)
 
@@ -62,6 +65,8 @@ class TorchAttentionBackend:
             group = query.shape[1] // kv_cache.shape[3]
             plan = meta.scratch[("torch", window)] = _plan(meta, kv_cache.shape[2], group, query.device, window)
         cache = _Cache(kv_cache, query.dtype, kv_scales)
+        if self.batch_invariant:
+            return _attend_rows(query, cache, meta, scale, softcap, window, out)
         for bucket in plan.decode_buckets:
             _decode(query, cache, bucket, scale, softcap, out)
         for prefill in plan.prefills:
@@ -190,3 +195,32 @@ def _prefill(query: torch.Tensor, cache: _Cache, prefill: _Prefill, scale: float
     result = _scores_softmax_values(q, k, v, prefill.mask, scale, softcap)
     result = result.view(num_kv_heads, group, num_queries, head_size).permute(2, 0, 1, 3)
     out[prefill.row_start:prefill.row_end] = result.reshape(num_queries, num_heads, head_size)
+
+
+def _attend_rows(query: torch.Tensor, cache: _Cache, meta: AttentionMetadata, scale: float, softcap: float | None,
+                 window: int | None, out: torch.Tensor) -> torch.Tensor:
+    """Every query row on its own, against a contiguous copy of exactly the keys it sees: the
+    products' shapes, and so their sums, depend on the row's position (and window) alone, the
+    same for a decode row and for that position in a prompt, whatever else the step holds."""
+    block_size = cache.tensor.shape[2]
+    num_heads, head_size = query.shape[1:]
+    group = num_heads // cache.num_kv_heads
+    starts, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        num_queries = starts[i + 1] - starts[i]
+        if num_queries == 0:
+            continue
+        blocks = meta.block_tables[i, :-(-seq_len // block_size)].long()
+        keys = cache.gather(KEY, blocks, 1)[0, :, :seq_len]  # [kv_heads, S, head_size]
+        values = cache.gather(VALUE, blocks, 1)[0, :, :seq_len]
+        for row in range(num_queries):
+            position = seq_len - num_queries + row
+            first = 0 if window is None else max(0, position - window + 1)
+            k = keys[:, first:position + 1].contiguous()
+            v = values[:, first:position + 1].contiguous()
+            q = query[starts[i] + row].view(cache.num_kv_heads, group, head_size)
+            scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [kv_heads, group, keys]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[starts[i] + row] = torch.matmul(scores.softmax(-1), v).view(num_heads, head_size)
+    return out

@@ -128,6 +128,11 @@ class EngineConfig:
             of 1.0 (vLLM's default and flag).
         gpu_memory_utilization: on a GPU, the share of its memory the engine may fill (weights,
             then KV cache in what is left of it), as vLLM's flag.
+        batch_invariant: a request's tokens and logprobs are the same bits whatever else runs
+            with it (how many requests, where chunked prefill cut its prompt, whether its prefix
+            came from the cache, a preemption): every matrix product and attention row is
+            summed in an order set by that row alone (the cpu backend; the others say at start
+            that they cannot). Costs speed in large batches (bench/batch_invariance.py).
         max_num_seqs: most requests in one batch.
         max_num_batched_tokens: most tokens (prefill + decode) in one forward pass.
         max_num_mixed_prefill_tokens: most prefill tokens in a step that also decodes running
@@ -193,6 +198,7 @@ class EngineConfig:
     kv_cache_memory: int | None = attrs.field(default=None, validator=_positive)
     kv_cache_dtype: str = attrs.field(default="auto", validator=_one_of(KV_CACHE_DTYPES))
     calculate_kv_scales: bool = False
+    batch_invariant: bool = False
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
     max_num_seqs: int = attrs.field(default=128, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
@@ -224,6 +230,12 @@ class EngineConfig:
         if self.data_parallel_size_local is not None and self.data_parallel_size_local > self.data_parallel_size:
             raise ConfigError("data_parallel_size_local", f"data_parallel_size_local ({self.data_parallel_size_local}) "
                                                           f"exceeds data_parallel_size ({self.data_parallel_size})")
+        if self.batch_invariant and self.activation_quantization != "none":
+            raise ConfigError("batch_invariant", f"batch invariance keeps activations as they are: activation "
+                                                 f"quantization {self.activation_quantization} rounds them by batch size")
+        if self.batch_invariant and self.calculate_kv_scales:
+            raise ConfigError("batch_invariant", "batch invariance cannot take KV scales from the first forward pass "
+                                                 "(--calculate-kv-scales): they would depend on what that pass held")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ConfigError("num_kv_blocks", "set num_kv_blocks or kv_cache_memory, not both")
         if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:

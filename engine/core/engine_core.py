@@ -68,6 +68,10 @@ class EngineCore:
         self.model = model or self.device_thread.run_sync(
             load_model, source, config.load_format, dtype, self.device, config.seed,
             config.quantization, config.activation_quantization)
+        if config.batch_invariant:
+            self._fix_summation_order()
+        else:  # (a model handed in may have been fixed by an earlier engine)
+            self.model.fix_summation_order(False)
         self.vocab_size = self.model.config.vocab_size
         if config.generation_config == "auto" and self.model.config.sampling_defaults:
             log.info("default sampling values from the model's generation_config.json: %s "
@@ -102,6 +106,22 @@ class EngineCore:
                  per_token)
 
     # ---- set-up ----
+
+    def _fix_summation_order(self) -> None:
+        """``--batch-invariant``: the model's products and the backend's attention in an order set
+        by each row alone, where the backend has one; where it has not, the start-up log says so."""
+        if not hasattr(self.backend, "batch_invariant") or self.device != "cpu":
+            log.warning("batch invariance is not available on the %s backend on %s (the cpu and torch backends "
+                        "have it, on CPU): a request's results may differ in their last bits with what else runs",
+                        self.backend.name, self.device)
+            return
+        try:
+            self.model.fix_summation_order()
+        except ValueError as exc:
+            raise ConfigError("batch_invariant", f"batch invariance cannot run this model here: {exc}") from None
+        self.backend.batch_invariant = True
+        log.info("batch invariant: each request's tokens and logprobs are the same bits whatever else runs "
+                 "(products in row tiles, attention unsplit)")
 
     def _kv_cache_dtype(self, model_dtype) -> KVCacheDtype:
         try:

@@ -131,9 +131,22 @@ class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
         self.out_features, self.in_features = weight.shape
+        self._fixed: packed_kernels.DenseMatrix | None = None  # set by fix_order
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self._fixed is None:
+            return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        y = self._fixed.linear(x.reshape(-1, self.in_features).to(torch.float32).contiguous())
+        if self.bias is not None:
+            y += self.bias
+        return y.to(x.dtype).view(*lead, self.out_features)
+
+    def fix_order(self, fixed: bool = True) -> None:
+        """Sum every row of the product in one order whatever the batch (batch invariance): the
+        packed library's row tiles over the plain weight instead of torch's GEMM, whose blocking
+        (and so each output's sum order) follows the number of rows. CPU, float32 or bfloat16."""
+        self._fixed = packed_kernels.DenseMatrix(self.weight) if fixed else None
 
     @property
     def nbytes(self) -> int:
@@ -172,6 +185,13 @@ class PackedLinear:
         # int16; of at least bf16_activation_rows (when set), to bf16
         self.int16_activation_rows = 0
         self.bf16_activation_rows: int | None = None
+        self.fixed_order = False  # fix_order: the row tiles at every batch size
+
+    def fix_order(self, fixed: bool = True) -> None:
+        """Sum every row of the product in one order whatever the batch (batch invariance): the
+        kernel's row tiles at every size, never its panels, the dequantized tiles of larger
+        batches or rounded activations."""
+        self.fixed_order = fixed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == self.in_features and x.is_contiguous():
@@ -185,7 +205,9 @@ class PackedLinear:
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T (+ bias)`` for fp32 contiguous ``x`` ``[M, in_features]``."""
         m = x.shape[0]
-        if m <= self.int16_activation_rows:
+        if self.fixed_order:
+            y = self._matrix.linear(x, activations="fixed_order")
+        elif m <= self.int16_activation_rows:
             y = self._matrix.linear(x, activations="int16")
         elif self.bf16_activation_rows is not None and m >= self.bf16_activation_rows:
             y = self._matrix.linear(x, activations="bfloat16")  # (panels at every size: faster than _tiled)

@@ -284,6 +284,20 @@ class LlamaModel:
             linear.bf16_activation_rows = rows if kind == "bf16" else None
         return len(packed)
 
+    def fix_summation_order(self, fixed: bool = True) -> None:
+        """Batch invariance (``--batch-invariant``): every matrix product sums each row in one
+        order whatever else the batch holds (``PackedLinear.fix_order``, ``DenseLinear.fix_order``).
+        The other per-row work (norms, rotary, activations) already depends on the row alone.
+
+        Raises:
+            ValueError: a product that cannot (weights on a GPU, a dtype the row tiles do not take).
+        """
+        for linear in self.linears():
+            if isinstance(linear, (PackedLinear, DenseLinear)):
+                linear.fix_order(fixed)
+            elif fixed:
+                raise ValueError(f"{type(linear).__name__} products have no fixed summation order")
+
     def weight_summary(self) -> tuple[dict[str, int], int]:
         """How the weights are held: tensors per kind (``Q4_1``, ``float32``...), and resident bytes."""
         kinds: dict[str, int] = {}
