@@ -161,7 +161,9 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                    help='JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, '
                         '"prompt_lookup_max": 5, "disable_by_batch_size": 4}: propose tokens from the request\'s own '
                         'prompt and output, verified exactly in one forward pass (the same output, faster for '
-                        'few streams; no proposals while more than disable_by_batch_size requests run)')
+                        'few streams; no proposals while more than disable_by_batch_size requests run); or '
+                        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}: proposals by a smaller '
+                        'model of the same vocabulary')
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted as in vLLM; tools (tool_choice none/auto/required/named) always work here")
     p.add_argument("--tool-call-parser", choices=("hermes",), default="hermes",

@@ -49,6 +49,9 @@ class StepPlan:
     tokens are proposed ones (speculative decoding, engine/speculative.py): such a row is a
     sampling row whose last known token is followed by that many drafts, and every one of its
     positions is sampled in turn while the drafts hold.
+    ``num_proposals``: how many tokens a draft model (speculative method ``draft_model``) is to
+    propose after each sampled token of this step, for the next (0: none; the draft model
+    still computes the step's tokens, to keep its KV cache whole).
     """
 
     request_ids: tuple[str, ...]
@@ -63,6 +66,7 @@ class StepPlan:
     grammar_rows: tuple[int, ...] = ()
     grammar_bitmask: bytes = b""
     num_draft_tokens: tuple[int, ...] = ()
+    num_proposals: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -83,7 +87,8 @@ class RunnerOutput:
     logprobs computed in this step if asked, and the error of each request whose own part of
     the step failed (its other entries are to be ignored). ``accepted`` holds, for a row whose
     drafts were kept, those drafts (they come before its sampled token), and
-    ``accepted_logprobs`` their logprobs where asked."""
+    ``accepted_logprobs`` their logprobs where asked. ``proposals``: a draft model's tokens to
+    follow each sampled one (``StepPlan.num_proposals``)."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
@@ -91,3 +96,4 @@ class RunnerOutput:
     failed: dict[str, Exception] = attrs.field(factory=dict)
     accepted: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
     accepted_logprobs: dict[str, tuple[TokenLogprobs, ...]] = attrs.field(factory=dict)
+    proposals: dict[str, tuple[int, ...]] = attrs.field(factory=dict)

@@ -10,6 +10,11 @@ a proposal of one token per position (an n-gram's), comparing a draw from the ta
 distribution with the draft is the rejection rule of Leviathan et al. with a one-hot draft
 distribution (keep x with probability p(x), else draw from p without x), in one step.
 
+``draft_model`` proposals come from a smaller model of the same vocabulary, run by the same
+engine beside the target (engine/runner/drafter.py): it computes every token the target
+computes, into a KV cache of its own over the target's block tables, and after each step
+proposes its greedy continuation of each request (a one-hot draft distribution again).
+
 Proposals cost a longer forward pass; on a CPU a decode step is bound by reading the weights
 until the batch is large, so at a few streams the extra tokens are nearly free, and under
 load they are not: proposals stop while more than ``disable_by_batch_size`` requests run
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -27,7 +33,8 @@ import numpy as np
 
 from engine.errors import ConfigError
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 # Proposals stop while more requests than this run (a step then costs about its tokens here).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
@@ -48,7 +55,9 @@ class SpeculativeConfig:
     Attributes:
         method: ``ngram``: prompt lookup, proposing what followed the latest earlier place
             where the request's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens
-            (prompt and output) occur.
+            (prompt and output) occur. ``draft_model``: the greedy continuation of ``model``.
+        model: the draft model (``draft_model``): a .gguf file or a Hugging Face directory of a
+            smaller model with the target's vocabulary.
         num_speculative_tokens: most drafts a request carries into a step.
         prompt_lookup_min, prompt_lookup_max: the shortest and longest n-gram matched (one
             given alone sets the other, as in vLLM; neither: 3 and 5).
@@ -65,6 +74,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = attrs.field(default=5, validator=_at_least_one)
     disable_by_batch_size: int | None = attrs.field(default=DEFAULT_DISABLE_BY_BATCH_SIZE,
                                                     validator=attrs.validators.optional(_at_least_one))
+    model: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -82,9 +92,9 @@ class SpeculativeConfig:
             return value
         fields = _object(value)
         method = fields.get("method")
-        if method == "draft_model" or (method is None and "model" in fields):
-            raise _error("method 'draft_model' is not supported yet; this engine "
-                                                    "proposes with 'ngram' (prompt lookup)")
+        if method is None and "model" in fields:  # (as vLLM: a draft model names its method)
+            method = "draft_model"
+            fields = {**fields, "method": method}
         if method not in METHODS:
             raise _error(f"unknown speculative method {method!r}; known: "
                                                     f"{', '.join(METHODS)}")
@@ -95,6 +105,16 @@ class SpeculativeConfig:
                                                     f"{', '.join(sorted(known))}")
         if "num_speculative_tokens" not in fields:
             raise _error("num_speculative_tokens is required")
+        if method == "draft_model":
+            if not isinstance(fields.get("model"), str) or not fields["model"]:
+                raise _error("method 'draft_model' needs 'model': the draft model's .gguf file or directory")
+            if not Path(fields["model"]).expanduser().exists():
+                raise _error(f"draft model {fields['model']!r} not found (this server does not download from a hub)")
+            given = sorted(set(_NGRAM_KEYS) & set(fields))
+            if given:
+                raise _error(f"{', '.join(given)} belong(s) to method 'ngram', not 'draft_model'")
+        elif "model" in fields:
+            raise _error("'model' belongs to method 'draft_model'")
         if ("prompt_lookup_min" in fields) != ("prompt_lookup_max" in fields):
             given = fields.get("prompt_lookup_min", fields.get("prompt_lookup_max"))
             fields = {**fields, "prompt_lookup_min": given, "prompt_lookup_max": given}

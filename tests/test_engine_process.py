@@ -253,11 +253,17 @@ async def test_a_grammar_compiling_in_the_engine_process_holds_back_only_its_own
         nursery.cancel_scope.cancel()
 
 
-async def test_speculative_decoding_in_engine_processes_gives_the_tokens_of_one_process_without():
-    """n-gram proposals in the engine process and in two data-parallel engines: the tokens of one
-    process without proposals (the prompts repeat themselves, so proposals are kept), streamed
-    as deltas of several tokens, and the speculative counters reach the front, added up."""
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+async def test_speculative_decoding_in_engine_processes_gives_the_tokens_of_one_process_without(method):
+    """n-gram proposals, and a draft model's (the default model's own), in the engine process and
+    in two data-parallel engines: the tokens of one process without proposals (the prompts repeat
+    themselves, so proposals are kept), streamed as deltas of several tokens, and the speculative
+    counters reach the front, added up."""
+    from engine.models.loader import default_model_path
+
+    spec = ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 8}
+            if method == "ngram" else {"model": str(default_model_path()), "num_speculative_tokens": 3,
+                                       "disable_by_batch_size": 8})
     prompts = ["one two three four, one two three four, one two three four,",
                "red green blue, red green blue, red green blue, red green blue,", "a b c a b c a b c a b c"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, output_kind=RequestOutputKind.DELTA)

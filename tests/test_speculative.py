@@ -1,8 +1,8 @@
 """Speculative decoding (engine/speculative.py): the n-gram proposer, the configuration and its
 errors, the same output with and without proposals on the real model (greedy on the cpu and
-torch backends; seeded sampling with every sampling parameter), the sampled distribution (a
-chi-square test that fails when the rule is broken), KV blocks after rejections, preemption
-and aborts, and the counters."""
+torch backends, n-gram and draft-model proposals; seeded sampling with every sampling
+parameter), the sampled distribution (a chi-square test that fails when the rule is broken), KV
+blocks after rejections, preemption and aborts, and the counters."""
 
 from __future__ import annotations
 
@@ -46,7 +46,10 @@ def test_ngram_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix
     ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "unknown key(s) foo"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}',
      "prompt_lookup_min (5) exceeds"),
-    ('{"model": "small", "num_speculative_tokens": 2}', "'draft_model' is not supported yet"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs 'model'"),
+    ('{"model": "/no/such/model", "num_speculative_tokens": 2}', "'/no/such/model' not found"),
+    ('{"model": "tests", "num_speculative_tokens": 2, "prompt_lookup_min": 2}', "belong(s) to method 'ngram'"),
+    ('{"method": "ngram", "model": "tests", "num_speculative_tokens": 2}', "'model' belongs to method 'draft_model'"),
     ("[1]", "must be a JSON object"),
     ("{", "not valid JSON"),
 ])
@@ -61,7 +64,7 @@ def test_the_server_refuses_a_wrong_config_in_one_line():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1] == ("error: speculative_config: unknown speculative method 'medusa'; "
-                                                   "known: ngram")
+                                                   "known: ngram, draft_model")
 
 
 # ---- the real model: the same output with and without proposals ----
@@ -138,8 +141,81 @@ def test_greedy_output_is_the_same_with_proposals(model, tokenizer, backend):
     assert identical >= 45
 
 
+@pytest.fixture(scope="session")
+def random_draft(tmp_path_factory) -> str:
+    """A random-weight Llama with the default model's vocabulary, saved as a model directory: a
+    draft model whose proposals are nearly always rejected."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("random-draft")
+    LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return str(directory)
+
+
+def _draft(path: str) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+
+
 @pytest.mark.slow
-def test_seeded_sampling_with_every_parameter_is_the_same_with_proposals(model, tokenizer):
+@pytest.mark.parametrize("backend, draft", [("cpu", "itself"), ("cpu", "random"), ("torch", "random")])
+def test_greedy_output_is_the_same_with_a_draft_model(model, tokenizer, random_draft, backend, draft):
+    """The default model as its own draft (every proposal should be kept: the draft's KV cache,
+    kept over the target's block tables, must be right for that) and a random-weight draft (nearly
+    every proposal rejected): the tokens of the engine without proposals, over 50 prompts."""
+    from engine.models.loader import default_model_path
+
+    prompts = _prompts(tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = _run(_core(model, backend, None), prompts, params)
+    path = str(default_model_path()) if draft == "itself" else random_draft
+    core = _core(model, backend, _draft(path))
+    drafted = _run(core, prompts, params)
+    stats = core.stats()
+    assert stats.spec_num_draft_tokens > 300 and sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+    if draft == "itself":
+        assert stats.spec_num_accepted_tokens > 0.9 * stats.spec_num_draft_tokens
+    else:
+        assert stats.spec_num_accepted_tokens < 0.2 * stats.spec_num_draft_tokens
+    same = sum(got == want for (want, _), (got, _) in zip(plain, drafted))
+    assert same >= 48  # (two may part at a near-tie: the verifying pass has another batch shape)
+
+
+@pytest.mark.slow
+def test_a_draft_model_through_preemptions_and_a_prefix_cache_gives_the_same_tokens(model, tokenizer):
+    """A cache too small for the batch (requests preempted and recomputed, the draft's cache with
+    them) and prompts that share a prefix (the draft reads the cached blocks the target reuses):
+    the same tokens as without proposals, proposals still kept, no block left."""
+    from engine.models.loader import default_model_path
+
+    shared = _prompts(tokenizer)[-7]
+    prompts = [shared + p[-6:] for p in _prompts(tokenizer)[:10]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = _run(_core(model, "cpu", None), prompts, params)
+    core = _core(model, "cpu", _draft(str(default_model_path())), num_kv_blocks=24, max_num_seqs=10)
+    drafted = _run(core, prompts, params)
+    stats = core.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_num_accepted_tokens > 0.9 * stats.spec_num_draft_tokens
+    assert [tokens for tokens, _ in drafted] == [tokens for tokens, _ in plain]
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    with pytest.raises(ConfigError, match="vocabulary of 300 tokens.*must use the model's tokenizer"):
+        _tiny_core(tiny_model, speculative_config=_draft(str(tmp_path)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_seeded_sampling_with_every_parameter_is_the_same_with_proposals(model, tokenizer, proposer):
     """Each position is sampled as without proposals, from the request's own draws in the same
     order: with a seed, penalties, logit bias, min_tokens, top-k/p, min-p and logprobs, the
     tokens and logprobs are those of the engine without proposals."""
@@ -149,7 +225,13 @@ def test_seeded_sampling_with_every_parameter_is_the_same_with_proposals(model, 
                             repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1,
                             logit_bias={comma: -2.0}, min_tokens=8, logprobs=1)
     plain = _run(_core(model, "cpu", None), prompts, params)
-    core = _core(model, "cpu", {**NGRAM, "disable_by_batch_size": 64})
+    if proposer == "ngram":
+        spec = {**NGRAM, "disable_by_batch_size": 64}
+    else:
+        from engine.models.loader import default_model_path
+
+        spec = _draft(str(default_model_path()))  # (greedy proposals of the model itself, sampled targets)
+    core = _core(model, "cpu", spec)
     drafted = _run(core, prompts, params)
     assert core.stats().spec_num_accepted_tokens > 0
     for (want, want_lps), (got, got_lps) in zip(plain, drafted):

@@ -30,6 +30,7 @@ from engine.messages import Decodes, EngineStats, TokenDelta
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model, resolve_model
 from engine.plan import RunnerOutput, StepPlan
+from engine.runner.drafter import Drafter
 from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import MIN_SEED, SamplingParams
 from engine.sched.kv_cache import BlockManager
@@ -73,6 +74,7 @@ class EngineCore:
         else:  # (a model handed in may have been fixed by an earlier engine)
             self.model.fix_summation_order(False)
         self.vocab_size = self.model.config.vocab_size
+        self.draft_model = self._load_draft_model(dtype)
         if config.generation_config == "auto" and self.model.config.sampling_defaults:
             log.info("default sampling values from the model's generation_config.json: %s "
                      "(--generation-config vllm ignores them)", dict(self.model.config.sampling_defaults))
@@ -84,11 +86,16 @@ class EngineCore:
         # and a step's prefill chunk (BlockManager.free_out_of_window): any length fits that.
         held = None if sliding is None else sliding + config.max_num_batched_tokens + 2 * config.block_size
         self.max_model_len = self._max_model_len(num_blocks * config.block_size, held)
+        drafter = None
+        if self.draft_model is not None:
+            drafter = self.device_thread.run_sync(Drafter, self.draft_model, self.backend, num_blocks,
+                                                  config.block_size, self.device, self.kv_dtype,
+                                                  config.speculative.num_speculative_tokens, config.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = self.device_thread.run_sync(ModelRunner, self.model, self.backend, num_blocks,
                                                   config.block_size, self.device, config.seed, self.kv_dtype,
-                                                  config.calculate_kv_scales)
+                                                  config.calculate_kv_scales, drafter)
         self._bitmask = GrammarBitmask(config.max_num_seqs)
         self._arrivals = itertools.count()
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequences' ids
@@ -106,6 +113,27 @@ class EngineCore:
                  per_token)
 
     # ---- set-up ----
+
+    def _load_draft_model(self, dtype) -> LlamaModel | None:
+        """The draft model of speculative method ``draft_model`` (None for other methods): loaded
+        as the target is, and refused unless it shares the target's vocabulary."""
+        spec = self.config.speculative
+        if spec is None or spec.method != "draft_model":
+            return None
+        try:
+            source = resolve_model(spec.model)
+        except ConfigError as exc:
+            raise ConfigError("speculative_config", f"speculative_config: the draft model: {exc}") from None
+        draft = self.device_thread.run_sync(load_model, source, "auto", dtype, self.device, self.config.seed,
+                                            self.config.quantization)
+        if draft.config.vocab_size != self.model.config.vocab_size:
+            raise ConfigError("speculative_config",
+                              f"speculative_config: the draft model {source.name} has a vocabulary of "
+                              f"{draft.config.vocab_size} tokens, the model {self.model.config.vocab_size}: a draft "
+                              "model must use the model's tokenizer")
+        log.info("speculative decoding: %d tokens proposed by the draft model %s (%d layers, hidden size %d)",
+                 spec.num_speculative_tokens, source.name, draft.config.num_layers, draft.config.hidden_size)
+        return draft
 
     def _fix_summation_order(self) -> None:
         """``--batch-invariant``: the model's products and the backend's attention in an order set
@@ -147,7 +175,10 @@ class EngineCore:
             field, why = "gpu_memory_utilization", (f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
                                                     f"{memory} bytes, which hold no KV block (raise it, or free GPU "
                                                     "memory)")
-        num_blocks = memory // ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)
+        per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)
+        if self.draft_model is not None:  # (its cache has as many blocks)
+            per_block += Drafter.kv_bytes_per_block(self.draft_model, config.block_size, self.kv_dtype)
+        num_blocks = memory // per_block
         if num_blocks < 1:
             raise ConfigError(field, why)
         return num_blocks
@@ -167,6 +198,13 @@ class EngineCore:
             log.warning("max_model_len at most %d, not the model's %d: past that length transformers changes "
                         "what it computes (dynamic or longrope scaling) and this engine does not follow",
                         model_max, model_config.max_position_embeddings)
+        draft_max = None if self.draft_model is None else self.draft_model.config.exact_context_length
+        if draft_max is not None and draft_max < model_max:  # (the draft computes every position too)
+            if wanted is not None and wanted > draft_max:
+                raise ConfigError("max_model_len", f"max_model_len {wanted} exceeds the draft model's context length "
+                                                   f"{draft_max} (speculative_config)")
+            log.warning("max_model_len at most %d: the draft model's context length", draft_max)
+            model_max = draft_max
         if most_held is not None and most_held <= kv_capacity:
             kv_capacity = model_max  # (a window's worth fits: any length does)
         if wanted is not None and wanted > kv_capacity:
@@ -316,7 +354,7 @@ class EngineCore:
             grammar_finished = self._advance_grammars(plan, result.sampled, failed)
         deltas, failed_parents = self._fail_requests(failed)
         accepted = result.accepted
-        self.scheduler.update(plan, result.sampled, grammar_finished, accepted)
+        self.scheduler.update(plan, result.sampled, grammar_finished, accepted, result.proposals)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled)  # (and a drafted row's kept tokens, below)
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs

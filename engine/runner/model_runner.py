@@ -13,6 +13,7 @@ from backends.kv_cache import KVCacheDtype, same_as
 from engine.models.llama import LlamaModel
 from engine.outputs import TokenLogprobs
 from engine.plan import RunnerOutput, StepPlan
+from engine.runner.drafter import Drafter, DraftRow
 from engine.runner.requests import RunnerRequest
 from engine.runner.sampler import Sampler, isolated, position_logprobs
 
@@ -107,7 +108,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  device: str, seed: int, kv_dtype: KVCacheDtype | None = None,
-                 calculate_kv_scales: bool = False) -> None:
+                 calculate_kv_scales: bool = False, drafter: Drafter | None = None) -> None:
         cfg = model.config
         self.model = model
         self.backend = backend
@@ -124,6 +125,7 @@ class ModelRunner:
         self.block_tables = BlockTables()
         self.requests: dict[str, RunnerRequest] = {}
         self._block_ids: dict[str, list[int]] = {}
+        self.drafter = drafter  # a draft model's proposals (speculative method draft_model)
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: KVCacheDtype) -> int:
@@ -143,12 +145,33 @@ class ModelRunner:
         failed: dict[str, Exception] = {}
         prompt_logprobs = self._prompt_logprobs(plan, hidden, failed)
         if not batch.sample_rows:
-            return RunnerOutput({}, {}, prompt_logprobs, failed)
-        if plan.num_draft_tokens:
-            return self._sample_drafted(plan, batch, hidden, prompt_logprobs, failed)
-        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
-        _, sampled, logprobs = self._sample(plan, logits, failed)
-        return RunnerOutput(sampled, logprobs, prompt_logprobs, failed)
+            output = RunnerOutput({}, {}, prompt_logprobs, failed)
+        elif plan.num_draft_tokens:
+            output = self._sample_drafted(plan, batch, hidden, prompt_logprobs, failed)
+        else:
+            logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
+            _, sampled, logprobs = self._sample(plan, logits, failed)
+            output = RunnerOutput(sampled, logprobs, prompt_logprobs, failed)
+        if self.drafter is not None:
+            output = attrs.evolve(output, proposals=self.drafter.run(self._draft_rows(plan, output),
+                                                                     plan.num_proposals))
+        return output
+
+    def _draft_rows(self, plan: StepPlan, output: RunnerOutput) -> list[DraftRow]:
+        """What the draft model computes after this step: each row's tokens the target kept (a
+        drafted row's first and its kept drafts), then, where proposals are wanted, the token
+        sampled after them."""
+        drafts, rows, offset = plan.num_draft_tokens, [], 0
+        for row, (request_id, start, n) in enumerate(zip(plan.request_ids, plan.starts, plan.num_new_tokens)):
+            tokens = plan.token_ids[offset:offset + n]
+            offset += n
+            if drafts and drafts[row]:
+                tokens = tokens[:n - drafts[row] + len(output.accepted.get(request_id, ()))]
+            token = output.sampled.get(request_id)
+            propose = plan.num_proposals > 0 and token is not None and request_id not in output.failed
+            rows.append(DraftRow(request_id, start, (*tokens, token) if propose else tokens,
+                                 self._block_ids[request_id], propose))
+        return rows
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, failed: dict[str, Exception],
                 ) -> tuple[list[RunnerRequest], dict[str, int], dict[str, TokenLogprobs]]:

@@ -78,6 +78,9 @@ class Request:
     # Proposed tokens after the last known one, computed in the step being scheduled
     # (speculative decoding; empty when none): the step's plan carries them after that token.
     spec_token_ids: list[int] = attrs.field(factory=list)
+    # A draft model's proposals after the last known token, from the step that sampled it
+    # (speculative method draft_model): what the next step's drafts are taken from.
+    proposed_token_ids: tuple[int, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -254,11 +254,15 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, scheduled)
         spec = self.speculative
-        if spec is not None and (spec.disable_by_batch_size is None or len(self.running) <= spec.disable_by_batch_size):
+        drafting = spec is not None and (spec.disable_by_batch_size is None
+                                         or len(self.running) <= spec.disable_by_batch_size)
+        if drafting:
             self._schedule_drafts(budget, scheduled)
         finished, self._finished_ids = self._finished_ids, []
         chunks = list(scheduled.values())
         plan, constrained = self._plan(chunks, preempted, finished)
+        if drafting and spec.method == "draft_model":  # (proposals for the next step)
+            plan = attrs.evolve(plan, num_proposals=spec.num_speculative_tokens)
         return SchedulerOutput(chunks, plan, constrained)
 
     def _plan(self, chunks: list[ScheduledChunk], preempted: list[str],
@@ -412,6 +416,8 @@ class Scheduler:
                    self.max_model_len - request.num_tokens - 1)
         if most < 1 or request.matcher is not None:
             return []
+        if spec.method == "draft_model":
+            return list(request.proposed_token_ids[:most])
         return ngram_drafts(request.token_ids, most, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _pick_victim(self) -> Request:
@@ -462,20 +468,24 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int],
                grammar_finished: Collection[str] = (), accepted: dict[str, tuple[int, ...]] | None = None,
-               ) -> list[Request]:
+               proposals: dict[str, tuple[int, ...]] | None = None) -> list[Request]:
         """Account for a finished step: advance computed counts, append sampled tokens and
         finish requests that hit a stop condition, or whose structured-output grammar is
         complete (``grammar_finished``: its stop token is in, whatever ``ignore_eos`` or
         ``min_tokens`` say). ``accepted``: per drafted request, the drafts kept (they come
-        before its sampled token). Returns the requests finished here."""
+        before its sampled token). ``proposals``: a draft model's tokens to follow each sampled
+        one (they replace the request's earlier ones). Returns the requests finished here."""
         finished = []
         keep = 1 - 1 / PREFILL_RATE_WINDOW
         self._recent_prefill *= keep
         self._recent_output = keep * self._recent_output + len(sampled)
         running, max_model_len = RequestStatus.RUNNING, self.max_model_len
+        drafts_from_model = self.speculative is not None and self.speculative.method == "draft_model"
         for request, start, num_new_tokens, _ in output.chunks:
             if request.status is not running:  # finished (aborted) while the step ran
                 continue
+            if drafts_from_model:  # (none from this step: none to use in the next)
+                request.proposed_token_ids = proposals.get(request.request_id, ()) if proposals else ()
             if request.spec_token_ids:
                 if self._update_drafted(request, start, sampled, accepted or {}):
                     finished.append(request)

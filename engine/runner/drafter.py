@@ -1,0 +1,128 @@
+"""A draft model beside the target (speculative method ``draft_model``, engine/speculative.py).
+
+The draft model computes every token the target computes, each step, into a KV cache of its
+own laid out over the target's block tables (same block ids, same slots: its cache tensors
+are the target's shape for the draft's heads). So whatever the target's cache holds (a
+prompt's chunks, a prefix from the cache, what a preempted request recomputes), the draft's
+holds too, for the same positions, with no bookkeeping of its own.
+
+After the target's step, for each request that sampled a token and is to get proposals, the
+draft model takes that token and proposes the greedy continuation, one position at a time:
+``num_proposals`` more forward passes over one row per request. Those positions lie past the
+request's last known token, where the target may own no block yet: they go to scratch blocks
+the draft cache has beyond the target's (a few per request, reused every step), appended to
+the request's table for these passes only. Their KV is never kept: the next step's first pass
+writes what the target then computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from backends.base import AttentionBackend, AttentionMetadata
+from backends.kv_cache import KVCacheDtype
+from engine.models.llama import LlamaModel
+
+
+@attrs.frozen
+class DraftRow:
+    """One request's part of a step, for the draft model: ``token_ids`` at positions ``start``..
+    (the tokens the target computed and kept, then, with ``propose``, the token it sampled
+    after them), over the target's block table ``block_ids``."""
+
+    request_id: str
+    start: int
+    token_ids: Sequence[int]
+    block_ids: Sequence[int]
+    propose: bool
+
+
+class Drafter:
+    """Owns the draft model and its KV cache (``num_blocks`` blocks as the target's, and scratch
+    blocks for ``max_rows`` requests' proposals past their tables).
+
+    Resource handling: the cache tensors live as long as the drafter."""
+
+    def __init__(self, model: LlamaModel, backend: AttentionBackend, num_blocks: int, block_size: int,
+                 device: str, kv_dtype: KVCacheDtype, num_proposals: int, max_rows: int) -> None:
+        cfg = model.config
+        self.model, self.backend, self.block_size, self.device = model, backend, block_size, device
+        # Proposals past a table's end: positions last + 1 .. last + num_proposals - 1, and the
+        # sampled token's own (the target computes it only next step).
+        self.scratch_per_row = -(-num_proposals // block_size) + 1
+        self.scratch_base = num_blocks
+        total = num_blocks + max_rows * self.scratch_per_row
+        shape = backend.kv_cache_shape(total, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype.storage, device=device) for _ in range(cfg.num_layers)]
+        self.kv_scales = ([torch.ones(2, dtype=torch.float32, device=device) for _ in range(cfg.num_layers)]
+                          if kv_dtype.is_fp8 else None)
+
+    @staticmethod
+    def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: KVCacheDtype) -> int:
+        cfg = model.config
+        return block_size * kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+
+    def run(self, rows: list[DraftRow], num_proposals: int) -> dict[str, tuple[int, ...]]:
+        """Compute ``rows`` into the draft cache; for each row that proposes, its greedy
+        continuation of ``num_proposals`` tokens (fewer where the draft model's context ends)."""
+        rows = [row for row in rows if row.token_ids]
+        if not rows:
+            return {}
+        limit = self.model.config.max_position_embeddings
+        proposing = [i for i, row in enumerate(rows) if row.propose and num_proposals > 0
+                     and row.start + len(row.token_ids) < limit]
+        scratch = {i: n for n, i in enumerate(proposing)}
+        tables = [self._table(row, scratch.get(i)) for i, row in enumerate(rows)]
+        positions = [range(row.start, row.start + len(row.token_ids)) for row in rows]
+        last = self._forward(rows, [list(row.token_ids) for row in rows], positions, tables,
+                             [i for i in proposing])
+        proposals = {i: [token] for i, token in zip(proposing, last)}
+        for j in range(1, num_proposals):
+            alive = [i for i in proposing if rows[i].start + len(rows[i].token_ids) + j < limit]
+            if not alive:
+                break
+            ends = {i: rows[i].start + len(rows[i].token_ids) + j for i in alive}
+            picked = [rows[i] for i in alive]
+            last = self._forward(picked, [[proposals[i][-1]] for i in alive],
+                                 [range(ends[i] - 1, ends[i]) for i in alive], [tables[i] for i in alive],
+                                 list(range(len(alive))))
+            for i, token in zip(alive, last):
+                proposals[i].append(token)
+        return {rows[i].request_id: tuple(tokens) for i, tokens in proposals.items()}
+
+    def _table(self, row: DraftRow, scratch_index: int | None) -> list[int]:
+        """The row's block ids, with its scratch blocks after them when it proposes."""
+        if scratch_index is None:
+            return list(row.block_ids)
+        first = self.scratch_base + scratch_index * self.scratch_per_row
+        return [*row.block_ids, *range(first, first + self.scratch_per_row)]
+
+    def _forward(self, rows: Sequence[DraftRow], tokens: list[list[int]], positions: list[range],
+                 tables: list[list[int]], sample: list[int]) -> list[int]:
+        """One pass of the draft model over ``tokens`` at ``positions`` (per row, the row's newest
+        tokens: it attends to its earlier ones in the cache); the argmax after the last token of
+        each row in ``sample``."""
+        bs = self.block_size
+        slots = [table[p // bs] * bs + p % bs for table, span in zip(tables, positions) for p in span]
+        starts = [0]
+        for span in positions:
+            starts.append(starts[-1] + len(span))
+        width = max(len(table) for table in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([span.stop for span in positions], dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(len(span) for span in positions),
+            max_seq_len=max(span.stop for span in positions))
+        input_ids = torch.tensor([t for row in tokens for t in row], device=dev)
+        flat_positions = torch.tensor([p for span in positions for p in span], device=dev)
+        hidden = self.model.forward(input_ids, flat_positions, self.kv_caches, meta, self.backend, self.kv_scales)
+        if not sample:
+            return []
+        logits = self.model.compute_logits(hidden[[starts[i + 1] - 1 for i in sample]])
+        return logits.argmax(dim=-1).tolist()
