@@ -288,7 +288,7 @@ def _toy_step(monkeypatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.model, runner.backend, runner.kv_caches, runner.kv_scales, runner._calibrate = Stub(), None, [], None, False
-    runner.block_size, runner.device, runner.requests, runner._block_ids = 16, "cpu", {}, {}
+    runner.block_size, runner.device, runner.requests, runner._block_ids, runner.drafter = 16, "cpu", {}, {}, None
     runner.block_tables = model_runner.BlockTables()
     runner.sampler = model_runner.Sampler(0)
     params = SamplingParams(temperature=1.0, max_tokens=8)
