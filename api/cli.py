@@ -136,6 +136,11 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the KV cache's element type (auto: the backend's choice, int8 on cpu, the model's dtype "
                         "elsewhere; int8 keeps a float16 scale per row of a head; fp8 is fp8_e4m3)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the model is split over (Megatron layout on torch.distributed: gloo on CPU, NCCL "
+                        "on GPUs); sizes that do not divide the heads are refused")
+    p.add_argument("--distributed-timeout", type=float, default=60.0,
+                   help="seconds a collective between tensor-parallel ranks may wait before the engine fails")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs are the same bits whatever else runs (batch size, "
                         "chunked prefill, prefix cache, preemption): fixed summation orders (cpu backend); "

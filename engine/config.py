@@ -128,6 +128,11 @@ class EngineConfig:
             of 1.0 (vLLM's default and flag).
         gpu_memory_utilization: on a GPU, the share of its memory the engine may fill (weights,
             then KV cache in what is left of it), as vLLM's flag.
+        tensor_parallel_size: ranks the model is split over (Megatron's layout, torch.distributed:
+            gloo on CPU, NCCL on GPUs); rank 0 is the engine, the others processes it starts
+            (engine/core/tensor_parallel.py). Sizes that do not divide the heads are refused.
+        distributed_timeout: seconds a collective between tensor-parallel ranks may wait for a
+            rank before the engine fails (a rank hung or gone).
         batch_invariant: a request's tokens and logprobs are the same bits whatever else runs
             with it (how many requests, where chunked prefill cut its prompt, whether its prefix
             came from the cache, a preemption): every matrix product and attention row is
@@ -199,6 +204,8 @@ class EngineConfig:
     kv_cache_dtype: str = attrs.field(default="auto", validator=_one_of(KV_CACHE_DTYPES))
     calculate_kv_scales: bool = False
     batch_invariant: bool = False
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
+    distributed_timeout: float = attrs.field(default=60.0, validator=_positive_seconds)
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
     max_num_seqs: int = attrs.field(default=128, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
@@ -230,6 +237,9 @@ class EngineConfig:
         if self.data_parallel_size_local is not None and self.data_parallel_size_local > self.data_parallel_size:
             raise ConfigError("data_parallel_size_local", f"data_parallel_size_local ({self.data_parallel_size_local}) "
                                                           f"exceeds data_parallel_size ({self.data_parallel_size})")
+        if self.tensor_parallel_size > 1 and (self.speculative is not None and self.speculative.method == "draft_model"):
+            raise ConfigError("tensor_parallel_size", "speculative method draft_model does not run with tensor "
+                                                      "parallelism yet (ngram does)")
         if self.batch_invariant and self.activation_quantization != "none":
             raise ConfigError("batch_invariant", f"batch invariance keeps activations as they are: activation "
                                                  f"quantization {self.activation_quantization} rounds them by batch size")

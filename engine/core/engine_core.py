@@ -25,10 +25,12 @@ from engine.config import (
 )
 from engine.core.core_actor import CoreActor
 from engine.core.device_thread import DeviceThread
+from engine.core.tensor_parallel import TensorParallelDriver
 from engine.errors import ConfigError, InvalidParameterError
 from engine.messages import Decodes, EngineStats, TokenDelta
 from engine.models.llama import LlamaModel
 from engine.models.loader import load_model, resolve_model
+from engine.models.parallel import TensorParallel
 from engine.plan import RunnerOutput, StepPlan
 from engine.runner.drafter import Drafter
 from engine.runner.model_runner import ModelRunner
@@ -66,9 +68,13 @@ class EngineCore:
         source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
         # Weights, KV cache and forward passes all on one thread (device_thread.py says why).
         self.device_thread = DeviceThread.shared()
+        if model is not None and config.tensor_parallel_size > 1:
+            raise ConfigError("tensor_parallel_size", "a model handed in runs on one rank only")
+        tp = TensorParallel(0, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        # (rank 0's shard first: sizes that do not divide the model are refused before any rank starts)
         self.model = model or self.device_thread.run_sync(
             load_model, source, config.load_format, dtype, self.device, config.seed,
-            config.quantization, config.activation_quantization)
+            config.quantization, config.activation_quantization, tp)
         if config.batch_invariant:
             self._fix_summation_order()
         else:  # (a model handed in may have been fixed by an earlier engine)
@@ -93,6 +99,10 @@ class EngineCore:
                                                   config.speculative.num_speculative_tokens, config.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.tensor_parallel = None
+        if tp is not None:
+            self.tensor_parallel = TensorParallelDriver(config, self.device)
+            self.device_thread.run_sync(self.tensor_parallel.join, num_blocks)
         self.runner = self.device_thread.run_sync(ModelRunner, self.model, self.backend, num_blocks,
                                                   config.block_size, self.device, config.seed, self.kv_dtype,
                                                   config.calculate_kv_scales, drafter)
@@ -343,7 +353,14 @@ class EngineCore:
 
     def _execute(self, output: SchedulerOutput) -> RunnerOutput:
         plan = self._mask_grammar_rows(output) if output.constrained_rows else output.plan
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.send(plan)
         return self.runner.execute(plan)
+
+    def close(self) -> None:
+        """End what the core started beside it (tensor-parallel ranks); idempotent."""
+        if getattr(self, "tensor_parallel", None) is not None:
+            self.device_thread.run_sync(self.tensor_parallel.stop)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> tuple[list[TokenDelta], Decodes]:
         """Account for a finished step. Returns what it added to each completion: the common case

@@ -434,6 +434,10 @@ async def open_engine(config=None, *, engine_fds: Sequence[int] | None = None,
                 yield client
         return
     core = await trio.to_thread.run_sync(EngineCore, config)
-    tokenizer = await trio.to_thread.run_sync(tokenizer_for, config)
-    async with Engine(core, tokenizer).serve() as client:
-        yield client
+    try:
+        tokenizer = await trio.to_thread.run_sync(tokenizer_for, config)
+        async with Engine(core, tokenizer).serve() as client:
+            yield client
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(core.close)  # (tensor-parallel ranks end with the engine)

@@ -278,7 +278,8 @@ class LlamaModel:
         """Round the activations of the packed products (``--activation-quantization``): ``int16``
         (a scale per 32 values) for batches of up to ``rows`` rows, ``bf16`` for batches of at
         least ``rows`` rows (``none``: neither). Returns how many products do."""
-        packed = [linear for linear in self.linears() if isinstance(linear, PackedLinear)]
+        packed = [getattr(linear, "inner", linear) for linear in self.linears()]
+        packed = [linear for linear in packed if isinstance(linear, PackedLinear)]
         for linear in packed:
             linear.int16_activation_rows = rows if kind == "int16" else 0
             linear.bf16_activation_rows = rows if kind == "bf16" else None
@@ -293,6 +294,7 @@ class LlamaModel:
             ValueError: a product that cannot (weights on a GPU, a dtype the row tiles do not take).
         """
         for linear in self.linears():
+            linear = getattr(linear, "inner", linear)  # (a tensor-parallel wrapper's own product)
             if isinstance(linear, (PackedLinear, DenseLinear)):
                 linear.fix_order(fixed)
             elif fixed:

@@ -28,6 +28,7 @@ from engine.models.linear import (
     q4_k_to_q4_1,
     quantize_q8_m,
 )
+from engine.models.parallel import TensorParallel, parallelize, shard
 from engine.models.llama import LlamaConfig, LlamaModel
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,10 @@ def resolve_model(model: str | None, allow_missing_default: bool = False) -> Mod
 
 
 def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device: str, seed: int,
-               quantization: str = "auto", activation_quantization: str = "none") -> LlamaModel:
-    """Read config and weights and build the model on ``device``.
+               quantization: str = "auto", activation_quantization: str = "none",
+               tp: TensorParallel | None = None) -> LlamaModel:
+    """Read config and weights and build the model on ``device`` (with ``tp``, this rank's shard:
+    engine/models/parallel.py).
 
     ``quantization`` ``auto`` keeps a GGUF file's packed tensors packed (on CPU); ``none``
     dequantizes them to ``dtype``. ``activation_quantization`` ``int16`` rounds the packed
@@ -125,7 +128,15 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     log.info("loaded %d weight tensors of %s (%s)", len(weights), source.path, fmt)
     if quantization == "int8":
         weights = {name: quantize_q8_m(w) if _is_layer_matrix(name, w) else w for name, w in weights.items()}
-    model = LlamaModel.from_state_dict(config, weights, dtype, device)
+    if tp is not None and tp.size > 1:
+        try:
+            local, weights = shard(config, weights, tp, config.family.fused_checkpoint)
+        except ValueError as exc:
+            raise ConfigError("tensor_parallel_size", str(exc)) from None
+        model = LlamaModel.from_state_dict(local, weights, dtype, device)  # (its config: this rank's heads)
+        parallelize(model, tp, config.vocab_size)
+    else:
+        model = LlamaModel.from_state_dict(config, weights, dtype, device)
     if activation_quantization != "none":
         rows = INT16_ACTIVATION_MAX_ROWS if activation_quantization == "int16" else BF16_ACTIVATION_MIN_ROWS
         if model.quantize_activations(activation_quantization, rows) == 0:
