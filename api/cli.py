@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import attrs
 
@@ -111,7 +112,9 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-fd", type=int, action="append", default=None, help=argparse.SUPPRESS)
     p.add_argument("--headless", action="store_true",
                    help="serve no HTTP: start --data-parallel-size-local engines that join the server at "
-                        "--data-parallel-address:--data-parallel-rpc-port, and exit when it ends them")
+                        "--data-parallel-address:--data-parallel-rpc-port, and exit when it ends them; with "
+                        "--nnodes 2 or more, this node's tensor-parallel ranks (--node-rank), which join node 0's "
+                        "engine at --master-addr:--master-port")
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
@@ -141,6 +144,16 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "on GPUs); sizes that do not divide the heads are refused")
     p.add_argument("--distributed-timeout", type=float, default=60.0,
                    help="seconds a collective between tensor-parallel ranks may wait before the engine fails")
+    p.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", 1)),
+                   help="machines the --tensor-parallel-size ranks are spread over, as many on each "
+                        "(torchrun's name; default: $NNODES or 1)")
+    p.add_argument("--node-rank", type=int, default=int(os.environ.get("NODE_RANK", 0)),
+                   help="this machine's place among --nnodes: 0 runs the engine and the HTTP server, the others "
+                        "run with --headless (default: $NODE_RANK or 0)")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="node 0's address, where the ranks meet (default: $MASTER_ADDR or 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)),
+                   help="node 0's port for the ranks' rendezvous (default: $MASTER_PORT or 29500)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs are the same bits whatever else runs (batch size, "
                         "chunked prefill, prefix cache, preemption): fixed summation orders (cpu backend); "

@@ -166,10 +166,14 @@ def main(argv: list[str] | None = None) -> None:
 
         raise SystemExit(trio.run(run_launcher, args, list(sys.argv[1:] if argv is None else argv)))
     if args.headless:
+        from engine.core.tensor_parallel import run_node
         from engine.transport.processes import run_headless
 
         try:
-            raise SystemExit(trio.run(run_headless, engine_config(args)))
+            config = engine_config(args)
+            if config.nnodes > 1:
+                raise SystemExit(run_node(config))
+            raise SystemExit(trio.run(run_headless, config))
         except InvalidParameterError as exc:
             raise SystemExit(f"error: {exc}") from None
     try:

@@ -39,7 +39,14 @@ def library():
     cap = os.environ.get(ISA_CAP_VARIABLE)
     if cap is not None and cap not in (*list(ISAS)[1:], "avx2+fma"):
         raise ValueError(f"{ISA_CAP_VARIABLE}={cap!r}: expected one of {', '.join(list(ISAS)[1:])}")
-    return native.load_library("qm_cpu", "cpu", HEADER, "packed-weight kernels")
+    lib = native.load_library("qm_cpu", "cpu", HEADER, "packed-weight kernels")
+    try:
+        lib.qm_linear_rows  # (the newest function: a library built before it is stale)
+    except AttributeError:
+        raise native.BackendUnavailableError(
+            f"libqm_cpu.so in {native.LIB_DIR} was built from older sources: run `python native/build.py` "
+            "(or reinstall: pip install -e .)") from None
+    return lib
 
 
 def _ffi():

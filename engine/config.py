@@ -132,7 +132,12 @@ class EngineConfig:
             gloo on CPU, NCCL on GPUs); rank 0 is the engine, the others processes it starts
             (engine/core/tensor_parallel.py). Sizes that do not divide the heads are refused.
         distributed_timeout: seconds a collective between tensor-parallel ranks may wait for a
-            rank before the engine fails (a rank hung or gone).
+            rank before the engine fails (a rank hung or gone), and the ranks wait for each
+            other at start (a node or master address that does not answer).
+        nnodes, node_rank, master_addr, master_port: tensor parallelism across machines
+            (torchrun's names and defaults): ``tensor_parallel_size / nnodes`` ranks on each of
+            ``nnodes`` machines, which meet at ``master_addr:master_port`` (node 0, where the
+            engine runs); the others run ``python -m engine.api --headless --node-rank N``.
         batch_invariant: a request's tokens and logprobs are the same bits whatever else runs
             with it (how many requests, where chunked prefill cut its prompt, whether its prefix
             came from the cache, a preemption): every matrix product and attention row is
@@ -206,6 +211,10 @@ class EngineConfig:
     batch_invariant: bool = False
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
     distributed_timeout: float = attrs.field(default=60.0, validator=_positive_seconds)
+    nnodes: int = attrs.field(default=1, validator=_positive)
+    node_rank: int = attrs.field(default=0, validator=_count)
+    master_addr: str = "127.0.0.1"
+    master_port: int = attrs.field(default=29500, validator=_port)
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
     max_num_seqs: int = attrs.field(default=128, validator=_positive)
     max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
@@ -240,6 +249,16 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and (self.speculative is not None and self.speculative.method == "draft_model"):
             raise ConfigError("tensor_parallel_size", "speculative method draft_model does not run with tensor "
                                                       "parallelism yet (ngram does)")
+        if self.nnodes > 1 and self.tensor_parallel_size % self.nnodes:
+            raise ConfigError("nnodes", f"tensor_parallel_size {self.tensor_parallel_size} is not a multiple of "
+                                        f"nnodes {self.nnodes}: every node runs as many ranks")
+        if self.node_rank >= self.nnodes:
+            raise ConfigError("node_rank", f"node_rank {self.node_rank} is out of range for nnodes {self.nnodes} "
+                                           f"(0 .. {self.nnodes - 1})")
+        if self.batch_invariant and self.tensor_parallel_size > 2:
+            raise ConfigError("batch_invariant", "batch invariance holds with at most 2 tensor-parallel ranks: gloo's "
+                                                 "all-reduce of 3 or more adds the ranks' sums in an order that "
+                                                 "follows the step's size")
         if self.batch_invariant and self.activation_quantization != "none":
             raise ConfigError("batch_invariant", f"batch invariance keeps activations as they are: activation "
                                                  f"quantization {self.activation_quantization} rounds them by batch size")

@@ -97,20 +97,23 @@ def attend(backend, sequences, block_size: int = 16, kv_heads: int = 3, head_siz
         slot_mapping=torch.cat(slots), max_query_len=max(len(q) for q, _, _ in sequences),
         max_seq_len=max(len(k) for _, k, _ in sequences))
     query = torch.cat([q for q, _, _ in sequences])
-    out = backend.attend(query, cache, meta, 0.125, torch.empty_like(query))
+    out = backend.attend(query, cache, meta, 0.125, torch.empty_like(query))  # (query heads: a multiple of 3)
     return [out[starts[i]:starts[i + 1]] for i in range(len(sequences))]
 
 
+@pytest.mark.parametrize("heads", [9, 3])
 @pytest.mark.parametrize("backend_name", ["cpu", "torch"])
-def test_an_attention_row_is_the_same_alone_in_a_batch_and_in_a_prompt(backend_name):
+def test_an_attention_row_is_the_same_alone_in_a_batch_and_in_a_prompt(backend_name, heads):
     """A decode at position 700 (long enough that a lone decode's keys would be split across
-    threads) alone, among twelve other sequences, and as row 10 of an 11-token prompt chunk."""
+    threads) alone, among twelve other sequences, and as row 10 of an 11-token prompt chunk;
+    with 3 query heads per KV head, and with 1 (where a lone decode row would dot its keys
+    another way than a prompt's rows)."""
     backend = get_backend(backend_name, "cpu")
     backend.batch_invariant = True
     gen = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 701, 3, 64, generator=gen).unbind(0)
-    queries = torch.randn(11, 9, 64, generator=gen) * 3  # (peaked attention: every key matters)
-    others = [(torch.randn(n, 9, 64, generator=gen), *torch.randn(2, c, 3, 64, generator=gen).unbind(0))
+    queries = torch.randn(11, heads, 64, generator=gen) * 3  # (peaked attention: every key matters)
+    others = [(torch.randn(n, heads, 64, generator=gen), *torch.randn(2, c, 3, 64, generator=gen).unbind(0))
               for n, c in [(1, 40), (1, 900), (5, 300), (1, 17)] * 3]
     alone = attend(backend, [(queries[10:], keys, values)])[0]
     among = attend(backend, [*others, (queries[10:], keys, values)])[-1]
@@ -240,6 +243,7 @@ async def test_the_server_gives_the_same_samples_alone_and_under_load(tokenizer)
 @pytest.mark.parametrize("fields, words", [
     (dict(activation_quantization="int16"), "activation quantization int16"),
     (dict(calculate_kv_scales=True), "first forward pass"),
+    (dict(tensor_parallel_size=3), "at most 2 tensor-parallel ranks"),
 ])
 def test_what_batch_invariance_cannot_keep_is_refused(fields, words):
     with pytest.raises(ConfigError, match=words):

@@ -2,8 +2,8 @@
 are processes of their own (``python -m engine.core.tensor_parallel``), each with its shard of the
 model (engine/models/parallel.py) and its own KV cache for its KV heads.
 
-Every step, rank 0 broadcasts the step's ``StepPlan`` (msgpack-encoded by msgspec, carried as a
-uint8 tensor by torch.distributed) and every rank runs it: the same rows through the same
+Every step, rank 0 hands the step's ``StepPlan`` to the other ranks (msgpack-encoded by msgspec,
+through the group's TCPStore) and every rank runs it: the same rows through the same
 forward pass, whose row-split products all-reduce and whose LM head all-gathers, and the same
 sampling from the same logits with the same seeds, so every rank draws the same tokens; rank 0's
 result is the step's. No scheduler state crosses a process: a rank knows only the plans.
@@ -19,6 +19,7 @@ import atexit
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -44,11 +46,31 @@ def _backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def _join(rank: int, size: int, port: int, device: str, timeout: float) -> None:
+# Plans travel through the group's store (torch.distributed's TCPStore, served by rank 0): writing
+# one never waits for a rank, and a rank waits for the next as long as the engine idles. The
+# forward pass's collectives are what a hung or lost rank fails, after distributed_timeout.
+_IDLE = timedelta(days=365)
+_KEPT_PLANS = 64  # (a plan's key is deleted this many steps later: every rank has read it by then)
+_LOADING = 900.0  # seconds the ranks may take to load their shards (not a hang: no collective runs yet)
+
+
+def _join(rank: int, size: int, address: str, port: int, device: str, timeout: float) -> dist.TCPStore:
+    """Join the group (its store on rank 0 at ``address:port``); returns the store."""
     if device.startswith("cuda"):
-        torch.cuda.set_device(rank)
-    dist.init_process_group(_backend(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout))
+        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+    limit = timedelta(seconds=timeout)
+    store = dist.TCPStore(address, port, size, is_master=rank == 0, timeout=limit, wait_for_workers=False)
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size, timeout=limit)
+    return store
+
+
+def _rank_command(rank: int, address: str, port: int, config: EngineConfig) -> list[str]:
+    return [sys.executable, "-m", "engine.core.tensor_parallel", "--rank", str(rank), "--address", address,
+            "--port", str(port), "--config", json.dumps(attrs.asdict(config))]
+
+
+def ranks_per_node(config: EngineConfig) -> int:
+    return config.tensor_parallel_size // config.nnodes
 
 
 def _threads(size: int) -> int:
@@ -61,30 +83,56 @@ class TensorParallelDriver:
 
     def __init__(self, config: EngineConfig, device: str) -> None:
         self.config, self.device, self.size = config, device, config.tensor_parallel_size
-        with socket.socket() as probe:  # (a free port for the group's rendezvous)
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        fields = json.dumps(attrs.asdict(config))
-        self.processes = [subprocess.Popen([sys.executable, "-m", "engine.core.tensor_parallel", "--rank", str(rank),
-                                            "--port", str(self.port), "--config", fields])
-                          for rank in range(1, self.size)]
+        if config.nnodes > 1:  # (the other nodes' ranks meet this one there)
+            self.address, self.port = config.master_addr, config.master_port
+        else:
+            self.address = "127.0.0.1"
+            with socket.socket() as probe:  # (a free port for the group's rendezvous)
+                probe.bind((self.address, 0))
+                self.port = probe.getsockname()[1]
+        self.processes = [subprocess.Popen(_rank_command(rank, self.address, self.port, config))
+                          for rank in range(1, ranks_per_node(config))]
         self._stopped = False
+        self._store: dist.TCPStore | None = None
+        self._step = 0
         atexit.register(self._kill)
 
     def join(self, num_blocks: int) -> None:
         """Join the group (on the device thread, as every later collective) and tell every rank
         the KV cache's size."""
         torch.set_num_threads(_threads(self.size))
-        _join(0, self.size, self.port, self.device, self.config.distributed_timeout)
-        dist.broadcast(torch.tensor([num_blocks], dtype=torch.int64), 0)
+        self._store = _join(0, self.size, self.address, self.port, self.device, self.config.distributed_timeout)
+        self._store.set("num_blocks", str(num_blocks))
+        self._wait_for_ranks()
         log.info("tensor parallel: %d ranks (%s), every step's plan broadcast from rank 0", self.size,
                  _backend(self.device))
 
+    def _wait_for_ranks(self) -> None:
+        """Until every rank has loaded its shard and built its cache (a rank of this machine that
+        exits meanwhile fails the start at once)."""
+        keys = [f"ready/{rank}" for rank in range(1, self.size)]
+        deadline = time.monotonic() + _LOADING
+        while True:
+            try:
+                self._store.wait(keys, timedelta(seconds=1))
+                return
+            except dist.DistStoreError:
+                failed = [p for p in self.processes if p.poll() is not None]
+                if failed:
+                    raise RuntimeError(f"a tensor-parallel rank exited while starting (exit status "
+                                       f"{failed[0].returncode}): see its log above") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the tensor-parallel ranks were not ready after {_LOADING:.0f} s") from None
+
     def send(self, plan: StepPlan) -> None:
         """The step's plan to every rank (before rank 0 runs it)."""
-        payload = _ENCODER.encode(plan)
-        dist.broadcast(torch.tensor([len(payload)], dtype=torch.int64), 0)
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), 0)
+        self._put(_ENCODER.encode(plan))
+
+    def _put(self, payload: bytes) -> None:
+        self._store.set(f"plan/{self._step}", payload)
+        if self._step >= _KEPT_PLANS:
+            self._store.delete_key(f"plan/{self._step - _KEPT_PLANS}")
+        self._step += 1
 
     def stop(self) -> None:
         """End the other ranks (an empty plan) and leave the group."""
@@ -92,7 +140,9 @@ class TensorParallelDriver:
             return
         self._stopped = True
         try:
-            dist.broadcast(torch.tensor([0], dtype=torch.int64), 0)
+            if self._store is None:
+                raise RuntimeError("never joined")
+            self._put(b"")  # (the end)
             dist.destroy_process_group()
         except Exception:  # (a rank already gone: nothing to tell)
             pass
@@ -108,14 +158,12 @@ class TensorParallelDriver:
                 process.wait()
 
 
-def _receive() -> StepPlan | None:
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, 0)
-    if int(size) == 0:
-        return None
-    payload = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(payload, 0)
-    return _DECODER.decode(payload.numpy().tobytes())
+def _plans(store: dist.TCPStore):
+    """The plans rank 0 writes, in order, until the empty one."""
+    step = 0
+    while payload := store.get(f"plan/{step}"):
+        yield _DECODER.decode(payload)
+        step += 1
 
 
 def _exit_with_parent() -> None:
@@ -137,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="one tensor-parallel rank of an engine (started by the engine)")
     parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--address", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
@@ -149,21 +198,46 @@ def main(argv: list[str] | None = None) -> None:
     backend = get_backend(config.backend, device)
     dtype = resolve_dtype(config, device)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, backend, dtype)
+    store = _join(args.rank, size, args.address, args.port, device, config.distributed_timeout)
     source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
     model = load_model(source, config.load_format, dtype, device, config.seed, config.quantization,
                        config.activation_quantization, TensorParallel(args.rank, size))
     if config.batch_invariant and hasattr(backend, "batch_invariant") and device == "cpu":
         model.fix_summation_order()
         backend.batch_invariant = True
-    _join(args.rank, size, args.port, device, config.distributed_timeout)
-    num_blocks = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(num_blocks, 0)
-    runner = ModelRunner(model, backend, int(num_blocks), config.block_size, device, config.seed, kv_dtype,
+    num_blocks = int(store.get("num_blocks"))
+    runner = ModelRunner(model, backend, num_blocks, config.block_size, device, config.seed, kv_dtype,
                          config.calculate_kv_scales)
+    store.set(f"ready/{args.rank}", "1")
+    store.set_timeout(_IDLE)  # (waiting for the next plan: as long as the engine idles)
     with torch.inference_mode():
-        while (plan := _receive()) is not None:
+        for plan in _plans(store):
             runner.execute(plan)
     dist.destroy_process_group()
+
+
+def run_node(config: EngineConfig) -> int:
+    """``python -m engine.api --headless --nnodes N --node-rank R``: this machine's ranks of a
+    tensor-parallel engine whose rank 0 runs on node 0; returns when they end (non-zero when
+    one failed). Ends them if it is ended itself."""
+    if config.nnodes < 2 or config.node_rank == 0:
+        raise ConfigError("node_rank", "a headless tensor-parallel node has --nnodes 2 or more and a --node-rank "
+                                       "other than 0 (node 0 runs the engine itself)")
+    per_node = ranks_per_node(config)
+    first = config.node_rank * per_node
+    processes = [subprocess.Popen(_rank_command(rank, config.master_addr, config.master_port, config))
+                 for rank in range(first, first + per_node)]
+    log.info("node %d: tensor-parallel ranks %d..%d joining %s:%d", config.node_rank, first, first + per_node - 1,
+             config.master_addr, config.master_port)
+
+    def end(*_) -> None:
+        for process in processes:
+            process.kill()
+        raise SystemExit(1)
+
+    signal.signal(signal.SIGTERM, end)
+    codes = [process.wait() for process in processes]
+    return next((code for code in codes if code), 0)
 
 
 if __name__ == "__main__":
