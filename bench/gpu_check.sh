@@ -71,6 +71,13 @@ timeout 60 $PY bench/kernels.py --backends torch,cuda,triton --dtype bfloat16 --
 step "packed weights (GGUF blocks): the CUDA library's kernels against bf16 F.linear"
 timeout 60 $PY bench/packed.py --cuda || status=1
 
+step "tensor parallelism over NCCL (needs 2 GPUs)"
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  timeout 90 $PY bench/tensor_parallel.py --backend cuda --dtype bfloat16 --batches 1,32 || status=1
+else
+  echo "one GPU here: no tensor-parallel case"
+fi
+
 step "attention kernels, Llama-3-8B's heads"
 timeout 60 $PY bench/kernels.py --backends torch,cuda,triton --dtype bfloat16 --shape llama-3-8b --quick \
   --kv-cache-dtypes bfloat16,fp8_e4m3 || status=1

@@ -11,6 +11,7 @@ them, or, with more ranks than KV heads, a copy of one. Packed (GGUF) matrices s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import attrs
@@ -20,6 +21,24 @@ import torch.distributed as dist
 from engine.models.linear import DenseLinear, PackedLinear, PackedWeight, packed_kernels
 
 BLOCK = 32
+
+
+@attrs.define
+class CollectiveTime:
+    """Time this process spent in the forward pass's collectives, and their payload bytes (for
+    bench/tensor_parallel.py: a step's time split into compute and communication)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    bytes: int = 0
+
+    def add(self, start: float, tensor: torch.Tensor) -> None:
+        self.seconds += time.perf_counter() - start
+        self.calls += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+
+
+COLLECTIVES = CollectiveTime()
 
 
 @attrs.frozen
@@ -138,7 +157,9 @@ class RowParallel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
+        start = time.perf_counter()
         dist.all_reduce(y)
+        COLLECTIVES.add(start, y)
         return y
 
     @property
@@ -166,7 +187,9 @@ class VocabParallel:
         local = torch.where(here, ids - start, torch.zeros_like(ids))
         out = self.inner.rows(local) if stop > start else torch.zeros(*ids.shape, self.in_features)
         out = out * here.unsqueeze(-1).to(out.dtype)
+        start = time.perf_counter()
         dist.all_reduce(out)
+        COLLECTIVES.add(start, out)
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,7 +197,9 @@ class VocabParallel:
         if local.shape[-1] < self.share:  # (the last part may be shorter: padded for the gather)
             local = torch.nn.functional.pad(local, (0, self.share - local.shape[-1]))
         parts = [torch.empty_like(local) for _ in range(self.tp.size)]
+        start = time.perf_counter()
         dist.all_gather(parts, local.contiguous())
+        COLLECTIVES.add(start, local)
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
     @property
