@@ -128,7 +128,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(100, 40000) for _ in range(rng.choice([3, 17, 60, 130, 300]))] for _ in range(n)]
+    return [[rng.randrange(100, 40000) for _ in range(rng.choice([3, 17, 60, 130, 200]))] for _ in range(n)]
 
 
 # 600 tokens: alone, its decode attention would be split over threads (from 512 keys).

@@ -169,13 +169,13 @@ def test_greedy_output_is_the_same_with_a_draft_model(model, tokenizer, random_d
     from engine.models.loader import default_model_path
 
     prompts = _prompts(tokenizer)
-    params = SamplingParams(temperature=0, max_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=16)
     plain = _run(_core(model, backend, None), prompts, params)
     path = str(default_model_path()) if draft == "itself" else random_draft
     core = _core(model, backend, _draft(path))
     drafted = _run(core, prompts, params)
     stats = core.stats()
-    assert stats.spec_num_draft_tokens > 300 and sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+    assert stats.spec_num_draft_tokens > 200 and sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
     if draft == "itself":
         assert stats.spec_num_accepted_tokens > 0.9 * stats.spec_num_draft_tokens
     else:
