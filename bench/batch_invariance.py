@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 from pathlib import Path
 
 import attrs
@@ -23,20 +22,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.packed import cpu_name  # noqa: E402
+from bench.spec_decode import run as run_at_once  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.models.loader import load_model, resolve_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-
-
-def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> tuple[int, float]:
-    """(output tokens, seconds) for ``prompts`` queued at once."""
-    total, start = 0, time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        core.add_request(f"{time.perf_counter_ns()}-{i}", prompt, params)
-    while core.has_unfinished_requests:
-        total += sum(len(d.new_token_ids) for d in core.step())
-    return total, time.perf_counter() - start
 
 
 def main() -> None:
@@ -55,15 +45,15 @@ def main() -> None:
         cores[name] = EngineCore(attrs.evolve(config, batch_invariant=invariant), model=model)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    run(cores["default"], [[rng.randrange(100, 40000) for _ in range(16)]], params)  # (warm both)
-    run(cores["invariant"], [[rng.randrange(100, 40000) for _ in range(16)]], params)
+    for core in cores.values():  # (warm both)
+        run_at_once(core, [[rng.randrange(100, 40000) for _ in range(16)]], params, True)
     for n in streams:
         prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(n)]
         for round_ in range(args.rounds):
             order = list(cores) if round_ % 2 == 0 else list(cores)[::-1]  # alternated
             rates = {}
             for name in order:
-                tokens, seconds = run(cores[name], prompts, params)
+                tokens, seconds = run_at_once(cores[name], prompts, params, True)
                 rates[name] = tokens / seconds
             print(f"{n:3d} streams, round {round_ + 1}: default {rates['default']:7.1f}, invariant "
                   f"{rates['invariant']:7.1f} output tok/s: invariant / default = "

@@ -389,9 +389,9 @@ def gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
-def stream_until_it_ends(base: str, started) -> tuple[list, float]:
+def stream_until_it_ends(base: str, started, max_tokens: int = 3000) -> tuple[list, float]:
     """One long streamed completion: (its data events, when it ended)."""
-    body = {"prompt": "Tell me a long story.", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Tell me a long story.", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     events = []
     try:
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:

@@ -126,21 +126,7 @@ def test_two_nodes_serve_and_the_loss_of_one_ends_every_stream(tmp_path):
     import httpx
 
     from engine.models.loader import default_model_path
-    from tests.test_server import child_pids, free_port, gone, start_server
-
-    def stream_until_it_ends(base: str, started) -> list[str]:
-        """A streamed completion longer than the test: its data events (or how the link broke)."""
-        body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        events = []
-        try:
-            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
-                for line in response.iter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        started.release() if len(events) == 1 else None
-        except httpx.TransportError as exc:  # the server exited under it: also an end
-            events.append(f"transport error: {exc}")
-        return events
+    from tests.test_server import child_pids, free_port, gone, start_server, stream_until_it_ends
 
     model = random_llama(tmp_path, 4, vocab_size=49152)  # (the default tokenizer's ids)
     flags = ["--model", model, "--tokenizer", str(default_model_path()), "--tensor-parallel-size", "2",
@@ -157,12 +143,12 @@ def test_two_nodes_serve_and_the_loss_of_one_ends_every_stream(tmp_path):
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
             started = threading.Semaphore(0)
             with ThreadPoolExecutor(max_workers=4) as pool:
-                futures = [pool.submit(stream_until_it_ends, base, started) for _ in range(4)]
+                futures = [pool.submit(stream_until_it_ends, base, started, 400) for _ in range(4)]
                 for _ in range(4):
                     assert started.acquire(timeout=60)
                 node.kill()
                 results = [f.result(timeout=60) for f in futures]
-            for events in results:
+            for events, _ in results:
                 assert events[-1].startswith("transport error") or json.loads(events[-2])["error"]["code"] == \
                     "engine_dead"
             assert proc.wait(timeout=60) == 1

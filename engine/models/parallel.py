@@ -148,7 +148,21 @@ def _cat(parts: list):
     return torch.cat(parts)
 
 
-class RowParallel:
+class _Shard:
+    """A rank's product (``inner``), as the model sees the whole one."""
+
+    inner: DenseLinear | PackedLinear
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+
+class RowParallel(_Shard):
     """A product split by input columns: each rank's partial sums, all-reduced."""
 
     def __init__(self, inner: DenseLinear | PackedLinear) -> None:
@@ -162,16 +176,8 @@ class RowParallel:
         COLLECTIVES.add(start, y)
         return y
 
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes
 
-    @property
-    def kind(self) -> str:
-        return self.inner.kind
-
-
-class VocabParallel:
+class VocabParallel(_Shard):
     """The embedding (and LM head) split by vocabulary rows: a lookup takes this rank's rows (zeros
     for the others' ids) and all-reduces; a product all-gathers every rank's logits."""
 
@@ -201,14 +207,6 @@ class VocabParallel:
         dist.all_gather(parts, local.contiguous())
         COLLECTIVES.add(start, local)
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
-
-    @property
-    def nbytes(self) -> int:
-        return self.inner.nbytes
-
-    @property
-    def kind(self) -> str:
-        return self.inner.kind
 
 
 def parallelize(model, tp: TensorParallel, vocab_size: int) -> None:

@@ -602,6 +602,22 @@ void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
 }
 #endif
 
+// Rows m0.. of x in tiles of 7 rows and one tile of what is left (folded offsets). Each row's
+// sums run in the same order whatever its tile (rows_tile).
+template <int Type>
+void folded_rows_from(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
+    for (; m0 + 7 <= j.m; m0 += 7) rows_tile<Type, 7, false>(j, n0, n1, m0);
+    switch (j.m - m0) {
+        case 6: return rows_tile<Type, 6, false>(j, n0, n1, m0);
+        case 5: return rows_tile<Type, 5, false>(j, n0, n1, m0);
+        case 4: return rows_tile<Type, 4, false>(j, n0, n1, m0);
+        case 3: return rows_tile<Type, 3, false>(j, n0, n1, m0);
+        case 2: return rows_tile<Type, 2, false>(j, n0, n1, m0);
+        case 1: return rows_tile<Type, 1, false>(j, n0, n1, m0);
+        default: return;
+    }
+}
+
 // Each tile is compiled per type, so the block format is known in the inner loop.
 template <int Type>
 void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
@@ -621,33 +637,14 @@ void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
     // tiles of 4 and 1 for 5 rows took 1.5x the time of one tile of 8 (AMD EPYC family 23,
     // the default model's gate/up product; a step verifying 4 proposed tokens computes 5 rows).
     // Each output is summed in the same order whatever its tile.
-    for (; m0 + 7 <= j.m; m0 += 7) rows_tile<Type, 7, false>(j, n0, n1, m0);  // (no tile of 8 without AVX2)
-    switch (j.m - m0) {
-        case 6: return rows_tile<Type, 6, false>(j, n0, n1, m0);
-        case 5: return rows_tile<Type, 5, false>(j, n0, n1, m0);
-        case 4: return rows_tile<Type, 4, false>(j, n0, n1, m0);
-        case 3: return rows_tile<Type, 3, false>(j, n0, n1, m0);
-        case 2: return rows_tile<Type, 2, false>(j, n0, n1, m0);
-        case 1: return rows_tile<Type, 1, false>(j, n0, n1, m0);
-        default: return;
-    }
+    folded_rows_from<Type>(j, n0, n1, m0);  // (no tile of 8 without AVX2)
 }
 
-// qm_linear_rows: tiles of 7 rows and one of what is left, whatever m. Each row's sums run in
-// the same order in every tile (rows_tile), so a row of y does not depend on the other rows of x.
+// qm_linear_rows: the folded row tiles whatever m, so a row of y does not depend on the other
+// rows of x.
 template <int Type>
 void fixed_rows_of(const Job& j, int64_t n0, int64_t n1) {
-    int64_t m0 = 0;
-    for (; m0 + 7 <= j.m; m0 += 7) rows_tile<Type, 7, false>(j, n0, n1, m0);
-    switch (j.m - m0) {
-        case 6: return rows_tile<Type, 6, false>(j, n0, n1, m0);
-        case 5: return rows_tile<Type, 5, false>(j, n0, n1, m0);
-        case 4: return rows_tile<Type, 4, false>(j, n0, n1, m0);
-        case 3: return rows_tile<Type, 3, false>(j, n0, n1, m0);
-        case 2: return rows_tile<Type, 2, false>(j, n0, n1, m0);
-        case 1: return rows_tile<Type, 1, false>(j, n0, n1, m0);
-        default: return;
-    }
+    folded_rows_from<Type>(j, n0, n1, 0);
 }
 
 void fixed_rows(const Job& j, int64_t n0, int64_t n1) {
