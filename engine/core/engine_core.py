@@ -70,6 +70,7 @@ class EngineCore:
         self.device_thread = DeviceThread.shared()
         if model is not None and config.tensor_parallel_size > 1:
             raise ConfigError("tensor_parallel_size", "a model handed in runs on one rank only")
+        self.tensor_parallel: TensorParallelDriver | None = None  # (_start_runner starts the other ranks)
         tp = TensorParallel(0, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
         # (rank 0's shard first: sizes that do not divide the model are refused before any rank starts)
         self.model = model or self.device_thread.run_sync(
@@ -92,20 +93,9 @@ class EngineCore:
         # and a step's prefill chunk (BlockManager.free_out_of_window): any length fits that.
         held = None if sliding is None else sliding + config.max_num_batched_tokens + 2 * config.block_size
         self.max_model_len = self._max_model_len(num_blocks * config.block_size, held)
-        drafter = None
-        if self.draft_model is not None:
-            drafter = self.device_thread.run_sync(Drafter, self.draft_model, self.backend, num_blocks,
-                                                  config.block_size, self.device, self.kv_dtype,
-                                                  config.speculative.num_speculative_tokens, config.max_num_seqs)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.tensor_parallel = None
-        if tp is not None:
-            self.tensor_parallel = TensorParallelDriver(config, self.device)
-            self.device_thread.run_sync(self.tensor_parallel.join, num_blocks)
-        self.runner = self.device_thread.run_sync(ModelRunner, self.model, self.backend, num_blocks,
-                                                  config.block_size, self.device, config.seed, self.kv_dtype,
-                                                  config.calculate_kv_scales, drafter)
+        self.runner = self._start_runner(num_blocks)
         self._bitmask = GrammarBitmask(config.max_num_seqs)
         self._arrivals = itertools.count()
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequences' ids
@@ -123,6 +113,22 @@ class EngineCore:
                  per_token)
 
     # ---- set-up ----
+
+    def _start_runner(self, num_blocks: int) -> ModelRunner:
+        """The model runner on the device thread, with a draft model's drafter where there is one,
+        after the other tensor-parallel ranks (if any) have joined with their shards."""
+        config = self.config
+        drafter = None
+        if self.draft_model is not None:
+            drafter = self.device_thread.run_sync(Drafter, self.draft_model, self.backend, num_blocks,
+                                                  config.block_size, self.device, self.kv_dtype,
+                                                  config.speculative.num_speculative_tokens, config.max_num_seqs)
+        if config.tensor_parallel_size > 1:
+            self.tensor_parallel = TensorParallelDriver(config, self.device)
+            self.device_thread.run_sync(self.tensor_parallel.join, num_blocks)
+        return self.device_thread.run_sync(ModelRunner, self.model, self.backend, num_blocks, config.block_size,
+                                           self.device, config.seed, self.kv_dtype, config.calculate_kv_scales,
+                                           drafter)
 
     def _load_draft_model(self, dtype) -> LlamaModel | None:
         """The draft model of speculative method ``draft_model`` (None for other methods): loaded
@@ -148,16 +154,11 @@ class EngineCore:
     def _fix_summation_order(self) -> None:
         """``--batch-invariant``: the model's products and the backend's attention in an order set
         by each row alone, where the backend has one; where it has not, the start-up log says so."""
-        if not hasattr(self.backend, "batch_invariant") or self.device != "cpu":
+        if not fix_summation_order(self.model, self.backend, self.device):
             log.warning("batch invariance is not available on the %s backend on %s (the cpu and torch backends "
                         "have it, on CPU): a request's results may differ in their last bits with what else runs",
                         self.backend.name, self.device)
             return
-        try:
-            self.model.fix_summation_order()
-        except ValueError as exc:
-            raise ConfigError("batch_invariant", f"batch invariance cannot run this model here: {exc}") from None
-        self.backend.batch_invariant = True
         log.info("batch invariant: each request's tokens and logprobs are the same bits whatever else runs "
                  "(products in row tiles, attention unsplit)")
 
@@ -187,7 +188,7 @@ class EngineCore:
                                                     "memory)")
         per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)
         if self.draft_model is not None:  # (its cache has as many blocks)
-            per_block += Drafter.kv_bytes_per_block(self.draft_model, config.block_size, self.kv_dtype)
+            per_block += ModelRunner.kv_bytes_per_block(self.draft_model, config.block_size, self.kv_dtype)
         num_blocks = memory // per_block
         if num_blocks < 1:
             raise ConfigError(field, why)
@@ -488,6 +489,24 @@ class EngineCore:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=tuple(spec.accepted_per_pos),
         )
+
+
+def fix_summation_order(model: LlamaModel, backend, device: str) -> bool:
+    """Batch invariance for ``model`` on ``backend`` (its products and attention in an order set by
+    each row alone); False, changing nothing, where the backend has no such order (other
+    backends, and any on a GPU).
+
+    Raises:
+        ConfigError: a product of the model that cannot take a fixed order.
+    """
+    if not hasattr(backend, "batch_invariant") or device != "cpu":
+        return False
+    try:
+        model.fix_summation_order()
+    except ValueError as exc:
+        raise ConfigError("batch_invariant", f"batch invariance cannot run this model here: {exc}") from None
+    backend.batch_invariant = True
+    return True
 
 
 def child_id(request_id: str, index: int) -> str:

@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     from backends import get_backend
     from backends.kv_cache import resolve_kv_cache_dtype
     from engine.config import resolve_device, resolve_dtype
+    from engine.core.engine_core import fix_summation_order
     from engine.models.loader import load_model, resolve_model
     from engine.models.parallel import TensorParallel
     from engine.runner.model_runner import ModelRunner
@@ -202,9 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
     model = load_model(source, config.load_format, dtype, device, config.seed, config.quantization,
                        config.activation_quantization, TensorParallel(args.rank, size))
-    if config.batch_invariant and hasattr(backend, "batch_invariant") and device == "cpu":
-        model.fix_summation_order()
-        backend.batch_invariant = True
+    if config.batch_invariant:
+        fix_summation_order(model, backend, device)
     num_blocks = int(store.get("num_blocks"))
     runner = ModelRunner(model, backend, num_blocks, config.block_size, device, config.seed, kv_dtype,
                          config.calculate_kv_scales)

@@ -128,22 +128,9 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     log.info("loaded %d weight tensors of %s (%s)", len(weights), source.path, fmt)
     if quantization == "int8":
         weights = {name: quantize_q8_m(w) if _is_layer_matrix(name, w) else w for name, w in weights.items()}
-    if tp is not None and tp.size > 1:
-        try:
-            local, weights = shard(config, weights, tp, config.family.fused_checkpoint)
-        except ValueError as exc:
-            raise ConfigError("tensor_parallel_size", str(exc)) from None
-        model = LlamaModel.from_state_dict(local, weights, dtype, device)  # (its config: this rank's heads)
-        parallelize(model, tp, config.vocab_size)
-    else:
-        model = LlamaModel.from_state_dict(config, weights, dtype, device)
+    model = _build(config, weights, dtype, device, tp)
     if activation_quantization != "none":
-        rows = INT16_ACTIVATION_MAX_ROWS if activation_quantization == "int16" else BF16_ACTIVATION_MIN_ROWS
-        if model.quantize_activations(activation_quantization, rows) == 0:
-            raise ConfigError("activation_quantization", f"activation quantization {activation_quantization} needs "
-                                                         f"packed weights; {source.path.name} has none")
-        log.info("activations of the packed products rounded to %s in batches of %s %d rows", activation_quantization,
-                 "up to" if activation_quantization == "int16" else "at least", rows)
+        _quantize_activations(model, activation_quantization, source)
     kinds, resident = model.weight_summary()
     log.info("weights (quantization %s): %s; %.1f MB resident", quantization,
              ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())), resident / 1e6)
@@ -151,6 +138,29 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
         cap = os.environ.get(ISA_CAP_VARIABLE)
         log.info("packed-weight kernels: %s%s", packed_isa(), f" (capped by {ISA_CAP_VARIABLE}={cap})" if cap else "")
     return model
+
+
+def _build(config: LlamaConfig, weights: dict, dtype: torch.dtype, device: str,
+           tp: TensorParallel | None) -> LlamaModel:
+    """The model of ``weights``, or with ``tp`` this rank's shard of it (its config: its heads)."""
+    if tp is None or tp.size == 1:
+        return LlamaModel.from_state_dict(config, weights, dtype, device)
+    try:
+        local, weights = shard(config, weights, tp, config.family.fused_checkpoint)
+    except ValueError as exc:
+        raise ConfigError("tensor_parallel_size", str(exc)) from None
+    model = LlamaModel.from_state_dict(local, weights, dtype, device)
+    parallelize(model, tp, config.vocab_size)
+    return model
+
+
+def _quantize_activations(model: LlamaModel, kind: str, source: ModelSource) -> None:
+    rows = INT16_ACTIVATION_MAX_ROWS if kind == "int16" else BF16_ACTIVATION_MIN_ROWS
+    if model.quantize_activations(kind, rows) == 0:
+        raise ConfigError("activation_quantization", f"activation quantization {kind} needs packed weights; "
+                                                     f"{source.path.name} has none")
+    log.info("activations of the packed products rounded to %s in batches of %s %d rows", kind,
+             "up to" if kind == "int16" else "at least", rows)
 
 
 def _is_layer_matrix(name: str, weight: torch.Tensor) -> bool:

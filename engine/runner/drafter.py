@@ -60,11 +60,6 @@ class Drafter:
         self.kv_scales = ([torch.ones(2, dtype=torch.float32, device=device) for _ in range(cfg.num_layers)]
                           if kv_dtype.is_fp8 else None)
 
-    @staticmethod
-    def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: KVCacheDtype) -> int:
-        cfg = model.config
-        return block_size * kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-
     def run(self, rows: list[DraftRow], num_proposals: int) -> dict[str, tuple[int, ...]]:
         """Compute ``rows`` into the draft cache; for each row that proposes, its greedy
         continuation of ``num_proposals`` tokens (fewer where the draft model's context ends)."""
