@@ -28,7 +28,7 @@ from engine.core.device_thread import DeviceThread
 from engine.core.tensor_parallel import TensorParallelDriver
 from engine.errors import ConfigError, InvalidParameterError
 from engine.messages import Decodes, EngineStats, TokenDelta
-from engine.models.llama import LlamaModel
+from engine.models.llama import LlamaModel, fix_summation_order
 from engine.models.loader import load_model, resolve_model
 from engine.models.parallel import TensorParallel
 from engine.plan import RunnerOutput, StepPlan
@@ -489,24 +489,6 @@ class EngineCore:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=tuple(spec.accepted_per_pos),
         )
-
-
-def fix_summation_order(model: LlamaModel, backend, device: str) -> bool:
-    """Batch invariance for ``model`` on ``backend`` (its products and attention in an order set by
-    each row alone); False, changing nothing, where the backend has no such order (other
-    backends, and any on a GPU).
-
-    Raises:
-        ConfigError: a product of the model that cannot take a fixed order.
-    """
-    if not hasattr(backend, "batch_invariant") or device != "cpu":
-        return False
-    try:
-        model.fix_summation_order()
-    except ValueError as exc:
-        raise ConfigError("batch_invariant", f"batch invariance cannot run this model here: {exc}") from None
-    backend.batch_invariant = True
-    return True
 
 
 def child_id(request_id: str, index: int) -> str:

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     from backends import get_backend
     from backends.kv_cache import resolve_kv_cache_dtype
     from engine.config import resolve_device, resolve_dtype
-    from engine.core.engine_core import fix_summation_order
+    from engine.models.llama import fix_summation_order
     from engine.models.loader import load_model, resolve_model
     from engine.models.parallel import TensorParallel
     from engine.runner.model_runner import ModelRunner

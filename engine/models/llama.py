@@ -21,6 +21,7 @@ from backends import packed as packed_kernels
 from backends.base import AttentionBackend, AttentionMetadata
 from backends.kv_cache import dtype_of as kv_dtype_of
 from backends.layer_ops import Rope, rms_norm
+from engine.errors import ConfigError
 from engine.models import families
 from engine.models.linear import CudaPackedLinear, DenseLinear, Linear, PackedLinear, PackedWeight
 
@@ -383,3 +384,21 @@ def calibrate_kv_scales(qkv: torch.Tensor, q_size: int, kv_size: int, kv_cache: 
     largest = kv_dtype_of(kv_cache).max_value
     amax = torch.stack([k.abs().amax() * 2 ** 0.5, v.abs().amax()]).float()
     kv_scales.copy_(torch.where(amax > 0, 2 * amax / largest, torch.ones_like(amax)))
+
+
+def fix_summation_order(model: LlamaModel, backend: AttentionBackend, device: str) -> bool:
+    """Batch invariance for ``model`` on ``backend`` (its products and attention in an order set by
+    each row alone); False, changing nothing, where the backend has no such order (other
+    backends, and any on a GPU).
+
+    Raises:
+        ConfigError: a product of the model that cannot take a fixed order.
+    """
+    if not hasattr(backend, "batch_invariant") or device != "cpu":
+        return False
+    try:
+        model.fix_summation_order()
+    except ValueError as exc:
+        raise ConfigError("batch_invariant", f"batch invariance cannot run this model here: {exc}") from None
+    backend.batch_invariant = True
+    return True
