@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,6 +66,11 @@ class TorchLayerOps:
         if residual is not None:
             x = x + residual
         return rms_norm(x, weight, eps), x
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's ``silu(gate) * up`` for ``gate_up`` ``[T, 2 * intermediate]`` (gate first)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def rope_write_kv(self, backend, qkv: torch.Tensor, rope: Rope, num_heads: int, num_kv_heads: int,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor,

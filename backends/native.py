@@ -146,9 +146,24 @@ def scales_pointer(kv_scales: torch.Tensor | None, device: torch.device):
 def attention_shape(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
                     dtypes: tuple[torch.dtype, ...], kv_dtypes: tuple[str, ...]):
     """Check everything ``*_attention`` assumes; return the filled ``pa_shape``."""
-    device = query.device
     spec = check_rows("query", query, "out", out, kv_cache, dtypes, kv_dtypes)
     num_tokens, num_heads, head_size = query.shape
+    return _attention_shape(num_tokens, num_heads, head_size, kv_cache, spec, meta, DTYPE_CODES[query.dtype])
+
+
+def stack_shape(num_tokens: int, num_heads: int, num_kv_heads: int, head_size: int, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, kv_dtypes: tuple[str, ...]):
+    """Check a float32 layer stack's cache and metadata (``pa_cpu_decoder_layers``); return the
+    filled ``pa_shape``."""
+    spec = check_cache(kv_cache, meta.seq_lens.device, head_size, kv_dtypes)
+    if kv_cache.shape[3] != num_kv_heads:
+        raise ValueError(f"the cache holds {kv_cache.shape[3]} KV heads, the model {num_kv_heads}")
+    return _attention_shape(num_tokens, num_heads, head_size, kv_cache, spec, meta, DTYPE_CODES[torch.float32])
+
+
+def _attention_shape(num_tokens: int, num_heads: int, head_size: int, kv_cache: torch.Tensor,
+                     spec: kvc.KVCacheDtype, meta: AttentionMetadata, dtype_code: int):
+    device = kv_cache.device
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -163,8 +178,7 @@ def attention_shape(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     if meta.max_seq_len > meta.block_tables.shape[1] * block_size:
         raise ValueError("max_seq_len exceeds what block_tables can address")
     return _shape(num_tokens, num_seqs, num_heads, num_kv_heads, head_size, block_size, num_blocks,
-                  meta.block_tables.shape[1], meta.max_query_len, meta.max_seq_len, DTYPE_CODES[query.dtype],
-                  spec.code)
+                  meta.block_tables.shape[1], meta.max_query_len, meta.max_seq_len, dtype_code, spec.code)
 
 
 def write_kv_shape(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -198,16 +212,22 @@ def rope_write_kv_shape(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
     _, num_blocks, block_size, cache_kv_heads, _ = kv_cache.shape
     if cache_kv_heads != num_kv_heads:
         raise ValueError("qkv's heads do not match the cache's num_kv_heads")
+    check_rope(num_tokens, head_size, positions, cos, sin, slot_mapping)
+    return _shape(num_tokens, 0, num_heads, num_kv_heads, head_size, block_size, num_blocks, 0, 0, 0,
+                  DTYPE_CODES[torch.float32], spec.code)
+
+
+def check_rope(num_tokens: int, head_size: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+    """What ``pa_cpu_rope_write_kv`` assumes of the positions, the rotary tables and the slots."""
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
-        _check_tensor(name, t, torch.int64, device, 1)
+        _check_tensor(name, t, torch.int64, positions.device, 1)
         if t.shape[0] != num_tokens:
             raise ValueError(f"{name} needs one entry per token")
     for name, t in (("cos", cos), ("sin", sin)):
-        _check_tensor(name, t, torch.float32, device, 2)
+        _check_tensor(name, t, torch.float32, positions.device, 2)
         if t.shape != cos.shape or not 0 < t.shape[1] <= head_size // 2:
             raise ValueError(f"rotary table {name} must be [max_positions, rotary_dim / 2 <= {head_size // 2}]")
-    return _shape(num_tokens, 0, num_heads, num_kv_heads, head_size, block_size, num_blocks, 0, 0, 0,
-                  DTYPE_CODES[torch.float32], spec.code)
 
 
 def _shape(*values: int):

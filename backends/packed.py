@@ -90,10 +90,14 @@ def _check(packed: torch.Tensor, kind: str, k: int, device_type: str = "cpu") ->
     return TYPES[kind][0]
 
 
+def last_error() -> str:
+    """The library's message for its last failed call on this thread."""
+    return _ffi().string(library().qm_last_error()).decode()
+
+
 def _rc(rc: int, what: str) -> None:
     if rc != 0:
-        message = _ffi().string(library().qm_last_error()).decode()
-        raise native.NativeKernelError(f"{what} failed: {message}")
+        raise native.NativeKernelError(f"{what} failed: {last_error()}")
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, k: int, isa: str = "best",
@@ -108,6 +112,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, k: int, isa: str = 
     return matrix.linear(x, isa, activations)
 
 
+def kernel_address(activations: str) -> int:
+    """The address of the library's product function for ``activations`` (``ACTIVATIONS`` or
+    ``fixed_order``): what another native library calls the products through
+    (``pa_cpu_decoder_layers``). All share ``qm_linear``'s signature."""
+    name = "qm_linear_rows" if activations == "fixed_order" else ACTIVATIONS[activations]
+    return int(_ffi().cast("uintptr_t", getattr(library(), name)))
+
+
 class PackedMatrix:
     """A packed weight bound to the library, checked once: the per-step products skip the
     argument checks of ``linear`` (they run ~120 times a decode step)."""
@@ -120,6 +132,15 @@ class PackedMatrix:
         self._n = data.shape[0]
         self._kernels = {kind: getattr(self._lib, name) for kind, name in ACTIVATIONS.items()}
         self._kernels["fixed_order"] = self._lib.qm_linear_rows
+
+    @property
+    def type_id(self) -> int:
+        """The library's id of the weight's layout (``TYPES``, ``DENSE_TYPES``)."""
+        return self._type
+
+    @property
+    def n(self) -> int:
+        return self._n
 
     def linear(self, x: torch.Tensor, isa: str = "best", activations: str = "float32") -> torch.Tensor:
         """``x @ W.T`` for ``x`` float32, contiguous, ``[M, K]`` (the caller guarantees it), with

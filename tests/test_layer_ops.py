@@ -88,3 +88,24 @@ def test_rope_write_kv_refuses_positions_and_slots_out_of_range(cpu):
         with pytest.raises(native.NativeKernelError, match="outside"):
             cpu.layer_ops.rope_write_kv(cpu, qkv, Rope(positions, rope.cos_table, rope.sin_table), 6, 2, cache,
                                         bad_slots)
+
+
+def test_silu_mul_is_torch_s_to_a_few_ulp_and_the_same_bits_on_every_path(cpu):
+    gen = torch.Generator().manual_seed(5)
+    gate = torch.cat([torch.randn(2000, generator=gen) * 6, torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 87.0,
+                                                                         -87.0, 100.0, -100.0, 1e4, -1e4])])
+    up = torch.randn(gate.shape[0], generator=gen)
+    # Rows of 2012 values: the vector path takes 2008 of them and the scalar tail 4; the same
+    # values again at the start of a row and in its tail must come out the same.
+    inter = gate.shape[0]
+    gate_up = torch.stack([torch.cat([gate, up]), torch.cat([gate.roll(-4), up.roll(-4)])])
+    got = cpu.layer_ops.silu_mul(gate_up)
+    want = TORCH_LAYER_OPS.silu_mul(gate_up)
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-37)
+    assert torch.equal(got[0, :4], got[1, inter - 4:])  # scalar tail == vector lanes
+    assert torch.equal(got[1, :4], got[0, 4:8])
+
+
+def test_silu_mul_falls_back_to_torch_off_fp32(cpu):
+    gate_up = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(cpu.layer_ops.silu_mul(gate_up), TORCH_LAYER_OPS.silu_mul(gate_up))

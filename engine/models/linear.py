@@ -148,6 +148,15 @@ class DenseLinear:
         (and so each output's sum order) follows the number of rows. CPU, float32 or bfloat16."""
         self._fixed = packed_kernels.DenseMatrix(self.weight) if fixed else None
 
+    def activations_for(self, m: int) -> str | None:
+        """``fixed_order`` when the product goes through the packed library's row tiles, else None
+        (torch's GEMM): ``PackedLinear.activations_for``'s question."""
+        return None if self._fixed is None else "fixed_order"
+
+    @property
+    def matrix(self) -> packed_kernels.DenseMatrix | None:
+        return self._fixed
+
     @property
     def nbytes(self) -> int:
         return _bytes(self.weight) + _bytes(self.bias)
@@ -204,18 +213,27 @@ class PackedLinear:
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T (+ bias)`` for fp32 contiguous ``x`` ``[M, in_features]``."""
-        m = x.shape[0]
-        if self.fixed_order:
-            y = self._matrix.linear(x, activations="fixed_order")
-        elif m <= self.int16_activation_rows:
-            y = self._matrix.linear(x, activations="int16")
-        elif self.bf16_activation_rows is not None and m >= self.bf16_activation_rows:
-            y = self._matrix.linear(x, activations="bfloat16")  # (panels at every size: faster than _tiled)
-        else:
-            y = self._matrix.linear(x) if m <= self.max_kernel_rows else self._tiled(x)
+        activations = self.activations_for(x.shape[0])
+        y = self._tiled(x) if activations is None else self._matrix.linear(x, activations=activations)
         if self.bias is not None:
             y += self.bias
         return y
+
+    def activations_for(self, m: int) -> str | None:
+        """How a product of ``m`` rows takes x in the packed library (``packed.ACTIVATIONS``, or
+        ``fixed_order``), or None where it dequantizes tiles for torch's GEMM instead."""
+        if self.fixed_order:
+            return "fixed_order"
+        if m <= self.int16_activation_rows:
+            return "int16"
+        if self.bf16_activation_rows is not None and m >= self.bf16_activation_rows:
+            return "bfloat16"  # (panels at every size: faster than _tiled)
+        return "float32" if m <= self.max_kernel_rows else None
+
+    @property
+    def matrix(self) -> packed_kernels.PackedMatrix:
+        """The weight as the packed library takes it."""
+        return self._matrix
 
     def _tiled(self, x: torch.Tensor) -> torch.Tensor:
         rows = max(1, min(self.out_features, _TILE_FLOATS // self.in_features))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from backends import packed as packed_kernels
 from backends.base import AttentionBackend, AttentionMetadata
+from backends.cpu import LayerStack, StackLayer
 from backends.kv_cache import dtype_of as kv_dtype_of
 from backends.layer_ops import Rope, rms_norm
 from engine.errors import ConfigError
@@ -206,6 +207,8 @@ class LlamaModel:
                             if config.family.scaled_embeddings else None)
         self.act = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
                     "gelu": F.gelu}[config.hidden_act]
+        self._stack: LayerStack | None = None  # _layer_stack's, built on first use
+        self._stack_activations: dict[int, str | None] = {}  # rows -> how the stack's products take x
 
     @classmethod
     def from_state_dict(cls, config: LlamaConfig, weights: Mapping[str, torch.Tensor],
@@ -284,6 +287,7 @@ class LlamaModel:
         for linear in packed:
             linear.int16_activation_rows = rows if kind == "int16" else 0
             linear.bf16_activation_rows = rows if kind == "bf16" else None
+        self._stack_activations.clear()
         return len(packed)
 
     def fix_summation_order(self, fixed: bool = True) -> None:
@@ -300,6 +304,7 @@ class LlamaModel:
                 linear.fix_order(fixed)
             elif fixed:
                 raise ValueError(f"{type(linear).__name__} products have no fixed summation order")
+        self._stack, self._stack_activations = None, {}  # (a dense product's matrix is new)
 
     def weight_summary(self) -> tuple[dict[str, int], int]:
         """How the weights are held: tensors per kind (``Q4_1``, ``float32``...), and resident bytes."""
@@ -325,6 +330,9 @@ class LlamaModel:
         rope = self.rotary.at(positions)
         local_rope = self.local_rotary.at(positions) if self.local_rotary is not None else rope
         ops, eps = backend.layer_ops, self.config.rms_norm_eps
+        stack = None if calibrate else self._layer_stack(ops, x.shape[0])
+        if stack is not None:  # every layer and the final norm in one native call
+            return ops.decoder_layers(*stack, x.contiguous(), rope, kv_caches, meta, kv_scales)
         residual = None  # the residual stream: x + every layer's outputs so far
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
@@ -334,7 +342,7 @@ class LlamaModel:
             if layer.attn_out_norm is not None:
                 x = ops.add_rms_norm(x, None, layer.attn_out_norm, eps)[0]
             h, residual = ops.add_rms_norm(x, residual, layer.mlp_norm, eps)
-            x = self._mlp(layer, h)
+            x = self._mlp(layer, h, ops)
             if layer.mlp_out_norm is not None:
                 x = ops.add_rms_norm(x, None, layer.mlp_out_norm, eps)[0]
         return ops.add_rms_norm(x, residual, self.norm, eps)[0]
@@ -370,9 +378,52 @@ class LlamaModel:
         k = rms_norm(k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
         return torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v], dim=-1)
 
-    def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)
+    def _mlp(self, layer: LlamaLayer, h: torch.Tensor, ops) -> torch.Tensor:
+        gate_up = layer.gate_up_proj(h)
+        if self.config.hidden_act == "silu":
+            return layer.down_proj(ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return layer.down_proj(self.act(gate) * up)
+
+    def _layer_stack(self, ops, rows: int) -> tuple[LayerStack, str] | None:
+        """The decoder layers as the backend's one-call stack takes them (``decoder_layers`` of
+        its layer ops: the cpu backend's), and how the products take x at ``rows`` rows; None where
+        the backend has no such call, the model is not Llama-shaped in float32 (norms around the
+        attention or the MLP, q/k norms, another activation, a local rotary), or a product is not
+        in the packed library at ``rows`` rows (dense weights, or a batch large enough for
+        dequantized tiles and torch's GEMM). The stack computes what the layer-by-layer loop
+        computes, bit for bit."""
+        if not hasattr(ops, "decoder_layers"):
+            return None
+        if rows not in self._stack_activations:
+            products = [linear for layer in self.layers for linear in
+                        (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+            kinds = {getattr(linear, "activations_for", lambda _: None)(rows) for linear in products}
+            self._stack_activations[rows] = kinds.pop() if len(kinds) == 1 and self._stackable() else None
+        activations = self._stack_activations[rows]
+        if activations is None:
+            return None
+        if self._stack is None:
+            cfg = self.config
+
+            def product(linear: PackedLinear | DenseLinear) -> tuple[packed_kernels.PackedMatrix, torch.Tensor | None]:
+                return linear.matrix, linear.bias
+
+            self._stack = LayerStack(
+                layers=tuple(StackLayer(qkv=product(layer.qkv_proj), o=product(layer.o_proj),
+                                        gate_up=product(layer.gate_up_proj), down=product(layer.down_proj),
+                                        input_norm=layer.input_norm, mlp_norm=layer.mlp_norm, window=layer.window)
+                             for layer in self.layers),
+                final_norm=self.norm, hidden=cfg.hidden_size, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                head_size=cfg.head_dim, scale=self.scale, softcap=cfg.attn_logit_softcapping, eps=cfg.rms_norm_eps)
+        return self._stack, activations
+
+    def _stackable(self) -> bool:
+        """Whether every layer is what ``pa_cpu_decoder_layers`` runs: float32, SwiGLU, one rotary,
+        no norms but the two before attention and MLP."""
+        return (self.dtype == torch.float32 and self.config.hidden_act == "silu" and self.local_rotary is None
+                and all(layer.q_norm is None and layer.k_norm is None and layer.attn_out_norm is None
+                        and layer.mlp_out_norm is None for layer in self.layers))
 
 
 def calibrate_kv_scales(qkv: torch.Tensor, q_size: int, kv_size: int, kv_cache: torch.Tensor,

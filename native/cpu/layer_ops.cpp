@@ -12,6 +12,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(PA_NO_AVX2)
+#define PA_X86 1
+#include <immintrin.h>
+#endif
 
 #include "kernel.h"
 
@@ -54,9 +60,138 @@ void rotate(float* __restrict dst, const float* __restrict src, const float* __r
     if (2 * half < head_size) std::memcpy(dst + 2 * half, src + 2 * half, (head_size - 2 * half) * sizeof(float));
 }
 
+// exp for silu, the same bits on every path: Cody-Waite range reduction (x = n ln2 + r, |r| <=
+// ln2 / 2) and a degree-6 polynomial for e^r (Cephes' expf coefficients), then 2^n put in the
+// exponent. Only multiplies and adds, each rounded (-ffp-contract=off), so the scalar and the
+// AVX2 versions below agree bit for bit. Within 2 ulp of the exact value on [-87.3, 88.0]; below,
+// the value at -87.3 (silu(g) = g there to float precision), above ln(FLT_MAX) infinity, as
+// expf overflows (silu(g) = -0 for g < -88.7, as torch's).
+constexpr float kExpLo = -87.3f, kExpHi = 88.0f, kExpOverflow = 88.72283935546875f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float exp_scalar(float x) {
+    if (x > kExpOverflow) return INFINITY;
+    x = x < kExpLo ? kExpLo : x > kExpHi ? kExpHi : x;
+    const float n = std::floor(x * kLog2e + 0.5f);
+    const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+    float p = kP[0];
+    for (int i = 1; i < 6; ++i) p = p * r + kP[i];
+    const float y = (p * (r * r) + r) + 1.f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+inline float silu_scalar(float g) { return g / (1.f + exp_scalar(-g)); }
+
+#if PA_X86
+__attribute__((target("avx2"))) inline __m256 exp8(__m256 x) {
+    const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(kExpOverflow), _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpHi));
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(0.5f)));
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kLn2Hi))),
+                                   _mm256_mul_ps(n, _mm256_set1_ps(kLn2Lo)));
+    __m256 p = _mm256_set1_ps(kP[0]);
+    for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP[i]));
+    const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(bits)), _mm256_set1_ps(INFINITY), overflow);
+}
+
+__attribute__((target("avx2"))) void silu_mul_row_avx2(float* out, const float* g, const float* u, int64_t n) {
+    int64_t i = 0;
+    const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; ++i) out[i] = silu_scalar(g[i]) * u[i];
+}
+
+const bool kHaveAvx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+}();
+#endif
+
+void silu_mul_row(float* out, const float* g, const float* u, int64_t n) {
+#if PA_X86
+    if (kHaveAvx2) return silu_mul_row_avx2(out, g, u, n);
+#endif
+    for (int64_t i = 0; i < n; ++i) out[i] = silu_scalar(g[i]) * u[i];
+}
+
+int silu_mul(float* out, const float* gate_up, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(rows * inter)) if (rows * inter >= 2 * kMinFloatsPerThread)
+    for (int64_t t = 0; t < rows; ++t) silu_mul_row(out + t * inter, gate_up + t * 2 * inter, gate_up + t * 2 * inter + inter, inter);
+    return 0;
+}
+
+// One product of the stack: y = x @ W.T (+ bias), through the packed library.
+int product(const pa_decoder_step& step, const pa_product& p, const float* x, int64_t m, float* y) {
+    if (step.linear(p.type, p.weight, p.n, p.k, x, m, y, step.isa) != 0) return 2;
+    if (p.bias != nullptr)
+        for (int64_t t = 0; t < m; ++t)
+            for (int64_t i = 0; i < p.n; ++i) y[t * p.n + i] += p.bias[i];
+    return 0;
+}
+
 }  // namespace
 
 extern "C" {
+
+int pa_cpu_silu_mul(float* out, const float* gate_up, int64_t rows, int64_t inter) {
+    if (rows < 0 || inter <= 0) return pa::report_error("silu_mul needs rows >= 0 and inter > 0");
+    return silu_mul(out, gate_up, rows, inter);
+}
+
+int pa_cpu_decoder_layers(const pa_shape* s, const pa_decoder_step* step, const pa_decoder_layer* layers,
+                          int32_t num_layers, const float* final_norm, float* x, float* residual, float* out) {
+    const int64_t T = s->num_tokens, D = s->head_size, H = s->num_heads, KV = s->num_kv_heads;
+    if (num_layers <= 0 || T <= 0 || step->linear == nullptr) return pa::report_error("decoder_layers: nothing to run");
+    const int64_t hidden = layers[0].qkv.k, qkv_n = (H + 2 * KV) * D;
+    for (int32_t i = 0; i < num_layers; ++i) {
+        const pa_decoder_layer& l = layers[i];
+        if (l.qkv.k != hidden || l.qkv.n != qkv_n || l.o.k != H * D || l.o.n != hidden || l.gate_up.k != hidden ||
+            l.gate_up.n % 2 || l.down.k != l.gate_up.n / 2 || l.down.n != hidden)
+            return pa::report_error("decoder_layers: a layer's products do not chain (hidden, heads, intermediate)");
+    }
+    int64_t inter_max = 0;
+    for (int32_t i = 0; i < num_layers; ++i) inter_max = std::max<int64_t>(inter_max, layers[i].down.k);
+    // Scratch per call: h (normed), qkv, q, the attention's output, gate_up, the activation.
+    std::vector<float> h(T * hidden), qkv(T * qkv_n), q(T * H * D), attn(T * H * D), gate_up(T * 2 * inter_max),
+        act(T * inter_max);
+    for (int32_t i = 0; i < num_layers; ++i) {
+        const pa_decoder_layer& l = layers[i];
+        const int64_t inter = l.down.k;
+        int rc;
+        if (i == 0) {  // the residual stream starts as the embedded input
+            std::memcpy(residual, x, T * hidden * sizeof(float));
+            rc = pa_cpu_rms_norm(h.data(), nullptr, residual, l.input_norm, T, hidden, step->eps);
+        } else {
+            rc = pa_cpu_rms_norm(h.data(), residual, x, l.input_norm, T, hidden, step->eps);
+        }
+        if (rc == 0) rc = product(*step, l.qkv, h.data(), T, qkv.data());
+        if (rc == 0)
+            rc = pa_cpu_rope_write_kv(s, qkv.data(), step->positions, step->cos, step->sin, step->max_positions,
+                                      step->rotary_dim, q.data(), l.kv_cache, step->slot_mapping, l.kv_scales);
+        if (rc == 0)
+            rc = pa_cpu_attention(s, attn.data(), q.data(), l.kv_cache, l.kv_scales, step->query_start_loc,
+                                  step->seq_lens, step->block_tables, step->scale, l.window, step->softcap,
+                                  step->fixed_order);
+        if (rc == 0) rc = product(*step, l.o, attn.data(), T, x);
+        if (rc == 0) rc = pa_cpu_rms_norm(h.data(), residual, x, l.mlp_norm, T, hidden, step->eps);
+        if (rc == 0) rc = product(*step, l.gate_up, h.data(), T, gate_up.data());
+        if (rc == 0) rc = silu_mul(act.data(), gate_up.data(), T, inter);
+        if (rc == 0) rc = product(*step, l.down, act.data(), T, x);
+        if (rc != 0) return rc;
+    }
+    return pa_cpu_rms_norm(out, residual, x, final_norm, T, hidden, step->eps);
+}
 
 int pa_cpu_rms_norm(float* out, float* residual, const float* x, const float* weight, int64_t rows, int64_t hidden,
                     float eps) {

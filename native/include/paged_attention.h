@@ -32,7 +32,7 @@
 
 /* Raised whenever a signature or pa_shape changes: the Python side refuses a library built
  * from other sources (a stale .so would read its arguments wrongly, past buffers' ends). */
-#define PA_ABI_VERSION 3
+#define PA_ABI_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -82,6 +82,55 @@ int pa_cpu_rms_norm(float* out, float* residual, const float* x, const float* we
 int pa_cpu_rope_write_kv(const pa_shape* shape, const float* qkv, const int64_t* positions, const float* cos,
                          const float* sin, int64_t max_positions, int32_t rotary_dim, float* q_out,
                          void* kv_cache, const int64_t* slot_mapping, const float* kv_scales);
+/* pa_cpu_silu_mul: out[t, i] = silu(g) * u for g = gate_up[t, i], u = gate_up[t, inter + i]
+ *   (SwiGLU), silu(g) = g / (1 + exp(-g)) with one exp for every CPU (the AVX2 and portable paths
+ *   give the same bits). */
+int pa_cpu_silu_mul(float* out, const float* gate_up, int64_t rows, int64_t inter);
+
+/* A whole stack of Llama-shaped decoder layers in one call (float32, CPU): for each layer
+ *   h = rms_norm(x + residual); q, k, v = h @ qkv (+ bias); rotary + K/V write; attention;
+ *   x = attn @ o; h = rms_norm(x + residual); x = silu_mul(h @ gate_up) @ down,
+ * then out = rms_norm(x + residual, final_norm): the same calls, in the same order, as the
+ * per-op path (pa_cpu_rms_norm, pa_cpu_rope_write_kv, pa_cpu_attention, pa_cpu_silu_mul and the
+ * packed library's product `linear`), so the result is the same bits, without a return to the
+ * caller between ops. x [num_tokens, hidden] is the embedded input (overwritten); residual
+ * [num_tokens, hidden] scratch; out [num_tokens, hidden]. A product's failure returns 2 (its
+ * message is the packed library's last error); anything else 1. */
+typedef int (*pa_linear_fn)(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y,
+                            int isa);
+typedef struct pa_product {
+    const void* weight; /* in the packed library's layout for `type` */
+    const float* bias;  /* [n] or NULL */
+    int64_t n, k;
+    int32_t type;
+} pa_product;
+typedef struct pa_decoder_layer {
+    pa_product qkv, o, gate_up, down;
+    const float* input_norm; /* [hidden] */
+    const float* mlp_norm;   /* [hidden] */
+    void* kv_cache;
+    const float* kv_scales;  /* NULL: 1.0 */
+    int32_t window;          /* 0: none */
+} pa_decoder_layer;
+typedef struct pa_decoder_step {
+    const int64_t* positions;
+    const float* cos;
+    const float* sin;
+    int64_t max_positions;
+    int32_t rotary_dim;
+    const int64_t* slot_mapping;
+    const int32_t* query_start_loc;
+    const int32_t* seq_lens;
+    const int32_t* block_tables;
+    float scale;
+    float softcap; /* 0: none */
+    float eps;
+    int32_t fixed_order;
+    pa_linear_fn linear; /* one of the packed library's products (qm_linear, qm_linear_q16, ...) */
+    int32_t isa;         /* its isa argument */
+} pa_decoder_step;
+int pa_cpu_decoder_layers(const pa_shape* shape, const pa_decoder_step* step, const pa_decoder_layer* layers,
+                          int32_t num_layers, const float* final_norm, float* x, float* residual, float* out);
 
 /* CUDA library (libpa_cuda.so); pointers are device pointers, stream a cudaStream_t */
 int pa_cuda_write_kv(const pa_shape* shape, const void* key, const void* value, void* kv_cache,
