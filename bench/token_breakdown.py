@@ -6,7 +6,8 @@ another process streams ``/v1/completions`` (128 tokens after a ~96-word prompt,
 at a time) and times the events. Printed per output token:
 
 - the client's inter-token time (TPOT);
-- the device work of a step (the runner): matrix products, attention, rotary + KV write, norms,
+- the device work of a step (the runner): the decoder layers (on the cpu backend one native
+  call; with ``--layer-loop`` op by op: matrix products, attention, rotary + KV write, norms),
   the rest of the forward pass, the LM head (its product included), sampling, input preparation;
 - the core actor's step around it: scheduling, updating, and the hop to the device thread and
   back (the wait for the step minus the step's own time);
@@ -15,6 +16,7 @@ at a time) and times the events. Printed per output token:
 
     python bench/token_breakdown.py                      # the default model, --backend cpu
     python bench/token_breakdown.py --requests 8 --max-tokens 256 -- --activation-quantization int16
+    python bench/token_breakdown.py --layer-loop         # the layers op by op (their parts one by one)
 
 Flags after ``--`` go to the server (``python -m engine.api``'s).
 """
@@ -142,7 +144,9 @@ def instrument(timers: Timers) -> None:
     for cls in (linear.DenseLinear, linear.PackedLinear, linear.CudaPackedLinear):
         timers.wrap(cls, "__call__", "device: matrix products", inside={"device: LM head": "device: LM head"})
     for cls in {layer_ops.TorchLayerOps, *layer_ops.TorchLayerOps.__subclasses__(), *_cpu_layer_ops()}:
-        for name, part in (("rope_write_kv", "device: rotary + KV write"), ("add_rms_norm", "device: norms")):
+        for name, part in (("rope_write_kv", "device: rotary + KV write"), ("add_rms_norm", "device: norms"),
+                           ("silu_mul", "device: forward, other"),
+                           ("decoder_layers", "device: decoder layers (one native call)")):
             if name in cls.__dict__:
                 timers.wrap(cls, name, part)
     for cls in [reference.TorchAttentionBackend, *_cpu_backend()]:
@@ -270,7 +274,14 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="sys.setswitchinterval for the server (seconds; Python's default 0.005): how long a "
                              "thread that wants the GIL waits for the holder to give it up")
+    parser.add_argument("--layer-loop", action="store_true",
+                        help="run the decoder layers op by op (as other backends and models do) instead of the cpu "
+                             "backend's one native call, so that their parts show one by one")
     args = parser.parse_args(argv)
+    if args.layer_loop:
+        from engine.models.llama import LlamaModel
+
+        LlamaModel._layer_stack = lambda self, ops, rows: None
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     if not any(f.startswith("--backend") for f in server_flags):

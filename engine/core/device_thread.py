@@ -25,16 +25,22 @@ import trio
 
 T = TypeVar("T")
 
+# How long ``DeviceThread.run`` blocks the event loop at most for a job to start (a busy device
+# thread, with a job already queued, is not waited for longer than this).
+HANDOVER_WAIT_S = 0.002
+
 
 class _Job:
     def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
         self.fn, self.args = fn, args
         self.result: Any = None
         self.error: BaseException | None = None
+        self.started = threading.Event()
         self.done = threading.Event()
         self.on_done: Callable[[], None] | None = None
 
     def run(self) -> None:
+        self.started.set()
         try:
             self.result = self.fn(*self.args)
         except BaseException as error:  # handed to the caller, who re-raises it
@@ -107,5 +113,10 @@ class DeviceThread:
         job = _Job(fn, args)
         job.on_done = wake
         self._jobs.put(job)
+        # Hand the GIL over until the job has started. Otherwise the event loop keeps it for what
+        # it has queued (the last step's outputs, SSE writes: ~0.5 ms at one stream) while the
+        # device thread waits to run the step's first Python; once the step is in native code
+        # (which releases the GIL) the two run side by side.
+        job.started.wait(HANDOVER_WAIT_S)
         await finished.wait()
         return job.outcome()

@@ -151,17 +151,23 @@ using Simd = Simd8;
 template <class S>
 constexpr int kVecs = 32 / S::kLanes;  // vectors per block of 32 values
 
-// 32 bytes as kVecs<S> vectors of floats, in order (Signed: int8, else uint8).
-template <class S, bool Signed>
-inline void bytes_to_vectors(__m128i lo, __m128i hi, typename S::V* q) {
-    constexpr int kHalf = kVecs<S> / 2;  // vectors per 16 bytes (AVX2: two of 8)
-    const __m128i halves[2] = {lo, hi};
-    for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < kHalf; ++i) {
-            const __m128i part = i ? _mm_srli_si128(halves[h], 8) : halves[h];
-            q[h * kHalf + i] = Signed ? S::from_i8(part) : S::from_u8(part);
-        }
+// kLanes bytes of nibbles as two vectors of floats: their low nibbles and their high nibbles.
+template <class S>
+inline void widened_nibbles(const uint8_t* p, typename S::V* lo, typename S::V* hi);
+template <>
+inline void widened_nibbles<Simd8>(const uint8_t* p, __m256* lo, __m256* hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0f)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
 }
+#if QM_AVX512
+template <>
+inline void widened_nibbles<Simd16>(const uint8_t* p, __m512* lo, __m512* hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+#endif
 
 // The block's quantized values, in order.
 template <class S>
@@ -174,14 +180,26 @@ inline void block_vectors(int type, const uint8_t* b, typename S::V* q) {
         for (int i = 0; i < kVecs<S>; ++i) q[i] = S::from_bf16(b + 2 * i * S::kLanes);
         return;
     }
-    if (type == kQ8_0 || type == kQ8_M) {
-        const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (type == kQ8_0 ? 2 : 4)));
-        const __m128i lo = _mm256_castsi256_si128(all), hi = _mm256_extracti128_si256(all, 1);
-        return type == kQ8_0 ? bytes_to_vectors<S, true>(lo, hi, q) : bytes_to_vectors<S, false>(lo, hi, q);
+    if (type == kQ8_0 || type == kQ8_M) {  // each vector's bytes widened straight from memory
+        const uint8_t* bytes = b + (type == kQ8_0 ? 2 : 4);
+        for (int i = 0; i < kVecs<S>; ++i) {
+            const __m128i part = S::kLanes == 8 ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * i))
+                                                : _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + 16 * i));
+            q[i] = type == kQ8_0 ? S::from_i8(part) : S::from_u8(part);
+        }
+        return;
     }
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (type == kQ4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    bytes_to_vectors<S, false>(_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask), q);
+    // Nibbles: each byte widened to a 32-bit lane straight from memory, its low nibble (value j)
+    // and high nibble (value j + 16) split there (an and, a shift). Widening the two nibble halves
+    // after splitting them in 16 bytes took three times the shuffles, the scarce port at one row.
+    const uint8_t* nibbles = b + (type == kQ4_1 ? 4 : 2);
+    constexpr int kPerVec = S::kLanes;  // bytes widened per vector: 8 (AVX2) or 16
+    for (int h = 0; h < 16 / kPerVec; ++h) {
+        typename S::V lo, hi;
+        widened_nibbles<S>(nibbles + h * kPerVec, &lo, &hi);
+        q[h] = lo;
+        q[16 / kPerVec + h] = hi;
+    }
 }
 
 // The block's 32 values as GGUF's reference dequantizes them: d * q + m, rounded after each
@@ -218,6 +236,12 @@ struct Words { __m256i v[2]; };
 
 template <int Type>
 inline Words block_words(const uint8_t* b) {
+#if !QM_AVX512
+    if constexpr (Type == kQ4_0 || Type == kQ4_1) {  // widened from memory, then split: one shuffle
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Type == kQ4_1 ? 4 : 2))));
+        return {{_mm256_and_si256(v, _mm256_set1_epi16(0x0f)), _mm256_srli_epi16(v, 4)}};
+    }
+#endif
     __m256i bytes;  // the 32 values as bytes, in order
     if constexpr (Type == kQ8_0 || Type == kQ8_M) {
         bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (Type == kQ8_0 ? 2 : 4)));
