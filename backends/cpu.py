@@ -6,14 +6,13 @@ registers as it reads them. ``auto`` is int8 (see ``auto_kv_cache_dtype``).
 
 from __future__ import annotations
 
-import attrs
 import torch
 
 from backends import kv_cache as kvc
 from backends import native
 from backends import packed as packed_kernels
 from backends.base import AttentionMetadata, cache_shape
-from backends.layer_ops import Rope, TorchLayerOps
+from backends.layer_ops import LayerStack, Rope, TorchLayerOps
 
 DTYPES = (torch.float32, torch.bfloat16)
 KV_CACHE_DTYPES = tuple(kvc.KV_CACHE_DTYPES)
@@ -28,7 +27,7 @@ class CpuAttentionBackend:
     def __init__(self, lib=None) -> None:
         self._lib = lib if lib is not None else native.load_library("pa_cpu", "cpu")
         native.check_abi(self._lib, "pa_cpu")
-        self.layer_ops = CpuLayerOps(self._lib, self)
+        self.layer_ops = CpuLayerOps(self._lib)
 
     @property
     def isa(self) -> str:
@@ -87,14 +86,8 @@ class CpuLayerOps(TorchLayerOps):
     other dtypes take the torch versions. The rotary embedding is bit-equal to torch's; the
     RMSNorm sums its squares in another order (last-bit differences)."""
 
-    def __init__(self, lib, backend: CpuAttentionBackend) -> None:
+    def __init__(self, lib) -> None:
         self._lib = lib
-        self._backend = backend
-        self._stacks: dict[tuple[int, int, int], tuple] = {}  # decoder_layers' layer arrays
-
-    @property
-    def _batch_invariant(self) -> bool:
-        return self._backend.batch_invariant
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +121,6 @@ class CpuLayerOps(TorchLayerOps):
         native.check_rc(rc, self._lib, "pa_cpu", "rope_write_kv")
         return q
 
-
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dtype != torch.float32 or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
             return super().silu_mul(gate_up)
@@ -138,24 +130,24 @@ class CpuLayerOps(TorchLayerOps):
         native.check_rc(rc, self._lib, "pa_cpu", "silu_mul")
         return out
 
-    def decoder_layers(self, stack: LayerStack, activations: str, x: torch.Tensor, rope: Rope,
-                       kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+    def decoder_layers(self, backend: CpuAttentionBackend, stack: LayerStack, activations: str, x: torch.Tensor,
+                       rope: Rope, kv_caches: list[torch.Tensor], meta: AttentionMetadata,
                        kv_scales: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The hidden states after ``stack``'s layers and final norm, ``[T, hidden]``, in one native
         call (``pa_cpu_decoder_layers``): the same ops in the same order as ``add_rms_norm``,
-        ``rope_write_kv``, ``attend``, ``silu_mul`` and the products one by one, so the same bits,
-        without ~10 returns to Python a layer (~5 ms of a 20 ms batch-1 step on 2 cores). The
+        ``rope_write_kv``, ``backend.attend``, ``silu_mul`` and the products one by one, so the same
+        bits, without returning to Python between them (bench/README.md has what that saves). The
         products take x as ``activations`` says (``packed.ACTIVATIONS`` or ``fixed_order``).
         ``x`` (float32 ``[T, hidden]``, contiguous) is overwritten."""
         if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] != stack.hidden:
             raise ValueError(f"x must be a contiguous float32 [T, {stack.hidden}] tensor; got {x.dtype} "
                              f"{tuple(x.shape)}")
-        layers = self._stack_layers(stack, kv_caches, kv_scales)
+        layers = self._layer_array(stack, kv_caches, kv_scales)
         num_tokens = x.shape[0]
         shape = native.stack_shape(num_tokens, stack.num_heads, stack.num_kv_heads, stack.head_size, kv_caches[0],
                                    meta, KV_CACHE_DTYPES)
         native.check_rope(num_tokens, stack.head_size, rope.positions, rope.cos_table, rope.sin_table,
-                          meta.slot_mapping)
+                          meta.slot_mapping, x.device)
         ffi = native.ffi()
         step = ffi.new("pa_decoder_step *", {
             "positions": native.ptr(rope.positions, "int64_t *"), "cos": native.ptr(rope.cos_table, "float *"),
@@ -164,41 +156,47 @@ class CpuLayerOps(TorchLayerOps):
             "query_start_loc": native.ptr(meta.query_start_loc, "int32_t *"),
             "seq_lens": native.ptr(meta.seq_lens, "int32_t *"),
             "block_tables": native.ptr(meta.block_tables, "int32_t *"), "scale": stack.scale,
-            "softcap": stack.softcap or 0.0, "eps": stack.eps, "fixed_order": self._batch_invariant,
+            "softcap": stack.softcap or 0.0, "eps": stack.eps, "fixed_order": backend.batch_invariant,
             "linear": ffi.cast("pa_linear_fn", packed_kernels.kernel_address(activations)),
             "isa": packed_kernels.ISAS["best"]})
         residual, out = torch.empty_like(x), torch.empty_like(x)
-        rc = self._lib.pa_cpu_decoder_layers(shape, step, layers, len(stack.layers), native.ptr(stack.final_norm, "float *"),
-                                             native.ptr(x, "float *"), native.ptr(residual, "float *"),
-                                             native.ptr(out, "float *"))
+        rc = self._lib.pa_cpu_decoder_layers(shape, step, layers, len(stack.layers), stack.hidden,
+                                             native.ptr(stack.final_norm, "float *"), native.ptr(x, "float *"),
+                                             native.ptr(residual, "float *"), native.ptr(out, "float *"))
         if rc == 2:
             raise native.NativeKernelError(f"decoder layers: a matrix product failed: {packed_kernels.last_error()}")
         native.check_rc(rc, self._lib, "pa_cpu", "decoder_layers")
         return out
 
-    def _stack_layers(self, stack: LayerStack, kv_caches: list[torch.Tensor], kv_scales: list[torch.Tensor] | None):
-        """``stack``'s layers as a ``pa_decoder_layer`` array over these caches, built (and checked) once."""
-        key = (id(stack), id(kv_caches), id(kv_scales))
-        entry = self._stacks.get(key)
-        if entry is not None:
-            return entry[-1]
+    def _layer_array(self, stack: LayerStack, kv_caches: list[torch.Tensor],
+                     kv_scales: list[torch.Tensor] | None) -> object:
+        """``stack``'s layers as a ``pa_decoder_layer`` array over these caches, built (and checked)
+        once and kept by the stack with the lists it points into (the next caches replace them)."""
+        held = stack.native
+        if held and held[0] is kv_caches and held[1] is kv_scales:
+            return held[2]
         if len(kv_caches) != len(stack.layers) or (kv_scales is not None and len(kv_scales) != len(stack.layers)):
             raise ValueError("one KV cache (and scales) per layer")
         ffi = native.ffi()
         layers = ffi.new("pa_decoder_layer[]", len(stack.layers))
+        q_size, kv_size = stack.num_heads * stack.head_size, stack.num_kv_heads * stack.head_size
         for i, (layer, kv_cache) in enumerate(zip(stack.layers, kv_caches)):
             if kv_cache.shape != kv_caches[0].shape or kv_cache.dtype != kv_caches[0].dtype:
                 raise ValueError("every layer's KV cache must have one shape and element type")
             native.check_cache(kv_cache, kv_cache.device, stack.head_size, KV_CACHE_DTYPES)
-            for name in ("qkv", "o", "gate_up", "down"):
+            inter = layer.down[0].k
+            for name, (n, k) in (("qkv", (q_size + 2 * kv_size, stack.hidden)), ("o", (stack.hidden, q_size)),
+                                 ("gate_up", (2 * inter, stack.hidden)), ("down", (stack.hidden, inter))):
                 matrix, bias = getattr(layer, name)
-                if bias is not None and (bias.dtype != torch.float32 or bias.shape != (matrix.n,)
-                                         or not bias.is_contiguous()):
-                    raise ValueError(f"layer {i} {name}: a bias must be a float32 [{matrix.n}] tensor")
+                if (matrix.n, matrix.k) != (n, k):
+                    raise ValueError(f"layer {i} {name}: a [{matrix.n}, {matrix.k}] weight where the stack "
+                                     f"needs [{n}, {k}]")
+                if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
+                    raise ValueError(f"layer {i} {name}: a bias must be a float32 [{n}] tensor")
                 target = getattr(layers[i], name)
                 target.weight = ffi.cast("void *", matrix.data.data_ptr())
                 target.bias = ffi.NULL if bias is None else native.ptr(bias, "float *")
-                target.n, target.k, target.type = matrix.n, matrix.k, matrix.type_id
+                target.n, target.k, target.type = n, k, matrix.type_id
             for norm in (layer.input_norm, layer.mlp_norm):
                 if not _fp32_rows(norm, stack.hidden) or norm.dim() != 1:
                     raise ValueError(f"layer {i}: norm weights must be float32 [{stack.hidden}]")
@@ -207,38 +205,8 @@ class CpuLayerOps(TorchLayerOps):
             layers[i].kv_cache = native.ptr(kv_cache)
             layers[i].kv_scales = native.scales_pointer(None if kv_scales is None else kv_scales[i], kv_cache.device)
             layers[i].window = layer.window or 0
-        # (the objects are held with the array: the ids in the key stay theirs)
-        self._stacks[key] = (stack, kv_caches, kv_scales, layers)
+        stack.native[:] = [kv_caches, kv_scales, layers]
         return layers
-
-
-@attrs.frozen(eq=False)
-class StackLayer:
-    """One Llama-shaped decoder layer as ``pa_cpu_decoder_layers`` runs it: each product a packed
-    library matrix and its float32 bias (or None)."""
-
-    qkv: tuple[packed_kernels.PackedMatrix, torch.Tensor | None]
-    o: tuple[packed_kernels.PackedMatrix, torch.Tensor | None]
-    gate_up: tuple[packed_kernels.PackedMatrix, torch.Tensor | None]
-    down: tuple[packed_kernels.PackedMatrix, torch.Tensor | None]
-    input_norm: torch.Tensor
-    mlp_norm: torch.Tensor
-    window: int | None
-
-
-@attrs.frozen(eq=False)
-class LayerStack:
-    """A model's decoder layers and final norm, for ``CpuLayerOps.decoder_layers``."""
-
-    layers: tuple[StackLayer, ...]
-    final_norm: torch.Tensor
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_size: int
-    scale: float
-    softcap: float | None
-    eps: float
 
 
 def _fp32_rows(t: torch.Tensor, hidden: int) -> bool:

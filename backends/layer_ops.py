@@ -9,8 +9,13 @@ makes 6-10 dispatches); the model asks its attention backend for ``layer_ops``.
 from __future__ import annotations
 
 from functools import cached_property
+from typing import TYPE_CHECKING
 
+import attrs
 import torch
+
+if TYPE_CHECKING:
+    from backends.packed import PackedMatrix
 import torch.nn.functional as F
 
 
@@ -89,3 +94,35 @@ class TorchLayerOps:
 
 
 TORCH_LAYER_OPS = TorchLayerOps()
+
+
+@attrs.frozen(eq=False)
+class StackLayer:
+    """One Llama-shaped decoder layer as a backend's one-call stack runs it (``decoder_layers``:
+    the cpu backend's): each product a packed library matrix (``backends.packed.PackedMatrix``)
+    and its float32 bias or None."""
+
+    qkv: tuple["PackedMatrix", torch.Tensor | None]
+    o: tuple["PackedMatrix", torch.Tensor | None]
+    gate_up: tuple["PackedMatrix", torch.Tensor | None]
+    down: tuple["PackedMatrix", torch.Tensor | None]
+    input_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    window: int | None
+
+
+@attrs.frozen(eq=False)
+class LayerStack:
+    """A model's decoder layers and final norm, for a backend's ``decoder_layers``. ``native``
+    holds what the backend built from them for the caches it last ran over."""
+
+    layers: tuple[StackLayer, ...]
+    final_norm: torch.Tensor
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    softcap: float | None
+    eps: float
+    native: list = attrs.field(factory=list)

@@ -212,20 +212,21 @@ def rope_write_kv_shape(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.T
     _, num_blocks, block_size, cache_kv_heads, _ = kv_cache.shape
     if cache_kv_heads != num_kv_heads:
         raise ValueError("qkv's heads do not match the cache's num_kv_heads")
-    check_rope(num_tokens, head_size, positions, cos, sin, slot_mapping)
+    check_rope(num_tokens, head_size, positions, cos, sin, slot_mapping, device)
     return _shape(num_tokens, 0, num_heads, num_kv_heads, head_size, block_size, num_blocks, 0, 0, 0,
                   DTYPE_CODES[torch.float32], spec.code)
 
 
 def check_rope(num_tokens: int, head_size: int, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               slot_mapping: torch.Tensor) -> None:
-    """What ``pa_cpu_rope_write_kv`` assumes of the positions, the rotary tables and the slots."""
+               slot_mapping: torch.Tensor, device: torch.device) -> None:
+    """What ``pa_cpu_rope_write_kv`` assumes of the positions, the rotary tables and the slots
+    (all on ``device``, the activations')."""
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
-        _check_tensor(name, t, torch.int64, positions.device, 1)
+        _check_tensor(name, t, torch.int64, device, 1)
         if t.shape[0] != num_tokens:
             raise ValueError(f"{name} needs one entry per token")
     for name, t in (("cos", cos), ("sin", sin)):
-        _check_tensor(name, t, torch.float32, positions.device, 2)
+        _check_tensor(name, t, torch.float32, device, 2)
         if t.shape != cos.shape or not 0 < t.shape[1] <= head_size // 2:
             raise ValueError(f"rotary table {name} must be [max_positions, rotary_dim / 2 <= {head_size // 2}]")
 

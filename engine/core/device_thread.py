@@ -56,9 +56,11 @@ class _Job:
         return self.result
 
 
-def _serve(jobs: queue.SimpleQueue) -> None:
+def _serve(jobs: queue.SimpleQueue, idle: threading.Event) -> None:
     while True:
+        idle.set()
         job = jobs.get()
+        idle.clear()
         if job is None:
             return
         job.run()
@@ -75,7 +77,8 @@ class DeviceThread:
 
     def __init__(self, name: str = "engine-device") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=name, daemon=True)
+        self._idle = threading.Event()  # waiting for a job
+        self._thread = threading.Thread(target=_serve, args=(self._jobs, self._idle), name=name, daemon=True)
         self._thread.start()
 
     @classmethod
@@ -99,8 +102,9 @@ class DeviceThread:
         return job.outcome()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the device thread, awaited from trio without blocking the event
-        loop. Cancelling the wait abandons the call: it still finishes on the device thread."""
+        """``fn(*args)`` on the device thread, awaited from trio. The event loop blocks only
+        while an idle device thread takes the call up (at most ``HANDOVER_WAIT_S``). Cancelling
+        the wait abandons the call: it still finishes on the device thread."""
         token = trio.lowlevel.current_trio_token()
         finished = trio.Event()
 
@@ -112,11 +116,14 @@ class DeviceThread:
 
         job = _Job(fn, args)
         job.on_done = wake
+        idle = self._idle.is_set()
         self._jobs.put(job)
-        # Hand the GIL over until the job has started. Otherwise the event loop keeps it for what
-        # it has queued (the last step's outputs, SSE writes: ~0.5 ms at one stream) while the
-        # device thread waits to run the step's first Python; once the step is in native code
-        # (which releases the GIL) the two run side by side.
-        job.started.wait(HANDOVER_WAIT_S)
+        if idle:
+            # Hand the GIL over until the job has started. Otherwise the event loop keeps it for
+            # what it has queued (the last step's outputs, SSE writes: ~0.5 ms at one stream)
+            # while the device thread waits to run the step's first Python; once the step is in
+            # native code (which releases the GIL) the two run side by side. (A busy thread, say
+            # with another engine's step, is not waited for.)
+            job.started.wait(HANDOVER_WAIT_S)
         await finished.wait()
         return job.outcome()

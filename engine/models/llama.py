@@ -19,9 +19,8 @@ import torch.nn.functional as F
 
 from backends import packed as packed_kernels
 from backends.base import AttentionBackend, AttentionMetadata
-from backends.cpu import LayerStack, StackLayer
 from backends.kv_cache import dtype_of as kv_dtype_of
-from backends.layer_ops import Rope, rms_norm
+from backends.layer_ops import LayerStack, Rope, StackLayer, TorchLayerOps, rms_norm
 from engine.errors import ConfigError
 from engine.models import families
 from engine.models.linear import CudaPackedLinear, DenseLinear, Linear, PackedLinear, PackedWeight
@@ -332,7 +331,7 @@ class LlamaModel:
         ops, eps = backend.layer_ops, self.config.rms_norm_eps
         stack = None if calibrate else self._layer_stack(ops, x.shape[0])
         if stack is not None:  # every layer and the final norm in one native call
-            return ops.decoder_layers(*stack, x.contiguous(), rope, kv_caches, meta, kv_scales)
+            return ops.decoder_layers(backend, *stack, x.contiguous(), rope, kv_caches, meta, kv_scales)
         residual = None  # the residual stream: x + every layer's outputs so far
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
@@ -378,27 +377,28 @@ class LlamaModel:
         k = rms_norm(k.reshape(tokens, cfg.num_kv_heads, cfg.head_dim), layer.k_norm, cfg.rms_norm_eps)
         return torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v], dim=-1)
 
-    def _mlp(self, layer: LlamaLayer, h: torch.Tensor, ops) -> torch.Tensor:
+    def _mlp(self, layer: LlamaLayer, h: torch.Tensor, ops: TorchLayerOps) -> torch.Tensor:
         gate_up = layer.gate_up_proj(h)
         if self.config.hidden_act == "silu":
             return layer.down_proj(ops.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return layer.down_proj(self.act(gate) * up)
 
-    def _layer_stack(self, ops, rows: int) -> tuple[LayerStack, str] | None:
+    def _layer_stack(self, ops: TorchLayerOps, rows: int) -> tuple[LayerStack, str] | None:
         """The decoder layers as the backend's one-call stack takes them (``decoder_layers`` of
         its layer ops: the cpu backend's), and how the products take x at ``rows`` rows; None where
         the backend has no such call, the model is not Llama-shaped in float32 (norms around the
-        attention or the MLP, q/k norms, another activation, a local rotary), or a product is not
-        in the packed library at ``rows`` rows (dense weights, or a batch large enough for
-        dequantized tiles and torch's GEMM). The stack computes what the layer-by-layer loop
-        computes, bit for bit."""
-        if not hasattr(ops, "decoder_layers"):
+        attention or the MLP, q/k norms, another activation, a local rotary), or a product does not
+        go through the packed library at ``rows`` rows (dense weights outside batch invariance,
+        tensor-parallel shards, a batch large enough for dequantized tiles and torch's GEMM). The
+        stack computes what the layer-by-layer loop computes, bit for bit."""
+        if not hasattr(ops, "decoder_layers") or rows == 0:
             return None
         if rows not in self._stack_activations:
             products = [linear for layer in self.layers for linear in
                         (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-            kinds = {getattr(linear, "activations_for", lambda _: None)(rows) for linear in products}
+            kinds = {linear.activations_for(rows) if isinstance(linear, (PackedLinear, DenseLinear)) else None
+                     for linear in products}
             self._stack_activations[rows] = kinds.pop() if len(kinds) == 1 and self._stackable() else None
         activations = self._stack_activations[rows]
         if activations is None:
@@ -419,8 +419,8 @@ class LlamaModel:
         return self._stack, activations
 
     def _stackable(self) -> bool:
-        """Whether every layer is what ``pa_cpu_decoder_layers`` runs: float32, SwiGLU, one rotary,
-        no norms but the two before attention and MLP."""
+        """Whether every layer is what a one-call stack runs: float32, SwiGLU, one rotary, no norms
+        but the two before attention and MLP."""
         return (self.dtype == torch.float32 and self.config.hidden_act == "silu" and self.local_rotary is None
                 and all(layer.q_norm is None and layer.k_norm is None and layer.attn_out_norm is None
                         and layer.mlp_out_norm is None for layer in self.layers))

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <type_traits>
 #include <vector>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && !defined(PA_NO_AVX2)
@@ -20,6 +22,9 @@
 #endif
 
 #include "kernel.h"
+#include "quant_matmul.h"
+
+static_assert(std::is_same<decltype(&qm_linear), pa_linear_fn>::value, "pa_linear_fn must be qm_linear's type");
 
 namespace {
 
@@ -61,28 +66,29 @@ void rotate(float* __restrict dst, const float* __restrict src, const float* __r
 }
 
 // exp for silu, the same bits on every path: Cody-Waite range reduction (x = n ln2 + r, |r| <=
-// ln2 / 2) and a degree-6 polynomial for e^r (Cephes' expf coefficients), then 2^n put in the
-// exponent. Only multiplies and adds, each rounded (-ffp-contract=off), so the scalar and the
-// AVX2 versions below agree bit for bit. Within 2 ulp of the exact value on [-87.3, 88.0]; below,
-// the value at -87.3 (silu(g) = g there to float precision), above ln(FLT_MAX) infinity, as
-// expf overflows (silu(g) = -0 for g < -88.7, as torch's).
-constexpr float kExpLo = -87.3f, kExpHi = 88.0f, kExpOverflow = 88.72283935546875f, kLog2e = 1.44269504088896341f;
+// ln2 / 2) and a degree-6 polynomial for e^r (Cephes' expf coefficients), then times 2 * 2^(n-1)
+// (2^n itself overflows the exponent field at n = 128, which x up to ln(FLT_MAX) reaches). Only
+// multiplies and adds, each rounded (-ffp-contract=off), so the scalar and the AVX2 versions
+// below agree bit for bit. Within a few ulp of the exact value on [-87.3, ln(FLT_MAX)]; below,
+// the value at -87.3 (silu(g) = g there to float precision); above, infinity, as expf overflows
+// (silu(g) = -0 for g < -88.72, as torch's).
+constexpr float kExpLo = -87.3f, kExpOverflow = 88.72283935546875f, kLog2e = 1.44269504088896341f;
 constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
 constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                          4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
 inline float exp_scalar(float x) {
     if (x > kExpOverflow) return INFINITY;
-    x = x < kExpLo ? kExpLo : x > kExpHi ? kExpHi : x;
+    x = x < kExpLo ? kExpLo : x;
     const float n = std::floor(x * kLog2e + 0.5f);
     const float r = (x - n * kLn2Hi) - n * kLn2Lo;
     float p = kP[0];
     for (int i = 1; i < 6; ++i) p = p * r + kP[i];
     const float y = (p * (r * r) + r) + 1.f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) - 1 + 127) << 23;
     float scale;
     std::memcpy(&scale, &bits, 4);
-    return y * scale;
+    return (y + y) * scale;
 }
 
 inline float silu_scalar(float g) { return g / (1.f + exp_scalar(-g)); }
@@ -90,15 +96,16 @@ inline float silu_scalar(float g) { return g / (1.f + exp_scalar(-g)); }
 #if PA_X86
 __attribute__((target("avx2"))) inline __m256 exp8(__m256 x) {
     const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(kExpOverflow), _CMP_GT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpHi));
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpOverflow));
     const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _mm256_set1_ps(0.5f)));
     const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kLn2Hi))),
                                    _mm256_mul_ps(n, _mm256_set1_ps(kLn2Lo)));
     __m256 p = _mm256_set1_ps(kP[0]);
     for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kP[i]));
     const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_blendv_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(bits)), _mm256_set1_ps(INFINITY), overflow);
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(126)), 23);
+    return _mm256_blendv_ps(_mm256_mul_ps(_mm256_add_ps(y, y), _mm256_castsi256_ps(bits)), _mm256_set1_ps(INFINITY),
+                            overflow);
 }
 
 __attribute__((target("avx2"))) void silu_mul_row_avx2(float* out, const float* g, const float* u, int64_t n) {
@@ -140,20 +147,13 @@ int product(const pa_decoder_step& step, const pa_product& p, const float* x, in
     return 0;
 }
 
-}  // namespace
-
-extern "C" {
-
-int pa_cpu_silu_mul(float* out, const float* gate_up, int64_t rows, int64_t inter) {
-    if (rows < 0 || inter <= 0) return pa::report_error("silu_mul needs rows >= 0 and inter > 0");
-    return silu_mul(out, gate_up, rows, inter);
-}
-
-int pa_cpu_decoder_layers(const pa_shape* s, const pa_decoder_step* step, const pa_decoder_layer* layers,
-                          int32_t num_layers, const float* final_norm, float* x, float* residual, float* out) {
+int decoder_layers(const pa_shape* s, const pa_decoder_step* step, const pa_decoder_layer* layers,
+                   int32_t num_layers, int64_t hidden, const float* final_norm, float* x, float* residual,
+                   float* out) {
     const int64_t T = s->num_tokens, D = s->head_size, H = s->num_heads, KV = s->num_kv_heads;
-    if (num_layers <= 0 || T <= 0 || step->linear == nullptr) return pa::report_error("decoder_layers: nothing to run");
-    const int64_t hidden = layers[0].qkv.k, qkv_n = (H + 2 * KV) * D;
+    if (num_layers <= 0 || T <= 0 || hidden <= 0 || step->linear == nullptr)
+        return pa::report_error("decoder_layers: nothing to run");
+    const int64_t qkv_n = (H + 2 * KV) * D;
     for (int32_t i = 0; i < num_layers; ++i) {
         const pa_decoder_layer& l = layers[i];
         if (l.qkv.k != hidden || l.qkv.n != qkv_n || l.o.k != H * D || l.o.n != hidden || l.gate_up.k != hidden ||
@@ -191,6 +191,25 @@ int pa_cpu_decoder_layers(const pa_shape* s, const pa_decoder_step* step, const 
         if (rc != 0) return rc;
     }
     return pa_cpu_rms_norm(out, residual, x, final_norm, T, hidden, step->eps);
+}
+
+}  // namespace
+
+extern "C" {
+
+int pa_cpu_silu_mul(float* out, const float* gate_up, int64_t rows, int64_t inter) {
+    if (rows < 0 || inter <= 0) return pa::report_error("silu_mul needs rows >= 0 and inter > 0");
+    return silu_mul(out, gate_up, rows, inter);
+}
+
+int pa_cpu_decoder_layers(const pa_shape* s, const pa_decoder_step* step, const pa_decoder_layer* layers,
+                          int32_t num_layers, int64_t hidden, const float* final_norm, float* x, float* residual,
+                          float* out) {
+    try {
+        return decoder_layers(s, step, layers, num_layers, hidden, final_norm, x, residual, out);
+    } catch (const std::bad_alloc&) {
+        return pa::report_error("decoder_layers: out of memory for its scratch");
+    }
 }
 
 int pa_cpu_rms_norm(float* out, float* residual, const float* x, const float* weight, int64_t rows, int64_t hidden,

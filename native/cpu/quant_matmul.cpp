@@ -229,6 +229,9 @@ int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_
     const auto rows = activations == Activations::kFixedOrder ? kern->fixed_rows
                       : job.xbf16 != nullptr                 ? kern->bf16_rows
                                                              : kern->linear_rows;
+    // Static: each thread streams one contiguous range of rows. (Taking chunks as the threads go,
+    // so that a core lent to another thread for a while would take fewer, made a batch-1 decode
+    // step of the default model 1.3x slower on AMD EPYC family 23: 13.6-14.8 vs 10.5-11.1 ms.)
     const int64_t chunk = panels ? 48 : 16, chunks = (n + chunk - 1) / chunk;
     const int threads = threads_for(n * blocks * m, chunks);
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -95,7 +95,8 @@ int pa_cpu_silu_mul(float* out, const float* gate_up, int64_t rows, int64_t inte
  * packed library's product `linear`), so the result is the same bits, without a return to the
  * caller between ops. x [num_tokens, hidden] is the embedded input (overwritten); residual
  * [num_tokens, hidden] scratch; out [num_tokens, hidden]. A product's failure returns 2 (its
- * message is the packed library's last error); anything else 1. */
+ * message is the packed library's last error); anything else 1. pa_linear_fn is the type of
+ * quant_matmul.h's qm_linear (layer_ops.cpp checks that at compile time). */
 typedef int (*pa_linear_fn)(int type, const void* w, int64_t n, int64_t k, const float* x, int64_t m, float* y,
                             int isa);
 typedef struct pa_product {
@@ -130,7 +131,8 @@ typedef struct pa_decoder_step {
     int32_t isa;         /* its isa argument */
 } pa_decoder_step;
 int pa_cpu_decoder_layers(const pa_shape* shape, const pa_decoder_step* step, const pa_decoder_layer* layers,
-                          int32_t num_layers, const float* final_norm, float* x, float* residual, float* out);
+                          int32_t num_layers, int64_t hidden, const float* final_norm, float* x, float* residual,
+                          float* out);
 
 /* CUDA library (libpa_cuda.so); pointers are device pointers, stream a cudaStream_t */
 int pa_cuda_write_kv(const pa_shape* shape, const void* key, const void* value, void* kv_cache,
