@@ -56,11 +56,9 @@ class _Job:
         return self.result
 
 
-def _serve(jobs: queue.SimpleQueue, idle: threading.Event) -> None:
+def _serve(jobs: queue.SimpleQueue) -> None:
     while True:
-        idle.set()
         job = jobs.get()
-        idle.clear()
         if job is None:
             return
         job.run()
@@ -77,8 +75,9 @@ class DeviceThread:
 
     def __init__(self, name: str = "engine-device") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._idle = threading.Event()  # waiting for a job
-        self._thread = threading.Thread(target=_serve, args=(self._jobs, self._idle), name=name, daemon=True)
+        # The last queued job's done event: once set, the thread is idle (or about to be)
+        self._last_done: threading.Event | None = None
+        self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=name, daemon=True)
         self._thread.start()
 
     @classmethod
@@ -97,6 +96,7 @@ class DeviceThread:
         if threading.current_thread() is self._thread:
             return fn(*args)
         job = _Job(fn, args)
+        self._last_done = job.done
         self._jobs.put(job)
         job.done.wait()
         return job.outcome()
@@ -116,7 +116,8 @@ class DeviceThread:
 
         job = _Job(fn, args)
         job.on_done = wake
-        idle = self._idle.is_set()
+        idle = self._last_done is None or self._last_done.is_set()
+        self._last_done = job.done
         self._jobs.put(job)
         if idle:
             # Hand the GIL over until the job has started. Otherwise the event loop keeps it for
