@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from backends.packed import PackedMatrix
-import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

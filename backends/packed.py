@@ -30,6 +30,9 @@ ISA_CAP_VARIABLE = "QM_CPU_ISA"
 # How a product takes its fp32 activations -> the kernel: as they are; rounded to int16 per block
 # of 32 (integer dot products); rounded to bf16 (bf16 dot products, AVX512_BF16 only)
 ACTIVATIONS = {"float32": "qm_linear", "int16": "qm_linear_q16", "bfloat16": "qm_linear_bf16"}
+# Every product function of the library by how it takes x: the above, and fixed_order
+# (batch invariance: the row tiles at every batch size, x as it is)
+KERNELS = {**ACTIVATIONS, "fixed_order": "qm_linear_rows"}
 # Plain weights qm_linear_rows also multiplies (batch invariance): torch dtype -> the C API's type id
 DENSE_TYPES = {torch.float32: 0, torch.bfloat16: 30}
 
@@ -112,12 +115,12 @@ def linear(x: torch.Tensor, packed: torch.Tensor, kind: str, k: int, isa: str = 
     return matrix.linear(x, isa, activations)
 
 
+@cache
 def kernel_address(activations: str) -> int:
-    """The address of the library's product function for ``activations`` (``ACTIVATIONS`` or
-    ``fixed_order``): what another native library calls the products through
-    (``pa_cpu_decoder_layers``). All share ``qm_linear``'s signature."""
-    name = "qm_linear_rows" if activations == "fixed_order" else ACTIVATIONS[activations]
-    return int(_ffi().cast("uintptr_t", getattr(library(), name)))
+    """The address of the library's product function for ``activations`` (``KERNELS``): what
+    another native library calls the products through (``pa_cpu_decoder_layers``, every step).
+    All share ``qm_linear``'s signature."""
+    return int(_ffi().cast("uintptr_t", getattr(library(), KERNELS[activations])))
 
 
 class PackedMatrix:
@@ -130,8 +133,7 @@ class PackedMatrix:
         self._lib, self._ffi = library(), _ffi()
         self._ptr = self._ffi.cast("void *", data.data_ptr())
         self._n = data.shape[0]
-        self._kernels = {kind: getattr(self._lib, name) for kind, name in ACTIVATIONS.items()}
-        self._kernels["fixed_order"] = self._lib.qm_linear_rows
+        self._kernels = {kind: getattr(self._lib, name) for kind, name in KERNELS.items()}
 
     @property
     def type_id(self) -> int:

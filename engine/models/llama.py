@@ -204,8 +204,8 @@ class LlamaModel:
         # Gemma: embeddings times sqrt(hidden_size), rounded to the model's dtype as transformers does.
         self.embed_scale = (torch.tensor(config.hidden_size**0.5).to(norm.dtype)
                             if config.family.scaled_embeddings else None)
-        self.act = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
-                    "gelu": F.gelu}[config.hidden_act]
+        # GeGLU's gate activation (SwiGLU's is the layer ops' silu_mul)
+        self.act = {"gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"), "gelu": F.gelu}.get(config.hidden_act)
         self._stack: LayerStack | None = None  # _layer_stack's, built on first use
         self._stack_activations: dict[int, str | None] = {}  # rows -> how the stack's products take x
 

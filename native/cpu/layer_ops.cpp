@@ -108,7 +108,8 @@ __attribute__((target("avx2"))) inline __m256 exp8(__m256 x) {
                             overflow);
 }
 
-__attribute__((target("avx2"))) void silu_mul_row_avx2(float* out, const float* g, const float* u, int64_t n) {
+// The first n - n % 8 values; returns how many.
+__attribute__((target("avx2"))) int64_t silu_mul_avx2(float* out, const float* g, const float* u, int64_t n) {
     int64_t i = 0;
     const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
     for (; i + 8 <= n; i += 8) {
@@ -116,7 +117,7 @@ __attribute__((target("avx2"))) void silu_mul_row_avx2(float* out, const float* 
         const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_xor_ps(gv, sign))));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
     }
-    for (; i < n; ++i) out[i] = silu_scalar(g[i]) * u[i];
+    return i;
 }
 
 const bool kHaveAvx2 = [] {
@@ -126,10 +127,11 @@ const bool kHaveAvx2 = [] {
 #endif
 
 void silu_mul_row(float* out, const float* g, const float* u, int64_t n) {
+    int64_t i = 0;
 #if PA_X86
-    if (kHaveAvx2) return silu_mul_row_avx2(out, g, u, n);
+    if (kHaveAvx2) i = silu_mul_avx2(out, g, u, n);
 #endif
-    for (int64_t i = 0; i < n; ++i) out[i] = silu_scalar(g[i]) * u[i];
+    for (; i < n; ++i) out[i] = silu_scalar(g[i]) * u[i];
 }
 
 int silu_mul(float* out, const float* gate_up, int64_t rows, int64_t inter) {
@@ -154,14 +156,14 @@ int decoder_layers(const pa_shape* s, const pa_decoder_step* step, const pa_deco
     if (num_layers <= 0 || T <= 0 || hidden <= 0 || step->linear == nullptr)
         return pa::report_error("decoder_layers: nothing to run");
     const int64_t qkv_n = (H + 2 * KV) * D;
+    int64_t inter_max = 0;
     for (int32_t i = 0; i < num_layers; ++i) {
         const pa_decoder_layer& l = layers[i];
         if (l.qkv.k != hidden || l.qkv.n != qkv_n || l.o.k != H * D || l.o.n != hidden || l.gate_up.k != hidden ||
             l.gate_up.n % 2 || l.down.k != l.gate_up.n / 2 || l.down.n != hidden)
             return pa::report_error("decoder_layers: a layer's products do not chain (hidden, heads, intermediate)");
+        inter_max = std::max<int64_t>(inter_max, l.down.k);
     }
-    int64_t inter_max = 0;
-    for (int32_t i = 0; i < num_layers; ++i) inter_max = std::max<int64_t>(inter_max, layers[i].down.k);
     // Scratch per call: h (normed), qkv, q, the attention's output, gate_up, the activation.
     std::vector<float> h(T * hidden), qkv(T * qkv_n), q(T * H * D), attn(T * H * D), gate_up(T * 2 * inter_max),
         act(T * inter_max);
