@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.runner.requests import RunnerRequest
-from engine.runner.sampler import Sampler, apply_token_bitmask, apply_top_k_top_p, inverse_cdf_sample
+from engine.runner.sampler import Sampler, apply_token_bitmask, apply_top_k_top_p, argmax_rows, inverse_cdf_sample
 from engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from tests.conftest import fail_logits_processing
 
@@ -30,6 +30,23 @@ ROW = [0.0, 1.0, 3.0, 2.0, 0.5, -1.0, 0.0, 2.5]
 
 def test_greedy_takes_the_argmax():
     assert Sampler(0)(logits_of(ROW, ROW[::-1]), [req(temperature=0), req(temperature=0)]).token_ids == [2, 5]
+
+
+def test_greedy_rows_take_torchs_argmax_with_its_ties_and_nans():
+    """argmax_rows (numpy's on the CPU) picks what torch.argmax does: the first of equal values,
+    a NaN over any number, a row of -inf's first entry; on strided rows and on bf16 too."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=gen)
+    logits[1, 10] = logits[1, 20] = logits[1].max() + 1  # a tie: the first
+    logits[2, 300] = logits[2, 40] = float("nan")  # NaNs: the first NaN
+    logits[3] = float("-inf")
+    logits[4, 5:9] = float("inf")
+    logits[5] = logits[5].round()  # many ties at the top
+    want = logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits) == want and want[1] == 10 and want[2] == 40 and want[3] == 0 and want[4] == 5
+    assert argmax_rows(logits[:, ::2]) == logits[:, ::2].argmax(dim=-1).tolist()
+    assert argmax_rows(logits[[4, 1]]) == [5, 10]
+    assert argmax_rows(logits.bfloat16()) == logits.bfloat16().argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=0.01), dict(min_p=1.0)])

