@@ -437,13 +437,51 @@ void attend_decode_heads(const Problem& p, Scratch& sc, const typename E::T* kh,
     }
     for (; j < n; ++j)
         for (int i = 0; i < R; ++i) w[i][j] = dot_row<E>(q[i], kh + j * stride, D);
-    float correction[R];
+    // The online softmax of each head over the block, eight keys at a time (lanes past n count as
+    // -inf): an int8 cache's K row scales multiply the scores first, its V row scales the weights
+    // after (each scale converted once for the R heads).
+    constexpr bool kInt8 = std::is_same<E, I8>::value;
+    const int padded = (n + 7) / 8 * 8;
+    float* k_scales = sc.kt.data();  // (the transposed keys' scratch, which a decode row does not use)
+    float* v_scales = k_scales + padded_keys(p.s->block_size);
+    if constexpr (kInt8) {
+        for (j = 0; j < n; ++j) {
+            k_scales[j] = row_scale<E>(kh + j * stride, D);
+            v_scales[j] = row_scale<E>(vh + j * stride, D);
+        }
+        for (; j < padded; ++j) k_scales[j] = v_scales[j] = 1.f;
+    }
+    const __m256 scale_v = _mm256_set1_ps(p.scale);
+    alignas(32) float m_old[8] = {}, m_new[8] = {}, correction[8];
+    float sums[R];
     for (int i = 0; i < R; ++i) {
-        if (std::is_same<E, I8>::value)
-            for (j = 0; j < n; ++j) w[i][j] *= row_scale<E>(kh + j * stride, D);
-        correction[i] = softmax_step(w[i], n, p.scale, p.softcap, sc.m[row0 + i], sc.l[row0 + i]);
-        if (std::is_same<E, I8>::value)
-            for (j = 0; j < n; ++j) w[i][j] *= row_scale<E>(vh + j * stride, D);
+        float* s = w[i];
+        for (j = n; j < padded; ++j) s[j] = kNegInf;
+        for (j = 0; j < padded; j += 8) {
+            __m256 v = _mm256_loadu_ps(s + j);
+            if constexpr (kInt8) v = _mm256_mul_ps(v, _mm256_loadu_ps(k_scales + j));
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(v, scale_v));
+        }
+        if (p.softcap > 0.f) cap(s, n, p.softcap);
+        __m256 mx = _mm256_set1_ps(kNegInf);
+        for (j = 0; j < padded; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+        m_old[i] = sc.m[row0 + i];
+        m_new[i] = std::max(m_old[i], hmax256(mx));
+        const __m256 mn = _mm256_set1_ps(m_new[i]);
+        __m256 sum = _mm256_setzero_ps();
+        for (j = 0; j < padded; j += 8) {
+            __m256 e = exp256_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mn));
+            sum = _mm256_add_ps(sum, e);
+            if constexpr (kInt8) e = _mm256_mul_ps(e, _mm256_loadu_ps(v_scales + j));
+            _mm256_storeu_ps(s + j, e);
+        }
+        sums[i] = hsum256(sum);
+    }
+    // exp(m_old - m_new) for the R heads at once: 0 for a head with no keys yet (m_old = -inf)
+    _mm256_store_ps(correction, exp256_nonpositive(_mm256_sub_ps(_mm256_load_ps(m_old), _mm256_load_ps(m_new))));
+    for (int i = 0; i < R; ++i) {
+        sc.l[row0 + i] = sc.l[row0 + i] * correction[i] + sums[i];
+        sc.m[row0 + i] = m_new[i];
     }
     for (int d = 0; d < D; d += 32) {  // weighted V, 32 dimensions of the R heads at a time
         __m256 a[R][4];
