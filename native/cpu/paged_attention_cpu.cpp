@@ -203,29 +203,28 @@ int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void
     const std::vector<WorkItem> items = plan(p, wanted_threads, &partial_floats);
     const int threads = static_cast<int>(std::min<int64_t>(wanted_threads, static_cast<int64_t>(items.size())));
     std::vector<float> partials(static_cast<size_t>(partial_floats));
+    std::vector<size_t> firsts;  // the first split of each tile that was split
+    for (size_t i = 0; i < items.size(); ++i)
+        if (items[i].num_splits > 1 && items[i].split == 0) firsts.push_back(i);
     // Each thread's scratch is kept between calls (a decode step makes one call per layer, and
     // allocating and zeroing it each time cost more than a small attention); one thread runs
-    // without a parallel region at all.
+    // without a parallel region at all. The splits are merged in the same region, after the
+    // barrier that ends the items' loop.
     auto run = [&] {
         static thread_local Scratch scratch;
         scratch.reserve(pa::kQueryTile * s->num_heads, s->head_size, s->block_size);
 #pragma omp for schedule(dynamic, 1)  // (outside a parallel region: this thread runs every item)
         for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i)
             kKernels.run_item(p, items[i], scratch, partials.data());
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < static_cast<int64_t>(firsts.size()); ++i)
+            kKernels.merge_splits(p, &items[firsts[i]], partials.data());
     };
     if (threads == 1) {
         run();
     } else {
 #pragma omp parallel num_threads(threads)
         run();
-    }
-    if (partial_floats > 0) {
-        std::vector<size_t> firsts;
-        for (size_t i = 0; i < items.size(); ++i)
-            if (items[i].num_splits > 1 && items[i].split == 0) firsts.push_back(i);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-        for (int64_t i = 0; i < static_cast<int64_t>(firsts.size()); ++i)
-            kKernels.merge_splits(p, &items[firsts[i]], partials.data());
     }
     return 0;
 }
