@@ -208,7 +208,7 @@ def test_backend_matches_reference(request, backend_name, case, block_size, head
 # Sliding windows shorter than a block, across several blocks, and longer than every
 # sequence; soft-capping on its own and with a window (Gemma 2's layers).
 @pytest.mark.parametrize("backend_name", runnable_backends())
-@pytest.mark.parametrize("case", ["decode", "chunked", "long"])  # (decode: split key ranges within a window)
+@pytest.mark.parametrize("case", ["decode", "chunked", "long"])
 @pytest.mark.parametrize("window, softcap", [(5, None), (70, None), (600, 0.5), (None, 0.5), (10_000, None)],
                          ids=["window-5", "window-70", "window-600-softcap", "softcap", "window-10000"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -216,12 +216,34 @@ def test_backend_windows_and_softcap_match_reference(request, backend_name, case
     check_against_reference(request, backend_name, case, 16, 64, 9, 3, dtype, window, softcap)
 
 
+# The cpu kernels' decode path (a sequence's one new token: the cache rows read directly, the
+# context split across threads from 64 keys when the batch is smaller than the threads): one
+# sequence alone (split) and a few (not split), GQA groups of 2 to 7 query heads a KV head (in
+# passes of at most three), head sizes of whole 32-value chunks (32, 64, 96, 256) and one that is
+# not (80: the transposed keys instead), blocks of 8 and 24 keys, windows and soft-capping, an
+# int8 (scaled rows) and a bf16 cache.
+DECODE_CASES = {"lone-decode": [(700, 1)], "decodes": [(63, 1), (1, 1), (300, 1)]}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+@pytest.mark.parametrize("block_size, head_size, num_heads, num_kv_heads", [
+    (16, 64, 4, 2), (16, 64, 7, 1), (16, 64, 20, 4), (8, 32, 6, 3), (24, 96, 6, 2), (16, 80, 4, 1), (16, 256, 2, 1),
+])
+@pytest.mark.parametrize("window, softcap", [(None, None), (70, None), (None, 0.5)], ids=["plain", "window", "softcap"])
+@pytest.mark.parametrize("kv_name", ["float32", "int8", "bfloat16"])
+def test_cpu_decode_rows_match_reference(request, case, block_size, head_size, num_heads, num_kv_heads, window,
+                                         softcap, kv_name):
+    kv_dtype = None if kv_name == "float32" else kvc.kv_cache_dtype(kv_name)
+    check_against_reference(request, "cpu", case, block_size, head_size, num_heads, num_kv_heads, torch.float32,
+                            window, softcap, kv_dtype)
+
+
 def check_against_reference(request, backend_name, case, block_size, head_size, num_heads, num_kv_heads, dtype,
                             window=None, softcap=None, kv_dtype=None, kv_scales=None):
     if dtype != torch.float32 and dtype not in HALF_PRECISION[backend_name]:
         pytest.skip(f"the {backend_name} backend has no {dtype}")
     device = device_for(backend_name)
-    seqs = CASES[case]
+    seqs = CASES[case] if case in CASES else DECODE_CASES[case]
     if backend_name == "triton" and device == "cpu":
         if case not in INTERPRETER_CASES or dtype != torch.float32:
             pytest.skip("the triton interpreter is slow and has no 16-bit floats: small float32 shapes only on CPU")

@@ -439,7 +439,7 @@ void attend_decode_heads(const Problem& p, Scratch& sc, const typename E::T* kh,
         for (int i = 0; i < R; ++i) w[i][j] = dot_row<E>(q[i], kh + j * stride, D);
     // The online softmax of each head over the block, eight keys at a time (lanes past n count as
     // -inf): an int8 cache's K row scales multiply the scores first, its V row scales the weights
-    // after (each scale converted once for the R heads).
+    // after (each scale converted once a pass, for its R heads).
     constexpr bool kInt8 = std::is_same<E, I8>::value;
     const int padded = (n + 7) / 8 * 8;
     float* k_scales = sc.kt.data();  // (the transposed keys' scratch, which a decode row does not use)

@@ -201,6 +201,7 @@ int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void
     int64_t partial_floats = 0;
     const int wanted_threads = threads_for(p);
     const std::vector<WorkItem> items = plan(p, wanted_threads, &partial_floats);
+    if (items.empty()) return 0;  // (no sequence has a new token)
     const int threads = static_cast<int>(std::min<int64_t>(wanted_threads, static_cast<int64_t>(items.size())));
     std::vector<float> partials(static_cast<size_t>(partial_floats));
     std::vector<size_t> firsts;  // the first split of each tile that was split
