@@ -55,8 +55,10 @@ const Kernels kKernels = pick_kernels();
 // (pa_cpu_decoder_layers), so the worker that computed the last product is still spinning when
 // the attention starts: a decode row at batch 1 is worth splitting from ~30 keys of context.
 // (Measured on the default model, 9 heads of 64, AMD EPYC family 23, 2 threads, alternated in one
-// process: a batch-1 decode step 1.04-1.07x faster at 40-250 tokens of context, 1.2x at 1000.
-// With each layer's ops called from Python, as before the layer stack, the threshold was 1 << 20.)
+// process: a batch-1 decode step 1.04-1.07x faster at 40-250 tokens of context, 1.2x at 1000. The
+// layer-by-layer loop, which calls this from Python for each layer (bf16 models, Gemma, ...), is
+// not slower either: its batch-1 step at 200 tokens 13.4-13.9 ms against 13.9-14.8 with 1 << 20,
+// the threshold from when the process had two OpenMP pools and a woken worker was a sleeping one.)
 constexpr int64_t kMinWorkPerThread = 1 << 14;
 
 int threads_for(const Problem& p) {
