@@ -253,6 +253,38 @@ inline float softmax_step(float* scores, int n, float scale, float softcap, floa
     return correction;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The online-softmax step of R rows (scratch rows rows[i]) over their scores s[i][0, padded), eight
+// at a time: the scores already scaled (and capped), lanes that are no key of theirs at -inf.
+// Leaves exp(score - new max) in s, takes each row's sum and max in, and writes into correction
+// (eight floats, 32-byte aligned) the factor each row's accumulator must be multiplied by before
+// this block's weighted V is added (0 for a row with no keys yet).
+template <int R>
+inline void softmax_rows(Scratch& sc, float* const* s, const int* rows, int padded, float* correction) {
+    alignas(32) float m_old[8] = {}, m_new[8] = {};
+    float sums[R];
+    for (int i = 0; i < R; ++i) {
+        __m256 mx = _mm256_set1_ps(kNegInf);
+        for (int j = 0; j < padded; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s[i] + j));
+        m_old[i] = sc.m[rows[i]];
+        m_new[i] = std::max(m_old[i], hmax256(mx));
+        const __m256 mn = _mm256_set1_ps(m_new[i]);
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < padded; j += 8) {
+            const __m256 e = exp256_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s[i] + j), mn));
+            _mm256_storeu_ps(s[i] + j, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        sums[i] = hsum256(sum);
+    }
+    _mm256_store_ps(correction, exp256_nonpositive(_mm256_sub_ps(_mm256_load_ps(m_old), _mm256_load_ps(m_new))));
+    for (int i = 0; i < R; ++i) {
+        sc.l[rows[i]] = sc.l[rows[i]] * correction[i] + sums[i];
+        sc.m[rows[i]] = m_new[i];
+    }
+}
+#endif
+
 // One row at a time: scores, one rescale of the row's running sums, then the weighted V
 // accumulation (the flash-attention recurrence). The rows see the block's keys [first, visible).
 template <class E>
@@ -309,40 +341,20 @@ void attend_rows_together(const Problem& p, Scratch& sc, const float* kt, int kp
     }
     if (p.softcap > 0.f)
         for (int i = 0; i < R; ++i) cap(scores[i] + first, visible - first, p.softcap);
-    // Online softmax, eight scores at a time; keys outside [first, visible) count as -inf.
+    // Keys outside [first, visible) count as -inf in the online softmax.
     const int padded = (visible + 15) / 16 * 16;
     const __m256 iota = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), limit = _mm256_set1_ps(static_cast<float>(visible));
     const __m256 lower = _mm256_set1_ps(static_cast<float>(first));
     const __m256 neg_inf = _mm256_set1_ps(kNegInf);
-    alignas(32) float m_old[8] = {}, m_new[8] = {};
-    float sums[R];
     for (int i = 0; i < R; ++i) {
-        __m256 mx = neg_inf;
         for (int j = 0; j < padded; j += 8) {
             const __m256 key = _mm256_add_ps(iota, _mm256_set1_ps(static_cast<float>(j)));
             const __m256 inside = _mm256_and_ps(_mm256_cmp_ps(key, limit, _CMP_LT_OQ), _mm256_cmp_ps(key, lower, _CMP_GE_OQ));
-            const __m256 sv = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(scores[i] + j), inside);
-            _mm256_storeu_ps(scores[i] + j, sv);
-            mx = _mm256_max_ps(mx, sv);
+            _mm256_storeu_ps(scores[i] + j, _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(scores[i] + j), inside));
         }
-        m_old[i] = sc.m[rows[i]];
-        m_new[i] = std::max(m_old[i], hmax256(mx));
-        const __m256 mn = _mm256_set1_ps(m_new[i]);
-        __m256 sum = _mm256_setzero_ps();
-        for (int j = 0; j < padded; j += 8) {
-            const __m256 e = exp256_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores[i] + j), mn));
-            _mm256_storeu_ps(scores[i] + j, e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        sums[i] = hsum256(sum);
     }
-    // exp(m_old - m_new) for every row at once: 0 for a row with no keys yet (m_old = -inf)
     alignas(32) float correction[8];
-    _mm256_store_ps(correction, exp256_nonpositive(_mm256_sub_ps(_mm256_load_ps(m_old), _mm256_load_ps(m_new))));
-    for (int i = 0; i < R; ++i) {
-        sc.l[rows[i]] = sc.l[rows[i]] * correction[i] + sums[i];
-        sc.m[rows[i]] = m_new[i];
-    }
+    softmax_rows<R>(sc, scores, rows, padded, correction);
     for (int d = 0; d < D; d += 16) {  // weighted V, 16 dimensions of every row at a time
         __m256 a[R][2];
         for (int i = 0; i < R; ++i) {  // each row's running sum, rescaled to the new max
@@ -452,37 +464,24 @@ void attend_decode_heads(const Problem& p, Scratch& sc, const typename E::T* kh,
         for (; j < padded; ++j) k_scales[j] = v_scales[j] = 1.f;
     }
     const __m256 scale_v = _mm256_set1_ps(p.scale);
-    alignas(32) float m_old[8] = {}, m_new[8] = {}, correction[8];
-    float sums[R];
+    int rows[R];
     for (int i = 0; i < R; ++i) {
-        float* s = w[i];
-        for (j = n; j < padded; ++j) s[j] = kNegInf;
+        rows[i] = row0 + i;
+        float* scores = w[i];
+        for (j = n; j < padded; ++j) scores[j] = kNegInf;
         for (j = 0; j < padded; j += 8) {
-            __m256 v = _mm256_loadu_ps(s + j);
+            __m256 v = _mm256_loadu_ps(scores + j);
             if constexpr (kInt8) v = _mm256_mul_ps(v, _mm256_loadu_ps(k_scales + j));
-            _mm256_storeu_ps(s + j, _mm256_mul_ps(v, scale_v));
+            _mm256_storeu_ps(scores + j, _mm256_mul_ps(v, scale_v));
         }
-        if (p.softcap > 0.f) cap(s, n, p.softcap);
-        __m256 mx = _mm256_set1_ps(kNegInf);
-        for (j = 0; j < padded; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
-        m_old[i] = sc.m[row0 + i];
-        m_new[i] = std::max(m_old[i], hmax256(mx));
-        const __m256 mn = _mm256_set1_ps(m_new[i]);
-        __m256 sum = _mm256_setzero_ps();
-        for (j = 0; j < padded; j += 8) {
-            __m256 e = exp256_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mn));
-            sum = _mm256_add_ps(sum, e);
-            if constexpr (kInt8) e = _mm256_mul_ps(e, _mm256_loadu_ps(v_scales + j));
-            _mm256_storeu_ps(s + j, e);
-        }
-        sums[i] = hsum256(sum);
+        if (p.softcap > 0.f) cap(scores, n, p.softcap);
     }
-    // exp(m_old - m_new) for the R heads at once: 0 for a head with no keys yet (m_old = -inf)
-    _mm256_store_ps(correction, exp256_nonpositive(_mm256_sub_ps(_mm256_load_ps(m_old), _mm256_load_ps(m_new))));
-    for (int i = 0; i < R; ++i) {
-        sc.l[row0 + i] = sc.l[row0 + i] * correction[i] + sums[i];
-        sc.m[row0 + i] = m_new[i];
-    }
+    alignas(32) float correction[8];
+    softmax_rows<R>(sc, w, rows, padded, correction);
+    if constexpr (kInt8)
+        for (int i = 0; i < R; ++i)
+            for (j = 0; j < padded; j += 8)
+                _mm256_storeu_ps(w[i] + j, _mm256_mul_ps(_mm256_loadu_ps(w[i] + j), _mm256_loadu_ps(v_scales + j)));
     for (int d = 0; d < D; d += 32) {  // weighted V, 32 dimensions of the R heads at a time
         __m256 a[R][4];
         for (int i = 0; i < R; ++i) {
