@@ -219,11 +219,36 @@ inline void block_dequantized(int type, const uint8_t* b, typename S::V* w) {
 }
 #endif
 
-// The block's scale, and what each unit of sum(x) adds (the offset: -8d, m or 0).
+// The block's scale, and what each unit of sum(x) adds (the offset: -8d, m or 0). A scale and a
+// min side by side are converted by one instruction (1.06x a one-row Q4_1 product, same values).
 inline void scale_offset(int type, const uint8_t* b, float* d, float* offset) {
+#if QM_AVX2
+    if (type == kQ4_1 || type == kQ8_M) {
+        int32_t pair;
+        std::memcpy(&pair, b, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
+        *d = _mm_cvtss_f32(dm);
+        *offset = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+        return;
+    }
+#endif
     *d = fp16(b);
     *offset = type == kQ4_1 || type == kQ8_M ? fp16(b + 2) : type == kQ4_0 ? -8.f * *d : 0.f;
 }
+
+#if QM_AVX2
+// How far ahead of the block in use the row products ask for weights. A one-row product reads
+// its weights once, from memory, and with the hardware prefetcher alone ran at half the copy
+// bandwidth (AMD EPYC family 23, two threads, a Q4_1 product over 50 MB of weights: 12 GB/s
+// against 25); asking 2-4 KB ahead took it to 14.5 GB/s, and the default model's batch-1 decode
+// step from 9.2 to 8.3 ms (1 KB: 8.45, 8 KB: 8.4). Past the end of a thread's rows the request
+// only warms lines another thread reads.
+constexpr int64_t kPrefetchBytes = 4096;
+
+inline void prefetch_ahead(const uint8_t* block) {
+    _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes, _MM_HINT_T0);
+}
+#endif
 
 #if QM_AVX2
 // The block's 32 weight values as int16 (for int16 activations): one vector of 32 on AVX-512,
@@ -313,6 +338,7 @@ void rows_tile(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         for (int t = 0; t < T; ++t) vacc[t] = Simd::zero();
         for (int64_t b = 0; b < blocks; ++b) {
             const uint8_t* blk = row + b * j.block_bytes;
+            prefetch_ahead(blk);
             float d = 1.f, offset = 0.f;
             if constexpr (!kDense<Type>) scale_offset(Type, blk, &d, &offset);
             V q[kVecs<Simd>];
@@ -616,6 +642,7 @@ void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
         for (int t = 0; t < T; ++t) acc[t] = S::zero();
         for (int64_t b = 0; b < blocks; ++b) {
             S::V w[kVecs<S>];
+            prefetch_ahead(row + b * j.block_bytes);
             block_dequantized<S>(Type, row + b * j.block_bytes, w);
             const float* x = j.x + m0 * j.k + b * 32;
             for (int t = 0; t < T; ++t, x += j.k)
