@@ -89,6 +89,26 @@ inline void block_values(int type, const uint8_t* b, float* q) {
     }
 }
 
+// The block's scale, and what each unit of sum(x) adds (the offset: -8d, m or 0). A scale and a
+// min side by side are converted by one instruction (1.06x a one-row Q4_1 product, same values).
+inline void scale_offset(int type, const uint8_t* b, float* d, float* offset) {
+    if (type == kQ4_1 || type == kQ8_M) {
+#if QM_AVX2
+        int32_t pair;
+        std::memcpy(&pair, b, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
+        *d = _mm_cvtss_f32(dm);
+        *offset = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+#else
+        *d = fp16(b);
+        *offset = fp16(b + 2);
+#endif
+        return;
+    }
+    *d = fp16(b);
+    *offset = type == kQ4_0 ? -8.f * *d : 0.f;
+}
+
 #if QM_AVX2
 #if QM_AVX512
 // 16 fp32 lanes; a block of 32 values is two vectors.
@@ -208,9 +228,11 @@ template <class S>
 inline void block_dequantized(int type, const uint8_t* b, typename S::V* w) {
     using V = typename S::V;
     block_vectors<S>(type, b, w);
-    const V vd = S::set1(fp16(b));
+    float d, offset;
+    scale_offset(type, b, &d, &offset);
+    const V vd = S::set1(d);
     if (type == kQ4_1 || type == kQ8_M) {
-        const V vm = S::set1(fp16(b + 2));
+        const V vm = S::set1(offset);
         for (int i = 0; i < kVecs<S>; ++i) w[i] = S::add(S::mul(vd, w[i]), vm);
     } else {
         const V shift = S::set1(type == kQ4_0 ? 8.f : 0.f);
@@ -218,23 +240,6 @@ inline void block_dequantized(int type, const uint8_t* b, typename S::V* w) {
     }
 }
 #endif
-
-// The block's scale, and what each unit of sum(x) adds (the offset: -8d, m or 0). A scale and a
-// min side by side are converted by one instruction (1.06x a one-row Q4_1 product, same values).
-inline void scale_offset(int type, const uint8_t* b, float* d, float* offset) {
-#if QM_AVX2
-    if (type == kQ4_1 || type == kQ8_M) {
-        int32_t pair;
-        std::memcpy(&pair, b, 4);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
-        *d = _mm_cvtss_f32(dm);
-        *offset = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-        return;
-    }
-#endif
-    *d = fp16(b);
-    *offset = type == kQ4_1 || type == kQ8_M ? fp16(b + 2) : type == kQ4_0 ? -8.f * *d : 0.f;
-}
 
 #if QM_AVX2
 // How far ahead of the block in use the row products ask for weights. A one-row product reads
@@ -728,11 +733,10 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
         block_dequantized<Simd>(type, blk, w);
         for (int i = 0; i < kVecs<Simd>; ++i) Simd::store(o + i * Simd::kLanes, w[i]);
 #else
-        const float d = fp16(blk);
-        float q[32];
+        float d, m, q[32];
+        scale_offset(type, blk, &d, &m);
         block_values(type, blk, q);
         if (type == kQ4_1 || type == kQ8_M) {
-            const float m = fp16(blk + 2);
             for (int i = 0; i < 32; ++i) o[i] = d * q[i] + m;
         } else {
             const float shift = type == kQ4_0 ? 8.f : 0.f;
