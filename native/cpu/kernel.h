@@ -15,7 +15,7 @@
 namespace pa {
 
 constexpr int kQueryTile = 16;      // query tokens per work item (prefill)
-constexpr int kMinSplitKeys = 32;  // never split a key range shorter than this (two blocks of 16)
+constexpr int kMinSplitKeys = 32;   // never split a key range shorter than this (two blocks of 16)
 
 // A work item covers every head of a sequence's query tile, so each cache block (all KV
 // heads of its tokens, contiguous) is streamed once, in order.

@@ -212,14 +212,14 @@ int pa_cpu_attention(const pa_shape* s, void* out, const void* query, const void
     // Each thread's scratch is kept between calls (a decode step makes one call per layer, and
     // allocating and zeroing it each time cost more than a small attention); one thread runs
     // without a parallel region at all. The splits are merged in the same region, after the
-    // barrier that ends the items' loop.
+    // barrier that ends the items' loop; the region's own end is the merge's barrier (nowait).
     auto run = [&] {
         static thread_local Scratch scratch;
         scratch.reserve(pa::kQueryTile * s->num_heads, s->head_size, s->block_size);
 #pragma omp for schedule(dynamic, 1)  // (outside a parallel region: this thread runs every item)
         for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i)
             kKernels.run_item(p, items[i], scratch, partials.data());
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
         for (int64_t i = 0; i < static_cast<int64_t>(firsts.size()); ++i)
             kKernels.merge_splits(p, &items[firsts[i]], partials.data());
     };
