@@ -1,9 +1,11 @@
-"""Where one stream's time per output token goes, HTTP request to the last SSE event.
+"""Where one stream's time per output token goes (or many streams' time per step), HTTP request to the last SSE event.
 
 The server runs in this process with its functions timed (a thread-local stack, so each part
 is counted once: a matrix product inside the forward pass is not forward "other"); a client in
 another process streams ``/v1/completions`` (128 tokens after a ~96-word prompt, one request
-at a time) and times the events. Printed per output token:
+at a time) and times the events. Printed per output token (with ``--streams N``, N clients at
+once, each prompt its own first words so that none is another's cached prefix: per engine step,
+of the wall time per step, since the streams' tokens come out of a step together):
 
 - the client's inter-token time (TPOT);
 - the device work of a step (the runner): the decoder layers (on the cpu backend one native
@@ -17,6 +19,7 @@ at a time) and times the events. Printed per output token:
     python bench/token_breakdown.py                      # the default model, --backend cpu
     python bench/token_breakdown.py --requests 8 --max-tokens 256 -- --activation-quantization int16
     python bench/token_breakdown.py --layer-loop         # the layers op by op (their parts one by one)
+    python bench/token_breakdown.py --streams 64 --requests 2 --layer-loop   # a 64-stream step
 
 Flags after ``--`` go to the server (``python -m engine.api``'s).
 """
@@ -44,23 +47,36 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
           "dated thirty years ago, addressed to nobody in particular. Tell what the letter says.")
 
 CLIENT = r"""
-import json, sys, time, httpx
-url, n, max_tokens, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
-gaps, tokens = [], 0
-with httpx.Client(timeout=600) as client:
-    for i in range(n + 1):  # the first request warms up and is not counted
-        times = []
-        with client.stream("POST", url + "/v1/completions", json=body) as response:
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    times.append(time.perf_counter())
-        if i:
-            gaps += [b - a for a, b in zip(times, times[1:])]
-            tokens += len(times)
-        else:
-            print(json.dumps({"warm": True}), flush=True)
-print(json.dumps({"gaps": gaps, "tokens": tokens}), flush=True)
+import json, sys, threading, time, httpx
+url, n, max_tokens, prompt, streams = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+gaps, counts, lock = [], [], threading.Lock()
+
+
+def run(count, keep, stream=0):
+    # each stream its own first words: no stream's prompt is a cached prefix of another's
+    body = {"prompt": f"({stream}) {prompt}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    with httpx.Client(timeout=600) as client:
+        for _ in range(count):
+            times = []
+            with client.stream("POST", url + "/v1/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        times.append(time.perf_counter())
+            if keep:
+                with lock:
+                    gaps.extend(b - a for a, b in zip(times, times[1:]))
+                    counts.append(len(times))
+
+
+run(1, False)  # the first request warms up and is not counted
+print(json.dumps({"warm": True}), flush=True)
+threads = [threading.Thread(target=run, args=(n, True, i)) for i in range(streams)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({"gaps": gaps, "tokens": sum(counts)}), flush=True)
 """
 
 
@@ -72,6 +88,7 @@ class Timers:
         self.calls: dict[str, int] = defaultdict(int)
         self._local = threading.local()
         self.enabled = False
+        self.wall = 0.0  # seconds measured (set by measure)
 
     def wrap(self, owner, name: str, part: str, inside: dict[str, str] | None = None) -> None:
         """Time ``owner.name`` as ``part`` (or as ``inside[caller's part]`` when called from a
@@ -189,7 +206,7 @@ async def measure(args, server_flags: list[str]) -> tuple[Timers, dict]:
         await nursery.start(run_server, server_args)
         client = await trio.lowlevel.open_process(
             [sys.executable, "-c", CLIENT, f"http://127.0.0.1:{port}", str(args.requests), str(args.max_tokens),
-             PROMPT], stdout=subprocess.PIPE)
+             PROMPT, str(args.streams)], stdout=subprocess.PIPE)
         lines = []
         buffer = b""
         async for chunk in client.stdout:
@@ -199,10 +216,12 @@ async def measure(args, server_flags: list[str]) -> tuple[Timers, dict]:
                 message = json.loads(line)
                 if message.get("warm"):
                     timers.enabled = True  # count from the first measured request on
+                    started = time.perf_counter()
                 else:
                     lines.append(message)
         await client.wait()
         timers.enabled = False
+        timers.wall = time.perf_counter() - started
         nursery.cancel_scope.cancel()
     if client.returncode != 0 or not lines:
         raise SystemExit("the client failed")
@@ -230,11 +249,16 @@ def call_overhead() -> float:
     return max(0.0, (timed - (time.perf_counter() - start)) / n)
 
 
-def report(timers: Timers, client: dict) -> None:
+def report(timers: Timers, client: dict, streams: int) -> None:
+    """Per output token for one stream (of the client's mean inter-token time); per engine step
+    for several (of the wall time per step: the streams' tokens come out together)."""
     tokens = client["tokens"]
     gaps = sorted(client["gaps"])
     tpot = sum(gaps) / len(gaps)
-    per = {part: seconds / tokens * 1e3 for part, seconds in timers.total.items()}
+    steps = timers.calls["step: schedule"]
+    count, unit = (tokens, "token") if streams == 1 else (steps, "step")
+    whole = tpot * 1e3 if streams == 1 else timers.wall / steps * 1e3
+    per = {part: seconds / count * 1e3 for part, seconds in timers.total.items()}
     device = sum(v for k, v in per.items() if k.startswith("device:"))
     wait = per.pop("step: wait for the device", 0.0)
     hop = wait - device
@@ -248,19 +272,25 @@ def report(timers: Timers, client: dict) -> None:
              ("SSE chunk encoding", per.get("SSE chunk encoding", 0.0))]
     accounted = device + hop + sum(per.get(k, 0.0) for k in ("step: schedule", "step: update", "output actor",
                                                              "SSE chunk encoding"))
-    rows.append(("rest: event loop, HTTP, socket, client", tpot * 1e3 - accounted))
-    print(f"one stream, {tokens} output tokens measured; client TPOT mean {tpot * 1e3:.2f} ms "
-          f"(p50 {gaps[len(gaps) // 2] * 1e3:.2f}, p90 {gaps[int(len(gaps) * 0.9)] * 1e3:.2f})")
-    print(f"{'part':44s} {'ms/token':>9s} {'share':>7s}")
+    rows.append(("rest: event loop, HTTP, socket, client", whole - accounted))
+    percentiles = (f"p50 {gaps[len(gaps) // 2] * 1e3:.2f}, p90 {gaps[int(len(gaps) * 0.9)] * 1e3:.2f}, "
+                   f"p99 {gaps[int(len(gaps) * 0.99)] * 1e3:.2f}")
+    if streams == 1:
+        print(f"one stream, {tokens} output tokens measured; client TPOT mean {tpot * 1e3:.2f} ms ({percentiles})")
+    else:
+        print(f"{streams} streams, {tokens} output tokens in {steps} steps ({tokens / steps:.1f} a step), "
+              f"{tokens / timers.wall:.1f} tok/s; wall time a step {whole:.2f} ms; client ITL mean "
+              f"{tpot * 1e3:.2f} ms ({percentiles})")
+    print(f"{'part':44s} {'ms/' + unit:>9s} {'share':>7s}")
     for part, ms in rows:
-        print(f"{part:44s} {ms:9.3f} {ms / (tpot * 1e3):7.1%}")
-    host = tpot * 1e3 - device
-    print(f"{'device work (the runner)':44s} {device:9.3f} {device / (tpot * 1e3):7.1%}")
-    print(f"{'host (everything but the device work)':44s} {host:9.3f} {host / (tpot * 1e3):7.1%}")
-    calls = sum(timers.calls.values()) / tokens
+        print(f"{part:44s} {ms:9.3f} {ms / whole:7.1%}")
+    host = whole - device
+    print(f"{'device work (the runner)':44s} {device:9.3f} {device / whole:7.1%}")
+    print(f"{'host (everything but the device work)':44s} {host:9.3f} {host / whole:7.1%}")
+    calls = sum(timers.calls.values()) / count
     overhead = calls * call_overhead() * 1e3
-    print(f"(the timing itself: {calls:.0f} timed calls a token, ~{overhead:.3f} ms a token, inside the parts above; "
-          "the output actor and SSE run while the device computes the next step)")
+    print(f"(the timing itself: {calls:.0f} timed calls a {unit}, ~{overhead:.3f} ms a {unit}, inside the parts "
+          "above; the output actor and SSE run while the device computes the next step)")
 
 
 def main() -> None:
@@ -268,7 +298,10 @@ def main() -> None:
     server_flags = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=4, help="measured requests, one at a time (after a warm-up)")
+    parser.add_argument("--requests", type=int, default=4,
+                        help="measured requests of each stream, one at a time (after a warm-up)")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="concurrent streams (each its own prompt); above one, parts are shown per engine step")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--switch-interval", type=float, default=None,
@@ -287,7 +320,7 @@ def main() -> None:
     if not any(f.startswith("--backend") for f in server_flags):
         server_flags = ["--backend", args.backend, *server_flags]
     timers, client = trio.run(measure, args, server_flags)
-    report(timers, client)
+    report(timers, client, args.streams)
 
 
 if __name__ == "__main__":
