@@ -6,9 +6,11 @@ scheduling policy's inter-token latency, time to first token and throughput at 3
 streams come out in a second instead of a ten-minute serving run. Closed loop as
 ``--max-concurrency``: all streams start at once, and each finished request is replaced by
 the next. Nothing here models the HTTP front or the client's own CPU, so treat the figures
-as the scheduler's share of a real run.
+as the scheduler's share of a real run. ``--request-rate`` sends requests as a Poisson process
+instead (at most ``--max-concurrency`` in flight), as serve.py does.
 
     python bench/schedule_sim.py --max-concurrency 32
+    python bench/schedule_sim.py --max-concurrency 64 --request-rate 1.6
     python bench/schedule_sim.py --max-concurrency 64 --mixed-prefill-per-decode 0 --max-num-mixed-prefill-tokens 128
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import math
 import random
 import sys
 from pathlib import Path
@@ -29,11 +32,13 @@ from engine.sched.kv_cache import BlockManager  # noqa: E402
 from engine.sched.request import Request  # noqa: E402
 from engine.sched.scheduler import Scheduler  # noqa: E402
 
-# bench/step_cost.py (greedy, 8 / 32 / 64 decoding streams) on the AMD EPYC family-23 VM of
-# 2026-12-01 (packed Q4_1 weights, cpu backend, packed kernel up to 128 rows): ~50 ms a step
-# plus ~4.5 ms a row from 32 rows on, a step up where the packed kernel hands over to
-# dequantize + GEMM (128 -> 160 rows); 2048 is extrapolated.
-DEFAULT_CURVE = "1:27.5,8:78,16:123,32:195,64:345,96:480,128:618,160:818,192:990,256:1206,288:1342,2048:8700"
+# bench/step_cost.py on the AMD EPYC family-23 VM of 2026-12-05 (packed Q4_1 weights, cpu
+# backend, int8 KV cache): one decoding stream and a prompt of 0-1023 tokens joining it, so the
+# curve is what prompt tokens cost; a decoding row costs ~0.7 ms more than a prompt token
+# (DEFAULT_DECODE_ROW_MS: its LM head row and attention over its context; 64 decoding rows
+# 173 ms, against 124 ms for 64 prompt tokens).
+DEFAULT_CURVE = "1:9.4,8:24.2,16:40.1,32:68,64:124,128:257,256:519,512:1213,1024:2578,2048:5500"
+DEFAULT_DECODE_ROW_MS = 0.7
 
 
 def parse_curve(text: str) -> list[tuple[int, float]]:
@@ -56,8 +61,13 @@ def percentile(values: list[float], p: float) -> float:
 
 
 def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, input_len: int,
-             output_len: int, range_ratio: float = 0.0, seed: int = 0) -> dict[str, float]:
-    """Lengths as serve.py's random dataset draws them: uniform within ``range_ratio`` of the means."""
+             output_len: int, range_ratio: float = 0.0, seed: int = 0, decode_row_ms: float = 0.0,
+             request_rate: float = math.inf) -> dict[str, float]:
+    """Lengths as serve.py's random dataset draws them: uniform within ``range_ratio`` of the means.
+    A step costs the curve at its tokens plus ``decode_row_ms`` per decoding row (the LM head and
+    the attention over its context, which a prompt's tokens mostly do not have). With a
+    ``request_rate``, requests arrive as a Poisson process (at most ``concurrency`` in flight, as
+    serve.py's ``--request-rate`` with ``--max-concurrency``); else all at once."""
     scheduler = Scheduler(config, BlockManager(1 << 16, config.block_size, config.enable_prefix_caching), 1 << 16)
     now = 0.0
     arrival: dict[str, float] = {}
@@ -80,11 +90,27 @@ def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, in
         arrival[request_id] = now
         sent += 1
 
-    for _ in range(min(concurrency, num_prompts)):
-        send()
-    while scheduler.num_unfinished:
+    due = [0.0] * num_prompts  # when each request is sent, at the earliest
+    if request_rate != math.inf:
+        for i in range(1, num_prompts):
+            due[i] = due[i - 1] + rng.expovariate(request_rate) * 1e3
+    in_flight = 0
+
+    def send_due() -> None:
+        nonlocal in_flight
+        while sent < num_prompts and in_flight < concurrency and due[sent] <= now:
+            send()
+            in_flight += 1
+
+    send_due()
+    while scheduler.num_unfinished or sent < num_prompts:
+        if not scheduler.num_unfinished:  # idle until the next arrival
+            now = max(now, due[sent])
+            send_due()
+            continue
         plan = scheduler.schedule()
-        now += step_ms(curve, plan.num_batched_tokens)
+        decoding = sum(1 for c in plan.chunks if c.num_new_tokens == 1)
+        now += step_ms(curve, plan.num_batched_tokens) + decode_row_ms * decoding
         steps += 1
         sampled = {c.request.request_id: 5 for c in plan.chunks if c.samples}
         for request_id in sampled:
@@ -94,9 +120,8 @@ def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, in
                 ttft.append(now - arrival[request_id])
             last[request_id] = now
         generated += len(sampled)
-        for _ in scheduler.update(plan, sampled):
-            if sent < num_prompts:
-                send()
+        in_flight -= len(scheduler.update(plan, sampled))
+        send_due()
     return {"output_throughput": generated / now * 1e3, "steps": steps,
             "p50_itl_ms": percentile(itl, 50), "p99_itl_ms": percentile(itl, 99),
             "p50_ttft_ms": percentile(ttft, 50), "p99_ttft_ms": percentile(ttft, 99)}
@@ -119,13 +144,17 @@ def main() -> None:
     parser.add_argument("--mixed-prefill-per-decode", type=float, default=SERVING_CPU_MIXED_PREFILL_PER_DECODE,
                         help="the cap that follows the batch (the server's CPU default); 0: none")
     parser.add_argument("--curve", default=DEFAULT_CURVE, help="tokens:ms points of a step's cost")
+    parser.add_argument("--decode-row-ms", type=float, default=DEFAULT_DECODE_ROW_MS,
+                        help="what a decoding row adds to the curve's cost (its LM head row and attention)")
+    parser.add_argument("--request-rate", type=float, default=math.inf,
+                        help="requests per second, Poisson (default: all at once, a closed loop)")
     args = parser.parse_args()
     engine.sched.scheduler.PREFILL_RATE_MARGIN = args.prefill_rate_margin
     config = EngineConfig(max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_mixed_prefill_tokens=args.max_num_mixed_prefill_tokens or None,
                           mixed_prefill_per_decode=args.mixed_prefill_per_decode or None)
     r = simulate(config, parse_curve(args.curve), args.max_concurrency, args.num_prompts, args.random_input_len,
-                 args.random_output_len, args.random_range_ratio, args.seed)
+                 args.random_output_len, args.random_range_ratio, args.seed, args.decode_row_ms, args.request_rate)
     print(f"concurrency {args.max_concurrency}, cap {args.max_num_mixed_prefill_tokens or 'none'}, "
           f"per decode {args.mixed_prefill_per_decode or 'none'}: "
           f"{r['output_throughput']:.1f} output tok/s, ITL p50 {r['p50_itl_ms']:.0f} / p99 {r['p99_itl_ms']:.0f} ms "
