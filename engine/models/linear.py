@@ -31,7 +31,10 @@ from backends import packed as packed_kernels
 # AMD EPYC Zen 3, ms for four layers: M=64 kernel 3.22-3.26 / tiled 3.68 / fp32 3.09; M=96
 # 5.04 / 4.87 / 4.31; M=128 7.1 / 6.1 / 5.5 (crossover ~90). AMD EPYC family 23, the seven
 # layers of a block: M=64 8.30 / 11.78 / 9.35; M=128 16.6 / 20.7 / 18.8; M=256 33.5 / 34.3 /
-# 31.9 (the kernel ahead up to 256).
+# 31.9 (the kernel ahead up to 256). There, after the kernel's later work, GFLOP/s kernel /
+# tiled at M=512 and 1024: 960 x 576 144 / 107, 139 / 106; 1536 x 576 (twice) 119 / 101,
+# 120 / 96; 576 x 1536 119 / 112, 109 / 126: a prefill step of 512 / 1024 prompt tokens took
+# 1.13-1.20x / 1.12-1.13x as fast with the kernel (bench/step_cost.py --decodes 1).
 PACKED_MAX_ROWS = 64  # the least crossover: what packed_max_rows starts from
 # --activation-quantization int16 rounds x to int16 for batches of up to this many rows (decode
 # of one or two streams), where integer dot products are faster; from 4 rows fp32 activations are
@@ -44,7 +47,7 @@ INT16_ACTIVATION_MAX_ROWS = 2
 # fp32 FMA per instruction (bench/packed.py --paths); below it the products stream the weights
 # and rounding x gains nothing.
 BF16_ACTIVATION_MIN_ROWS = 16
-_CROSSOVER_CANDIDATES = (128, 256)
+_CROSSOVER_CANDIDATES = (128, 256, 512, 1024)
 # Rows of the dequantized tile hold at most this many floats (16 MiB): the LM head of a large
 # vocabulary is never dequantized whole.
 _TILE_FLOATS = 4 * 1024 * 1024
@@ -267,7 +270,7 @@ def packed_max_rows() -> int:
     """The most rows of x for which the packed kernel is used on this machine: ``PACKED_MAX_ROWS``,
     or a larger candidate at which the kernel still runs clearly faster than dequantize + GEMM, timed
     once per process on a layer of the default model's largest shape (1536 x 576, Q4_1; about
-    0.2 s). ``QM_PACKED_MAX_ROWS`` in the environment sets it instead."""
+    0.3 s). ``QM_PACKED_MAX_ROWS`` in the environment sets it instead."""
     override = os.environ.get("QM_PACKED_MAX_ROWS")
     if override:
         return max(1, int(override))
