@@ -254,6 +254,20 @@ def test_the_kernels_row_crossover_is_measured_once_or_set(monkeypatch):
         linear_module.packed_max_rows.cache_clear()
 
 
+def test_the_start_up_log_says_how_activations_are_multiplied(monkeypatch):
+    """float32 by default on every CPU; where the CPU has bf16 products, the log says they are
+    one flag away and not token-identical."""
+    from engine.models import loader
+
+    monkeypatch.setattr(loader, "packed_bf16_supported", lambda: False)
+    assert loader._activations_line("none") == "float32"
+    assert loader._activations_line("int16") == "int16"
+    monkeypatch.setattr(loader, "packed_bf16_supported", lambda: True)
+    line = loader._activations_line("none")
+    assert line.startswith("float32 (the default") and "--activation-quantization bf16" in line
+    assert loader._activations_line("bf16") == "bf16"
+
+
 def test_bad_arguments_are_clear_errors():
     data, _ = packed_weight("Q8_0", 4, 64)
     with pytest.raises(ValueError, match="whole blocks of 32"):
