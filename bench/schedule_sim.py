@@ -80,36 +80,39 @@ def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, in
     def length(mean: int) -> int:
         return max(1, rng.randint(max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))))
 
-    def send() -> None:
+    def send(at: float) -> None:
         nonlocal sent
         # Distinct prompts (random ones in serve.py), so prefix caching finds nothing.
         prompt = [1000 + (sent * 7919 + j * 31) % 40000 for j in range(length(input_len))]
         request_id, max_tokens = f"r{sent}", length(output_len)
         scheduler.add_request(Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                       max_tokens, None, sent))
-        arrival[request_id] = now
+        arrival[request_id] = at
         sent += 1
 
     due = [0.0] * num_prompts  # when each request is sent, at the earliest
     if request_rate != math.inf:
         for i in range(1, num_prompts):
             due[i] = due[i - 1] + rng.expovariate(request_rate) * 1e3
-    in_flight = 0
+    in_flight, step_start = 0, 0.0
 
     def send_due() -> None:
         nonlocal in_flight
         while sent < num_prompts and in_flight < concurrency and due[sent] <= now:
-            send()
+            # (closed loop: when a slot frees, at a step's end; Poisson: when due, or when the step
+            # it fell in began if a slot was free before that; the scheduler sees it next step)
+            send(now if request_rate == math.inf else max(due[sent], step_start))
             in_flight += 1
 
     send_due()
     while scheduler.num_unfinished or sent < num_prompts:
         if not scheduler.num_unfinished:  # idle until the next arrival
-            now = max(now, due[sent])
+            now = step_start = max(now, due[sent])
             send_due()
             continue
         plan = scheduler.schedule()
         decoding = sum(1 for c in plan.chunks if c.num_new_tokens == 1)
+        step_start = now
         now += step_ms(curve, plan.num_batched_tokens) + decode_row_ms * decoding
         steps += 1
         sampled = {c.request.request_id: 5 for c in plan.chunks if c.samples}
