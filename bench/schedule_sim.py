@@ -60,11 +60,33 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
 
 
+def random_request(index: int, rng: random.Random, input_len: int, output_len: int, range_ratio: float) -> Request:
+    """Request ``index`` with lengths uniform within ``range_ratio`` of the means, as serve.py's
+    random dataset draws them, and a prompt of its own (random ones in serve.py), so prefix
+    caching finds nothing."""
+    def length(mean: int) -> int:
+        return max(1, rng.randint(max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))))
+
+    prompt = [1000 + (index * 7919 + j * 31) % 40000 for j in range(length(input_len))]
+    max_tokens = length(output_len)
+    return Request(f"r{index}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), max_tokens, None, index)
+
+
+def send_times(num_prompts: int, request_rate: float, seed: int) -> list[float]:
+    """When each request is due (ms): all at once, or a Poisson process at ``request_rate`` a
+    second (drawn apart from the lengths, so both modes get the same prompts)."""
+    due = [0.0] * num_prompts
+    if request_rate != math.inf:
+        rng = random.Random(seed + 1)
+        for i in range(1, num_prompts):
+            due[i] = due[i - 1] + rng.expovariate(request_rate) * 1e3
+    return due
+
+
 def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, input_len: int,
              output_len: int, range_ratio: float = 0.0, seed: int = 0, decode_row_ms: float = 0.0,
              request_rate: float = math.inf) -> dict[str, float]:
-    """Lengths as serve.py's random dataset draws them: uniform within ``range_ratio`` of the means.
-    A step costs the curve at its tokens plus ``decode_row_ms`` per decoding row (the LM head and
+    """Requests as ``random_request`` makes them, sent at ``send_times``. A step costs the curve at its tokens plus ``decode_row_ms`` per decoding row (the LM head and
     the attention over its context, which a prompt's tokens mostly do not have). With a
     ``request_rate``, requests arrive as a Poisson process (at most ``concurrency`` in flight, as
     serve.py's ``--request-rate`` with ``--max-concurrency``); else all at once."""
@@ -77,37 +99,29 @@ def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, in
     sent = generated = steps = 0
     rng = random.Random(seed)
 
-    def length(mean: int) -> int:
-        return max(1, rng.randint(max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))))
-
     def send(at: float) -> None:
         nonlocal sent
-        # Distinct prompts (random ones in serve.py), so prefix caching finds nothing.
-        prompt = [1000 + (sent * 7919 + j * 31) % 40000 for j in range(length(input_len))]
-        request_id, max_tokens = f"r{sent}", length(output_len)
-        scheduler.add_request(Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                      max_tokens, None, sent))
-        arrival[request_id] = at
+        request = random_request(sent, rng, input_len, output_len, range_ratio)
+        scheduler.add_request(request)
+        arrival[request.request_id] = at
         sent += 1
 
-    due = [0.0] * num_prompts  # when each request is sent, at the earliest
-    if request_rate != math.inf:
-        for i in range(1, num_prompts):
-            due[i] = due[i - 1] + rng.expovariate(request_rate) * 1e3
-    in_flight, step_start = 0, 0.0
+    due = send_times(num_prompts, request_rate, seed)
+    in_flight, step_start, free = 0, 0.0, concurrency  # free: slots that were free while the last step ran
 
     def send_due() -> None:
-        nonlocal in_flight
+        nonlocal in_flight, free
         while sent < num_prompts and in_flight < concurrency and due[sent] <= now:
-            # (closed loop: when a slot frees, at a step's end; Poisson: when due, or when the step
-            # it fell in began if a slot was free before that; the scheduler sees it next step)
-            send(now if request_rate == math.inf else max(due[sent], step_start))
-            in_flight += 1
+            # sent when due if a slot was free then, else when one freed (the step's end); the
+            # scheduler sees it at its next step either way
+            send(max(due[sent], step_start) if free > 0 else now)
+            in_flight, free = in_flight + 1, free - 1
 
     send_due()
     while scheduler.num_unfinished or sent < num_prompts:
         if not scheduler.num_unfinished:  # idle until the next arrival
             now = step_start = max(now, due[sent])
+            free = concurrency - in_flight
             send_due()
             continue
         plan = scheduler.schedule()
@@ -123,6 +137,7 @@ def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, in
                 ttft.append(now - arrival[request_id])
             last[request_id] = now
         generated += len(sampled)
+        free = concurrency - in_flight
         in_flight -= len(scheduler.update(plan, sampled))
         send_due()
     return {"output_throughput": generated / now * 1e3, "steps": steps,
@@ -130,9 +145,16 @@ def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, in
             "p50_ttft_ms": percentile(ttft, 50), "p99_ttft_ms": percentile(ttft, 99)}
 
 
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-concurrency", type=int, default=32)
+    parser.add_argument("--max-concurrency", type=positive, default=32)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--random-input-len", type=int, default=128)
     parser.add_argument("--random-output-len", type=int, default=128)
