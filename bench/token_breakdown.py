@@ -49,13 +49,21 @@ PROMPT = ("Write a short story about a lighthouse keeper who finds a message in 
 CLIENT = r"""
 import json, sys, threading, time, httpx
 url, n, max_tokens, prompt, streams = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-gaps, counts, lock = [], [], threading.Lock()
+gaps, counts, errors, lock = [], [], [], threading.Lock()
 
 
-def run(count, keep, stream=0):
+def run(count, keep, stream="warm-up"):
     # each stream its own first words: no stream's prompt is a cached prefix of another's
     body = {"prompt": f"({stream}) {prompt}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "temperature": 0}
+    try:
+        stream_requests(body, count, keep)
+    except Exception as exc:
+        with lock:
+            errors.append(repr(exc))
+
+
+def stream_requests(body, count, keep):
     with httpx.Client(timeout=600) as client:
         for _ in range(count):
             times = []
@@ -70,12 +78,16 @@ def run(count, keep, stream=0):
 
 
 run(1, False)  # the first request warms up and is not counted
+if errors:
+    sys.exit(f"the warm-up failed: {errors[0]}")
 print(json.dumps({"warm": True}), flush=True)
 threads = [threading.Thread(target=run, args=(n, True, i)) for i in range(streams)]
 for t in threads:
     t.start()
 for t in threads:
     t.join()
+if errors:
+    sys.exit(f"{len(errors)} streams failed: {errors[0]}")
 print(json.dumps({"gaps": gaps, "tokens": sum(counts)}), flush=True)
 """
 
@@ -209,6 +221,7 @@ async def measure(args, server_flags: list[str]) -> tuple[Timers, dict]:
              PROMPT, str(args.streams)], stdout=subprocess.PIPE)
         lines = []
         buffer = b""
+        started = time.perf_counter()  # (from the warm-up's end, below)
         async for chunk in client.stdout:
             buffer += chunk
             while b"\n" in buffer:

@@ -32,9 +32,10 @@ from backends import packed as packed_kernels
 # 5.04 / 4.87 / 4.31; M=128 7.1 / 6.1 / 5.5 (crossover ~90). AMD EPYC family 23, the seven
 # layers of a block: M=64 8.30 / 11.78 / 9.35; M=128 16.6 / 20.7 / 18.8; M=256 33.5 / 34.3 /
 # 31.9 (the kernel ahead up to 256). There, after the kernel's later work, GFLOP/s kernel /
-# tiled at M=512 and 1024: 960 x 576 144 / 107, 139 / 106; 1536 x 576 (twice) 119 / 101,
-# 120 / 96; 576 x 1536 119 / 112, 109 / 126: a prefill step of 512 / 1024 prompt tokens took
-# 1.13-1.20x / 1.12-1.13x as fast with the kernel (bench/step_cost.py --decodes 1).
+# tiled at M=512 and 1024: 960 x 576 144 / 107, 139 / 106; 3072 x 576 (gate + up) 119 / 101,
+# 120 / 96; 576 x 1536 119 / 112, 109 / 126 (the one shape the probe's 1536 x 576 does not speak
+# for): prefill steps of 512 / 1024 prompt tokens ran 1.13-1.20x / 1.12-1.13x as fast with the
+# kernel (bench/step_cost.py --decodes 1).
 PACKED_MAX_ROWS = 64  # the least crossover: what packed_max_rows starts from
 # --activation-quantization int16 rounds x to int16 for batches of up to this many rows (decode
 # of one or two streams), where integer dot products are faster; from 4 rows fp32 activations are

@@ -144,14 +144,14 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
 def _activations_line(activation_quantization: str) -> str:
     """How the packed products take their activations, and why: float32 is the default on every
     CPU. Rounding them to bf16 (AVX512_BF16: Zen 4, Sapphire Rapids) made 32/64-stream serving
-    1.14-1.38x as fast on Zen 4 but changed 0.67% of the default model's greedy tokens, at fp32
-    margins up to 0.047 nats (bench/bf16_agreement.py): past DESIGN.md's near-tie bar of ~1e-3, so
-    it stays a choice, said here where the CPU offers it."""
+    1.14-1.38x as fast on Zen 4 but changed 20 of 2999 teacher-forced top-1 tokens of the default
+    model, at fp32 margins up to 0.047 nats (bench/README.md, "Quantized weights"): past the parity
+    tests' near-tie bar of ~1e-3, so it stays a choice, said here where the CPU offers it."""
     if activation_quantization != "none":
         return activation_quantization
     if packed_bf16_supported():
-        return ("float32 (the default; --activation-quantization bf16 multiplies batches of 16+ rows in bf16 on "
-                "this CPU: faster, not token-identical)")
+        return (f"float32 (the default; --activation-quantization bf16 multiplies batches of {BF16_ACTIVATION_MIN_ROWS}+ "
+                "rows in bf16 on this CPU: faster, not token-identical)")
     return "float32"
 
 
