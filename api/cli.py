@@ -160,6 +160,9 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "slower in large batches")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8 KV cache: each layer's K and V scales from the first forward pass (default 1.0)")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one KV block table for all layers of a model mixing global and sliding-window layers "
+                        "(Gemma 2/3): its sliding layers then keep every block of a long request")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="on a GPU, the share of its memory the engine may fill (weights, then KV cache)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

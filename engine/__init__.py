@@ -6,7 +6,7 @@
     engine.core        EngineCore (scheduler + runner), the core actor, the device thread
     engine.sched | engine.runner   what a step computes | computing it (independent of each other)
     engine.models      model definitions and weight loading
-    (vocabulary)       config, errors, sampling_params, outputs, messages, plan, structured_outputs,
+    (vocabulary)       config, errors, sampling_params, outputs, messages, plan, kv_groups, structured_outputs,
                        tools, tokenizer: the values and request-shaping features every layer shares
     backends           attention and matrix kernels (below the engine)
 """

@@ -126,6 +126,11 @@ class EngineConfig:
         calculate_kv_scales: for an fp8 cache, each layer's K and V scales from the first
             forward pass (the largest value of its K and V, with room for twice that) instead
             of 1.0 (vLLM's default and flag).
+        disable_hybrid_kv_cache_manager: one block table for every layer of a model that mixes
+            global and sliding-window layers (Gemma 2, Gemma 3), which then holds a long
+            request's every block in its sliding layers too (vLLM's flag). By default each layer
+            group has its own table, and the sliding groups give back what their window passed
+            (engine/kv_groups.py).
         gpu_memory_utilization: on a GPU, the share of its memory the engine may fill (weights,
             then KV cache in what is left of it), as vLLM's flag.
         tensor_parallel_size: ranks the model is split over (Megatron's layout, torch.distributed:
@@ -208,6 +213,7 @@ class EngineConfig:
     kv_cache_memory: int | None = attrs.field(default=None, validator=_positive)
     kv_cache_dtype: str = attrs.field(default="auto", validator=_one_of(KV_CACHE_DTYPES))
     calculate_kv_scales: bool = False
+    disable_hybrid_kv_cache_manager: bool = False
     batch_invariant: bool = False
     tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
     distributed_timeout: float = attrs.field(default=60.0, validator=_positive_seconds)

@@ -37,7 +37,8 @@ class StepPlan:
 
     ``new_block_ids`` holds, for each request whose KV block table grew, the block ids appended
     since the runner last saw it (all of them for a new request); a table only grows while its
-    request runs. ``finished_ids`` and ``preempted_ids`` name requests whose runner state is to
+    request runs. A model with layer groups (engine/kv_groups.py) has a table per group, all
+    growing alike: the ids are each group's new ones, group after group. ``finished_ids`` and ``preempted_ids`` name requests whose runner state is to
     be dropped, before the rows are read (a preempted request comes back as a ``NewRequest``).
 
     ``sample_rows`` are the rows whose last token is the last known one (their logits give the

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine.sampling_params import SamplingParams
-from engine.sched.kv_cache import BlockManager, block_hash
+from engine.sched.kv_cache import WINDOWED_OUT, BlockManager, block_hash
 from engine.sched.request import Request
 
 PARAMS = SamplingParams(max_tokens=8)
@@ -31,7 +31,7 @@ def test_allocate_rounds_up_to_blocks_and_free_returns_them():
 
 
 def test_blocks_every_window_has_passed_go_back_and_the_rest_stay():
-    kv = BlockManager(num_blocks=8, block_size=4, sliding_window=6)
+    kv = BlockManager(num_blocks=8, block_size=4, windows=(6,))
     request = make_request("a", list(range(30)))
     assert kv.allocate(request, 16)  # positions 0-15: blocks 0-3
     request.num_computed_tokens = 16  # the next query, at 16, sees keys 11-16: blocks 2 on
@@ -53,32 +53,88 @@ def test_blocks_every_window_has_passed_go_back_and_the_rest_stay():
 
 
 def test_a_shared_prefix_block_out_of_one_window_stays_for_its_other_owner():
-    kv = BlockManager(num_blocks=8, block_size=4, sliding_window=8)
+    kv = BlockManager(num_blocks=8, block_size=4, windows=(8,))
     first, second = make_request("a", list(range(12))), make_request("b", list(range(12)))
     assert kv.allocate(first, 12)
     hits = kv.find_cached_prefix(second)
     assert len(hits) == 2 and kv.allocate(second, 4, hits)  # b's first new token, at 8, sees both
     first.num_computed_tokens = 12
     kv.free_out_of_window(first)  # keys 5 on: block 0 leaves a's table, but b owns it
-    assert kv.num_free_blocks == 4 and kv.block_ids("b")[:2] == [b.block_id for b in hits]  # (4 in use before)
-    assert [b.ref_count for b in hits] == [1, 2]
+    assert kv.num_free_blocks == 4 and kv.block_ids("b")[:2] == [b.block_id for b, in hits]  # (4 in use before)
+    assert [b.ref_count for b, in hits] == [1, 2]
     kv.check_invariants([first, second])
 
 
 def test_prefix_hits_a_new_requests_window_has_passed_are_not_taken():
-    kv = BlockManager(num_blocks=8, block_size=4, sliding_window=4)
+    kv = BlockManager(num_blocks=8, block_size=4, windows=(4,))
     first, second = make_request("a", list(range(12))), make_request("b", list(range(12)))
     assert kv.allocate(first, 12)
     kv.free(first)  # its full blocks stay cached
     hits = kv.find_cached_prefix(second)
     assert len(hits) == 2 and kv.allocate(second, 4, hits)  # its first new token, at 8, sees keys 5 on
-    assert second.num_windowed_out == 1 and kv.block_ids("b") == [0, hits[1].block_id, kv.block_ids("b")[2]]
-    assert hits[0].ref_count == 0 and hits[0].block_hash is not None  # still cached, still free
+    assert second.num_windowed_out == 1 and kv.block_ids("b") == [0, hits[1][0].block_id, kv.block_ids("b")[2]]
+    assert hits[0][0].ref_count == 0 and hits[0][0].block_hash is not None  # still cached, still free
     assert kv.num_free_blocks == 6
     kv.check_invariants([second])
     kv.free(second)
     assert kv.num_free_blocks == 8
     kv.check_invariants()
+
+
+def test_a_hybrid_models_sliding_group_gives_back_what_its_window_passed_and_its_global_group_keeps_all():
+    """Layer groups (a global and a sliding one, as Gemma 2): a table each, of equal lengths,
+    from one pool; only the sliding group's blocks out of the window go back."""
+    kv = BlockManager(num_blocks=10, block_size=4, windows=(None, 6))
+    request = make_request("a", list(range(30)))
+    assert kv.allocate(request, 16)  # 4 places, a block of each group at each
+    assert kv.num_free_blocks == 2 and kv.new_block_ids("a", 2) == (*kv.block_ids("a")[2:], *kv.block_ids("a", 1)[2:])
+    request.num_computed_tokens = 16  # the next query, at 16, sees keys 11-16: places 2 on
+    kv.free_out_of_window(request)
+    assert kv.num_free_blocks == 4 and request.num_windowed_out == 2
+    global_table, sliding_table = kv.tables["a"]
+    assert WINDOWED_OUT not in global_table and sliding_table[:2] == [WINDOWED_OUT] * 2
+    assert not kv.allocate(request, 12)  # 3 more places: 6 blocks, 4 free
+    assert kv.allocate(request, 8) and kv.num_free_blocks == 0
+    kv.check_invariants([request])
+    kv.free(request)
+    assert kv.num_free_blocks == 10
+    kv.check_invariants()
+
+
+def test_a_hybrid_prefix_hit_needs_the_global_blocks_and_only_the_windows_sliding_ones():
+    """A sliding group's blocks before the window of the hit's next token may have left the
+    cache: the hit still holds (they stay WINDOWED_OUT); the global group's are taken."""
+    kv = BlockManager(num_blocks=12, block_size=4, windows=(None, 4))
+    first = make_request("a", list(range(16)))
+    assert kv.allocate(first, 16)
+    first.num_computed_tokens = 16
+    kv.free_out_of_window(first)  # sliding places 0-2 go back (still cached)
+    other = make_request("b", list(range(100, 112)))
+    assert kv.allocate(other, 12)  # takes the free blocks, evicting two of them
+    kv.free(other)
+    third = make_request("c", list(range(16)) + [99])
+    hits = kv.find_cached_prefix(third)
+    assert len(hits) == 4 and [g for g, _ in hits] == [kv.blocks[i] for i in kv.block_ids("a")]
+    assert hits[0][1] is WINDOWED_OUT and hits[3][1].block_id == kv.block_ids("a", 1)[3]
+    assert kv.allocate(third, 1, hits)
+    assert kv.block_ids("c")[:4] == kv.block_ids("a") and kv.tables["c"][1][:3] == [WINDOWED_OUT] * 3
+    assert third.num_windowed_out == 3
+    kv.check_invariants([first, third])
+    for request in (first, third):
+        kv.free(request)
+    kv.check_invariants()
+    assert kv.num_free_blocks == 12
+
+
+def test_a_hybrid_hit_stops_where_the_sliding_group_lacks_a_block_its_window_sees():
+    kv = BlockManager(num_blocks=12, block_size=4, windows=(None, 8))
+    first = make_request("a", list(range(16)))
+    assert kv.allocate(first, 16)
+    evicted = kv.block_ids("a", 1)[2]  # place 2 of the sliding group: its hash leaves the cache
+    kv._cached[1].pop(kv.blocks[evicted].block_hash)
+    kv.blocks[evicted].block_hash = None
+    # a hit of 4 places would need sliding places 2-3 (a query at 16 sees 9 on): it stops at 2
+    assert len(kv.find_cached_prefix(make_request("b", list(range(16)) + [1]))) == 2
 
 
 def test_without_a_model_wide_window_nothing_is_given_back():
@@ -145,7 +201,7 @@ def test_freed_cached_blocks_stay_hittable_until_reused_in_lru_order():
     assert kv.allocate(first, 3) and kv.block_ids("first") == [2, 3]
     second = make_request("second", [7])
     assert kv.allocate(second, 1) and kv.block_ids("second") == [1]
-    assert [b.block_id for b in kv.find_cached_prefix(make_request("again2", [1, 2, 3, 4, 5]))] == [0]
+    assert [b.block_id for b, in kv.find_cached_prefix(make_request("again2", [1, 2, 3, 4, 5]))] == [0]
     kv.check_invariants([first, second])
 
 
@@ -205,6 +261,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class HybridBlockManagerMachine(BlockManagerMachine):
+    """The same over a global and a sliding layer group (window 3), the window's blocks given back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = BlockManager(num_blocks=16, block_size=2, windows=(None, 3))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def slide(self, data):
+        self.kv.free_out_of_window(self.live[data.draw(st.sampled_from(sorted(self.live)))])
+
+    @invariant()
+    def consistent(self):
+        self.kv.check_invariants(list(self.live.values()))
+        assert self.kv.num_used_blocks <= sum(2 * -(-r.num_tokens // 2) for r in self.live.values())
+        for r in self.live.values():  # the global table holds every block, the sliding one what its window sees
+            global_table, sliding_table = self.kv.tables[r.request_id]
+            first_seen = max(0, r.num_computed_tokens - 3 + 1) // 2
+            assert WINDOWED_OUT not in global_table and WINDOWED_OUT not in sliding_table[first_seen:]
+
+
+TestHybridBlockManagerMachine = HybridBlockManagerMachine.TestCase
+TestHybridBlockManagerMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
 def test_block_hashes_are_sha256_of_a_canonical_encoding():

@@ -29,13 +29,22 @@ ENGINE_READY = re.compile(r"KV cache (\w+)( \(auto on this backend\))?: (\d+) bl
 
 
 def small_model(layer_windows: tuple[int | None, ...], seed: int, hidden_size: int = 128, num_heads: int = 4,
-                num_kv_heads: int = 2) -> LlamaModel:
-    """Two layers of random weights, head size 64 (an int8 row: 64 values + a 2-byte scale)."""
+                num_kv_heads: int = 2, lively: bool = False) -> LlamaModel:
+    """Layers of random weights, head size 64 (an int8 row: 64 values + a 2-byte scale).
+
+    ``dummy_weights`` (std 0.02, tied embeddings) gives a model that repeats its last token
+    whatever it attends to; ``lively`` scales the products to std 1 / sqrt(fan-in) and unties a
+    larger LM head, so that the tokens follow the keys each layer sees (its window's or all)."""
     config = LlamaConfig(vocab_size=256, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_layers=len(layer_windows), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
                          rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
-                         tie_word_embeddings=True, eos_token_id=2, layer_windows=layer_windows)
-    return LlamaModel.from_state_dict(config, dict(dummy_weights(config, seed=seed)), torch.float32, "cpu")
+                         tie_word_embeddings=not lively, eos_token_id=2, layer_windows=layer_windows)
+    weights = dict(dummy_weights(config, seed=seed))
+    if lively:
+        for name, w in weights.items():
+            if name.endswith("proj.weight") or name == "lm_head.weight":
+                weights[name] = w / 0.02 / w.shape[1] ** 0.5 * (4 if name == "lm_head.weight" else 1)
+    return LlamaModel.from_state_dict(config, weights, torch.float32, "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +71,11 @@ def test_capacity_at_one_budget_follows_the_bytes_of_each_type(model, caplog, ba
         line = ready_line(caplog)
         assert line.group(1) == name and core.runner.kv_caches[0].dtype == kvc.kv_cache_dtype(name).storage
         tokens[name] = int(line.group(5))
-        assert tokens[name] == core.block_manager.num_blocks * 16
-        held = sum(cache.numel() * cache.element_size() for cache in core.runner.kv_caches)
+        # a global and a sliding layer: two block tables, sharing one tensor (engine/kv_groups.py)
+        assert tokens[name] == core.block_manager.num_blocks // 2 * 16 and len(core.block_manager.windows) == 2
+        tensors = {id(cache): cache for cache in core.runner.kv_caches}
+        assert len(tensors) == 1
+        held = sum(cache.numel() * cache.element_size() for cache in tensors.values())
         assert held <= budget and float(line.group(6)) == pytest.approx(held / 1e6, abs=0.05)  # what it says it holds
     for name, least in (("bfloat16", 1.95), ("float16", 1.95), ("fp8_e4m3", 3.8), ("fp8_e5m2", 3.8),
                         ("int8", 3.8)):
@@ -80,13 +92,17 @@ def test_auto_is_said_in_the_start_up_line(model, caplog):
 
 
 def test_the_cpu_default_holds_the_default_context_or_what_the_batch_can_use(model):
-    # max_num_seqs x max_model_len below the default: no more than that
+    # max_num_seqs x max_model_len below the default: no more than that (a block of each of the
+    # model's two layer groups per 16 tokens, each a layer's worth: the bytes of one table)
     core = EngineCore(EngineConfig(backend="cpu", dtype="float32", max_num_seqs=3), model=model)
-    assert core.block_manager.num_blocks * 16 == 3 * 1024
+    assert core.block_manager.num_blocks * 16 == 2 * 3 * 1024
     core = EngineCore(EngineConfig(backend="cpu", dtype="float32", max_num_seqs=3, max_model_len=100), model=model)
-    assert core.block_manager.num_blocks * 16 == 304  # 300 rounded up to whole blocks
+    assert core.block_manager.num_blocks * 16 == 2 * 304  # 300 rounded up to whole blocks
     core = EngineCore(EngineConfig(backend="cpu", dtype="float32", max_num_seqs=128), model=model)
-    assert core.block_manager.num_blocks * 16 == DEFAULT_CPU_KV_CACHE_TOKENS
+    assert core.block_manager.num_blocks * 16 == 2 * DEFAULT_CPU_KV_CACHE_TOKENS
+    core = EngineCore(EngineConfig(backend="cpu", dtype="float32", max_num_seqs=128, disable_hybrid_kv_cache_manager=True),
+                      model=model)
+    assert core.block_manager.num_blocks * 16 == DEFAULT_CPU_KV_CACHE_TOKENS and len(core.runner.kv_caches) == 2
 
 
 def test_gpu_memory_utilization_bounds_what_the_cache_takes():
@@ -142,7 +158,7 @@ def test_every_type_serves_through_prefix_caching_preemption_and_windows(model, 
         return ({str(i): t for i, (t, _) in enumerate(outputs)}, {str(i): lp for i, (_, lp) in enumerate(outputs)},
                 core)
 
-    tight, _, core = run(num_kv_blocks=14, max_num_seqs=4)
+    tight, _, core = run(num_kv_blocks=20, max_num_seqs=4)  # (blocks of one layer: a global and a sliding group)
     stats = core.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
@@ -163,7 +179,7 @@ def test_a_long_request_on_a_sliding_window_model_holds_only_its_window():
     """Every layer windowed (as Mistral, Phi-3): a request four times as long as the whole cache
     runs to the end without preemption, since the blocks its window has passed go back as it
     goes, and gives the tokens it gives with nothing given back (a roomy cache)."""
-    windowed = small_model((40, 40), seed=4)
+    windowed = small_model((40, 40), seed=4, lively=True)
     prompt = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(2)).tolist()
     params = SamplingParams(temperature=0, max_tokens=340, ignore_eos=True)
 
@@ -171,7 +187,7 @@ def test_a_long_request_on_a_sliding_window_model_holds_only_its_window():
         core = EngineCore(EngineConfig(backend="cpu", dtype="float32", num_kv_blocks=num_kv_blocks,
                                        max_model_len=400, max_num_batched_tokens=32), model=windowed)
         if not sliding:
-            core.block_manager.sliding_window = None
+            core.block_manager.windows, core.block_manager.sliding_window = (None,), None  # (keeps every block)
         core.add_request("a", prompt, params)
         tokens, most = [], 0
         while core.has_unfinished_requests:
@@ -187,6 +203,44 @@ def test_a_long_request_on_a_sliding_window_model_holds_only_its_window():
     assert most <= -(-(40 + 32 - 1) // 16) + 1
     expected, most_kept, _ = run(num_kv_blocks=25, sliding=False)
     assert most_kept == 25 and tokens == expected
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_long_request_on_a_hybrid_model_holds_only_the_window_in_its_sliding_layers(backend):
+    """Global and sliding layers mixed (as Gemma 2): each layer group has its own block table
+    (engine/kv_groups.py), and the sliding group's table holds only its window. A request of
+    400 tokens runs without preemption in 32 blocks of two layers, where one table for all four
+    layers needs 25 blocks of four (100 layer-blocks, not 64), with the same tokens; at the
+    hybrid cache's bytes one table holds 256 tokens."""
+    hybrid = small_model((40, None, 40, None), seed=4, lively=True)
+    prompt = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=340, ignore_eos=True)
+
+    def run(num_kv_blocks: int, **fields) -> tuple[list[int], int, EngineCore]:
+        core = EngineCore(EngineConfig(backend=backend, dtype="float32", num_kv_blocks=num_kv_blocks, max_model_len=400,
+                                       max_num_batched_tokens=32, **fields), model=hybrid)
+        core.add_request("a", prompt, params)
+        tokens, most = [], 0
+        while core.has_unfinished_requests:
+            for delta in core.step():
+                tokens += delta.new_token_ids
+            most = max(most, core.block_manager.num_used_blocks)
+        core.block_manager.check_invariants()
+        assert core.stats().num_preemptions == 0 and core.block_manager.num_free_blocks == num_kv_blocks
+        return tokens, most, core
+
+    # 25 places: 25 global blocks, and the sliding keys a step can need, as above
+    tokens, most, core = run(num_kv_blocks=32)
+    assert core.block_manager.windows == (None, 40) and len({id(c) for c in core.runner.kv_caches}) == 2
+    assert len(tokens) == 340 and most <= 25 + -(-(40 + 32 - 1) // 16) + 1
+    expected, most_kept, single = run(num_kv_blocks=25, disable_hybrid_kv_cache_manager=True)
+    assert single.block_manager.windows == (None,) and len({id(c) for c in single.runner.kv_caches}) == 4
+    assert most_kept == 25 and tokens == expected
+    with pytest.raises(ConfigError, match=r"does not fit in the KV cache \(256 tokens\)"):
+        run(num_kv_blocks=16, disable_hybrid_kv_cache_manager=True)
+    # (tokens that follow what the layers see: the same weights with no windows give others)
+    hybrid = small_model((None,) * 4, seed=4, lively=True)
+    assert len(set(tokens)) > 50 and run(num_kv_blocks=32)[0] != tokens
 
 
 def test_calculated_fp8_scales_come_from_the_first_pass(model):
@@ -212,19 +266,22 @@ def test_calculated_fp8_scales_come_from_the_first_pass(model):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_a_prefix_hit_longer_than_the_cache_on_a_sliding_window_model_is_served(backend):
+@pytest.mark.parametrize(("windows", "num_kv_blocks"), [((40, 40), 7), ((40, None), 24)], ids=["windowed", "hybrid"])
+def test_a_prefix_hit_longer_than_the_cache_on_a_sliding_window_model_is_served(backend, windows, num_kv_blocks):
     """The second turn of a chat on a windowed model: its cached prefix alone is about the whole
-    cache. The hits its first new token's window has passed are not taken (they stay cached),
-    so it is admitted, and gives the tokens it gives with prefix caching off."""
-    windowed = small_model((40, 40), seed=4, hidden_size=64, num_heads=2, num_kv_heads=1)
+    cache (of a model windowed everywhere; a hybrid model's global layers keep it all). The
+    hits its first new token's window has passed are not taken in the sliding layers (they stay
+    cached, or were reused), so it is admitted, and gives the tokens it gives with prefix
+    caching off."""
+    windowed = small_model(windows, seed=4, hidden_size=64, num_heads=2, num_kv_heads=1, lively=True)
     gen = torch.Generator().manual_seed(0)
     first = torch.randint(3, 256, (100,), generator=gen).tolist()
     second = first + torch.randint(3, 256, (100,), generator=gen).tolist()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def second_turn(prefix_caching: bool) -> tuple[list[int], EngineCore]:
-        core = EngineCore(EngineConfig(backend=backend, dtype="float32", num_kv_blocks=7, max_num_batched_tokens=32,
-                                       enable_prefix_caching=prefix_caching), model=windowed)
+        core = EngineCore(EngineConfig(backend=backend, dtype="float32", num_kv_blocks=num_kv_blocks,
+                                       max_num_batched_tokens=32, enable_prefix_caching=prefix_caching), model=windowed)
         tokens: dict[str, list[int]] = {"first": [], "second": []}
         for request_id, prompt in (("first", first), ("second", second)):
             core.add_request(request_id, prompt, params)

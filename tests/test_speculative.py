@@ -289,7 +289,7 @@ def _toy_step(monkeypatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, in
     runner = ModelRunner.__new__(ModelRunner)
     runner.model, runner.backend, runner.kv_caches, runner.kv_scales, runner._calibrate = Stub(), None, [], None, False
     runner.block_size, runner.device, runner.requests, runner._block_ids, runner.drafter = 16, "cpu", {}, {}, None
-    runner.block_tables = model_runner.BlockTables()
+    runner.block_tables = [model_runner.BlockTables()]
     runner.sampler = model_runner.Sampler(0)
     params = SamplingParams(temperature=1.0, max_tokens=8)
     ids = tuple(f"r{i}" for i in range(rows))
@@ -337,7 +337,7 @@ def _repetitive(i: int) -> list[int]:
 def _check_blocks(core: EngineCore) -> None:
     core.block_manager.check_invariants(list(core.scheduler.requests.values()))
     for request in core.scheduler.running:  # the runner was sent every block its request owns
-        assert request.num_runner_blocks == len(core.block_manager.tables[request.request_id])
+        assert request.num_runner_blocks == len(core.block_manager.tables[request.request_id][0])
 
 
 def test_rejections_and_preemptions_leave_no_block_behind(tiny_model):

@@ -130,7 +130,7 @@ def test_every_plan_of_an_engine_run_round_trips_the_wire_codec(tiny_model):
             # What the scheduler's decode fast path relies on: a running request owns exactly the
             # blocks the runner has been sent.
             for r in core.scheduler.running:
-                assert r.num_runner_blocks == len(core.block_manager.tables[r.request_id])
+                assert r.num_runner_blocks == len(core.block_manager.tables[r.request_id][0])
             if through_wire:
                 decoded = CODEC.decode(CODEC.encode(plan))
                 assert decoded == plan and type(decoded) is StepPlan

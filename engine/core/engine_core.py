@@ -33,7 +33,7 @@ from engine.models.loader import load_model, resolve_model
 from engine.models.parallel import TensorParallel
 from engine.plan import RunnerOutput, StepPlan
 from engine.runner.drafter import Drafter
-from engine.runner.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner, kv_groups
 from engine.sampling_params import MIN_SEED, SamplingParams
 from engine.sched.kv_cache import BlockManager
 from engine.sched.request import Request, RequestStatus
@@ -86,14 +86,16 @@ class EngineCore:
             log.info("default sampling values from the model's generation_config.json: %s "
                      "(--generation-config vllm ignores them)", dict(self.model.config.sampling_defaults))
         self.eos_token_id = self.model.config.eos_token_id
-        windows = [self.model.config.window(i) for i in range(self.model.config.num_layers)]
-        sliding = max(windows) if None not in windows else None  # (every layer windowed)
+        self.kv_groups = kv_groups(self.model, not config.disable_hybrid_kv_cache_manager)
         num_blocks = self._num_kv_blocks()
-        # With a model-wide window a sequence holds at most its window, the block being filled
-        # and a step's prefill chunk (BlockManager.free_out_of_window): any length fits that.
-        held = None if sliding is None else sliding + config.max_num_batched_tokens + 2 * config.block_size
-        self.max_model_len = self._max_model_len(num_blocks * config.block_size, held)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, sliding)
+        # A sliding group holds at most a sequence's window, the block being filled and a step's
+        # prefill chunk (BlockManager.free_out_of_window); every group sliding, any length fits.
+        sliding = self.kv_groups.has_windows
+        held = max(w for w in self.kv_groups.windows if w is not None) if sliding else None
+        held = None if held is None else held + config.max_num_batched_tokens + 2 * config.block_size
+        self.max_model_len = self._max_model_len(self.kv_groups.longest(num_blocks, config.block_size, held))
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.kv_groups.windows)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = self._start_runner(num_blocks)
         self._bitmask = GrammarBitmask(config.max_num_seqs)
@@ -103,14 +105,20 @@ class EngineCore:
         self._num_generation_tokens = 0
         self._num_steps = 0
         self.fault: Exception | None = None  # set when a step failed: the core's state is then unknown
-        per_token = self.kv_dtype.bytes_per_token(self.model.config.num_layers, self.model.config.num_kv_heads,
-                                                  self.model.config.head_dim)
+        groups, cfg = self.kv_groups, self.model.config
+        per_token = self.kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        tokens = num_blocks // groups.num_groups * config.block_size  # (of short sequences: every layer)
         log.info("engine ready: backend %s on %s, %s, max_model_len %d; KV cache %s%s: %d blocks of %d tokens "
                  "(%d tokens), %.1f MB (%d bytes per token)",
                  self.backend.name, self.device, self.model.dtype, self.max_model_len, self.kv_dtype.name,
                  " (auto on this backend)" if config.kv_cache_dtype == "auto" else "", num_blocks,
-                 config.block_size, num_blocks * config.block_size, num_blocks * config.block_size * per_token / 1e6,
-                 per_token)
+                 config.block_size, tokens, num_blocks * ModelRunner.kv_bytes_per_block(
+                     self.model, config.block_size, self.kv_dtype, groups.hybrid) / 1e6, per_token)
+        if groups.hybrid:
+            log.info("KV layer groups: %d global and %d sliding (window %d) of %d layers each, a block table each; "
+                     "a sequence past its window holds only the window's blocks in the sliding groups "
+                     "(--disable-hybrid-kv-cache-manager: one table)", sum(w is None for w in groups.windows),
+                     sum(w is not None for w in groups.windows), max(w or 0 for w in groups.windows), groups.size)
 
     # ---- set-up ----
 
@@ -128,7 +136,7 @@ class EngineCore:
             self.device_thread.run_sync(self.tensor_parallel.join, num_blocks)
         return self.device_thread.run_sync(ModelRunner, self.model, self.backend, num_blocks, config.block_size,
                                            self.device, config.seed, self.kv_dtype, config.calculate_kv_scales,
-                                           drafter)
+                                           drafter, not config.disable_hybrid_kv_cache_manager)
 
     def _load_draft_model(self, dtype) -> LlamaModel | None:
         """The draft model of speculative method ``draft_model`` (None for other methods): loaded
@@ -178,7 +186,7 @@ class EngineCore:
             # at least one sequence of an explicit max_model_len.
             longest = config.max_model_len or self.model.config.exact_context_length
             tokens = max(min(DEFAULT_CPU_KV_CACHE_TOKENS, longest * config.max_num_seqs), config.max_model_len or 0)
-            return -(-tokens // config.block_size)
+            return -(-tokens // config.block_size) * self.kv_groups.num_groups  # (a block per group and place)
         if memory is not None:
             field, why = "kv_cache_memory", f"kv_cache_memory {memory} bytes holds no KV block"
         else:
@@ -186,17 +194,18 @@ class EngineCore:
             field, why = "gpu_memory_utilization", (f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
                                                     f"{memory} bytes, which hold no KV block (raise it, or free GPU "
                                                     "memory)")
-        per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.kv_dtype)
-        if self.draft_model is not None:  # (its cache has as many blocks)
-            per_block += ModelRunner.kv_bytes_per_block(self.draft_model, config.block_size, self.kv_dtype)
+        per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.kv_dtype,
+                                                   not config.disable_hybrid_kv_cache_manager)
+        if self.draft_model is not None:  # (its cache has as many blocks, a tensor per layer)
+            per_block += ModelRunner.kv_bytes_per_block(self.draft_model, config.block_size, self.kv_dtype, False)
         num_blocks = memory // per_block
         if num_blocks < 1:
             raise ConfigError(field, why)
         return num_blocks
 
-    def _max_model_len(self, kv_capacity: int, most_held: int | None = None) -> int:
+    def _max_model_len(self, kv_capacity: int | None) -> int:
         """The longest sequence: asked for, or the model's, within what the cache holds of a
-        sequence (all of it, or at most ``most_held`` tokens with a model-wide sliding window)."""
+        sequence (``kv_capacity`` tokens; None: any length, with a model-wide sliding window)."""
         model_config = self.model.config
         model_max = model_config.exact_context_length
         wanted = self.config.max_model_len
@@ -216,7 +225,7 @@ class EngineCore:
                                                    f"{draft_max} (speculative_config)")
             log.warning("max_model_len at most %d: the draft model's context length", draft_max)
             model_max = draft_max
-        if most_held is not None and most_held <= kv_capacity:
+        if kv_capacity is None:
             kv_capacity = model_max  # (a window's worth fits: any length does)
         if wanted is not None and wanted > kv_capacity:
             raise ConfigError("max_model_len", f"max_model_len {wanted} does not fit in the KV cache "

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         fix_summation_order(model, backend, device)
     num_blocks = int(store.get("num_blocks"))
     runner = ModelRunner(model, backend, num_blocks, config.block_size, device, config.seed, kv_dtype,
-                         config.calculate_kv_scales)
+                         config.calculate_kv_scales, hybrid_kv=not config.disable_hybrid_kv_cache_manager)
     store.set(f"ready/{args.rank}", "1")
     store.set_timeout(_IDLE)  # (waiting for the next plan: as long as the engine idles)
     with torch.inference_mode():

@@ -318,26 +318,28 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, backend: AttentionBackend, kv_scales: list[torch.Tensor] | None = None,
-                calibrate: bool = False) -> torch.Tensor:
+                calibrate: bool = False, layer_metas: list[AttentionMetadata] | None = None) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for the flat batch ``input_ids`` ``[T]``.
 
         ``kv_scales``: each layer's K and V scales of an fp8 cache (None: none); ``calibrate``
-        sets them from this pass's K and V first (``calibrate_kv_scales``)."""
+        sets them from this pass's K and V first (``calibrate_kv_scales``). ``layer_metas``:
+        each layer's metadata where the layer groups have their own block tables
+        (engine/kv_groups.py); None: ``meta`` for every layer."""
         x = self.embed.rows(input_ids).to(self.dtype)  # [T, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = self.rotary.at(positions)
         local_rope = self.local_rotary.at(positions) if self.local_rotary is not None else rope
         ops, eps = backend.layer_ops, self.config.rms_norm_eps
-        stack = None if calibrate else self._layer_stack(ops, x.shape[0])
+        stack = None if calibrate or layer_metas is not None else self._layer_stack(ops, x.shape[0])
         if stack is not None:  # every layer and the final norm in one native call
             return ops.decoder_layers(backend, *stack, x.contiguous(), rope, kv_caches, meta, kv_scales)
         residual = None  # the residual stream: x + every layer's outputs so far
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h, residual = ops.add_rms_norm(x, residual, layer.input_norm, eps)
             scales = None if kv_scales is None else kv_scales[i]
-            x = self._attention(layer, h, local_rope if layer.local_rope else rope, kv_cache, meta, backend, scales,
-                                calibrate)
+            x = self._attention(layer, h, local_rope if layer.local_rope else rope, kv_cache,
+                                meta if layer_metas is None else layer_metas[i], backend, scales, calibrate)
             if layer.attn_out_norm is not None:
                 x = ops.add_rms_norm(x, None, layer.attn_out_norm, eps)[0]
             h, residual = ops.add_rms_norm(x, residual, layer.mlp_norm, eps)

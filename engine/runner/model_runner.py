@@ -10,6 +10,7 @@ import torch
 
 from backends.base import AttentionBackend, AttentionMetadata
 from backends.kv_cache import KVCacheDtype, same_as
+from engine.kv_groups import KVCacheGroups
 from engine.models.llama import LlamaModel
 from engine.outputs import TokenLogprobs
 from engine.plan import RunnerOutput, StepPlan
@@ -24,6 +25,12 @@ def _plain_greedy(request: RunnerRequest) -> bool:
     params = request.params
     return (params.greedy and params.logprobs is None and not params.logit_bias and not params.needs_penalties
             and request.num_output_tokens >= params.min_tokens)
+
+
+def kv_groups(model: LlamaModel, hybrid: bool = True) -> KVCacheGroups:
+    """How ``model``'s layers share the KV cache (engine/kv_groups.py)."""
+    cfg = model.config
+    return KVCacheGroups.of([cfg.window(i) for i in range(cfg.num_layers)], hybrid)
 
 
 def keeps_draft(sampled: int, draft: int) -> bool:
@@ -48,6 +55,7 @@ class _Batch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: list[int]  # token row of each sampling plan row's last token
+    layer_metas: list[AttentionMetadata] | None = None  # per layer, with layer groups (else meta for all)
 
 
 class BlockTables:
@@ -108,37 +116,41 @@ class ModelRunner:
     It is driven by ``StepPlan`` values only (plan.py): what it knows of a request is what the
     plans said (``RunnerRequest``), dropped when a plan names the request finished or preempted.
 
-    Resource handling: the KV cache (one tensor per layer, of ``kv_dtype``: the model's dtype
-    by default) is allocated in the constructor and lives as long as the runner; so do an fp8
-    cache's per-layer K and V scales (1.0, or from the first forward pass with
+    Resource handling: the KV cache (a tensor per layer, of ``kv_dtype``: the model's dtype by
+    default; with layer groups, ``kv_groups``, a tensor per place in a group, shared by the
+    groups' layers) is allocated in the constructor and lives as long as the runner; so do an
+    fp8 cache's per-layer K and V scales (1.0, or from the first forward pass with
     ``calculate_kv_scales``).
     """
 
     def __init__(self, model: LlamaModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  device: str, seed: int, kv_dtype: KVCacheDtype | None = None,
-                 calculate_kv_scales: bool = False, drafter: Drafter | None = None) -> None:
+                 calculate_kv_scales: bool = False, drafter: Drafter | None = None, hybrid_kv: bool = True) -> None:
         cfg = model.config
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.kv_dtype = kv_dtype or same_as(model.dtype)
+        self.kv_groups = kv_groups(model, hybrid_kv)
         shape = backend.kv_cache_shape(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, self.kv_dtype)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype.storage, device=device)
-                          for _ in range(cfg.num_layers)]
+        tensors = [torch.zeros(shape, dtype=self.kv_dtype.storage, device=device) for _ in range(self.kv_groups.size)]
+        self.kv_caches = [tensors[t] for t in self.kv_groups.layer_tensor]
         self.kv_scales = ([torch.ones(2, dtype=torch.float32, device=device) for _ in range(cfg.num_layers)]
                           if self.kv_dtype.is_fp8 else None)
         self._calibrate = calculate_kv_scales and self.kv_dtype.is_fp8
         self.sampler = Sampler(seed, device)
-        self.block_tables = BlockTables()
+        self.block_tables = [BlockTables() for _ in self.kv_groups.windows]  # per layer group
         self.requests: dict[str, RunnerRequest] = {}
-        self._block_ids: dict[str, list[int]] = {}
+        self._block_ids: dict[str, list[list[int]]] = {}  # per request, per layer group
         self.drafter = drafter  # a draft model's proposals (speculative method draft_model)
 
     @staticmethod
-    def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: KVCacheDtype) -> int:
+    def kv_bytes_per_block(model: LlamaModel, block_size: int, kv_dtype: KVCacheDtype, hybrid_kv: bool = True) -> int:
+        """A block id's bytes: a block of every cache tensor (one per layer, or per place in a
+        layer group)."""
         cfg = model.config
-        return block_size * kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        return block_size * kv_dtype.bytes_per_token(kv_groups(model, hybrid_kv).size, cfg.num_kv_heads, cfg.head_dim)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
@@ -148,7 +160,7 @@ class ModelRunner:
             return RunnerOutput({}, {}, {})
         batch = self._prepare(plan)
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.backend,
-                                    self.kv_scales, calibrate=self._calibrate)
+                                    self.kv_scales, calibrate=self._calibrate, layer_metas=batch.layer_metas)
         self._calibrate = False
         failed: dict[str, Exception] = {}
         prompt_logprobs = self._prompt_logprobs(plan, hidden, failed)
@@ -178,7 +190,7 @@ class ModelRunner:
             token = output.sampled.get(request_id)
             propose = plan.num_proposals > 0 and token is not None and request_id not in output.failed
             rows.append(DraftRow(request_id, start, (*tokens, token) if propose else tokens,
-                                 self._block_ids[request_id], propose))
+                                 self._block_ids[request_id][0], propose))
         return rows
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, failed: dict[str, Exception],
@@ -301,20 +313,26 @@ class ModelRunner:
         """Drop the state of requests that ended or were preempted; add new ones; grow tables."""
         self.sampler.forget(plan.finished_ids)  # (a seeded request's draws go on across a preemption)
         for gone in (plan.finished_ids, plan.preempted_ids):
-            self.block_tables.release(gone)
+            for tables in self.block_tables:
+                tables.release(gone)
             for request_id in gone:
                 self.requests.pop(request_id, None)
                 self._block_ids.pop(request_id, None)
         for new in plan.new_requests:
-            self.block_tables.release((new.request_id,))  # (a plan names a new request's old state gone first)
+            for tables in self.block_tables:  # (a plan names a new request's old state gone first)
+                tables.release((new.request_id,))
             history = list(new.token_ids) if new.params.needs_penalties else None
             self.requests[new.request_id] = RunnerRequest(
                 new.request_id, list(new.token_ids[:new.num_prompt_tokens]), new.params, new.eos_token_id,
                 new.num_prompt_logprobs, history)
-            self._block_ids[new.request_id] = []
+            self._block_ids[new.request_id] = [[] for _ in self.block_tables]
+        num_groups = len(self.block_tables)
         for request_id, block_ids in plan.new_block_ids:
-            self._block_ids[request_id] += block_ids
-            self.block_tables.extend(request_id, block_ids)
+            n = len(block_ids) // num_groups  # (each group's new ids, group after group)
+            for g, (ids, tables) in enumerate(zip(self._block_ids[request_id], self.block_tables)):
+                part = block_ids[g * n:(g + 1) * n] if num_groups > 1 else block_ids
+                ids += part
+                tables.extend(request_id, part)
 
     def _prepare(self, plan: StepPlan) -> _Batch:
         bs = self.block_size
@@ -325,7 +343,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         offset = 0
         for request_id, start, n in zip(plan.request_ids, plan.starts, plan.num_new_tokens):
-            table = tables[request_id]
+            table = tables[request_id][0]
             end = start + n
             if n == 1:
                 positions.append(start)
@@ -346,13 +364,30 @@ class ModelRunner:
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(self.block_tables.gather(plan.request_ids)).to(dev),
+            block_tables=torch.from_numpy(self.block_tables[0].gather(plan.request_ids)).to(dev),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             max_query_len=max(plan.num_new_tokens),
             max_seq_len=max(seq_lens),
         )
+        layer_metas = None
+        if len(self.block_tables) > 1:  # the other layer groups' tables and slots
+            metas = [meta] + [self._group_meta(plan, meta, g) for g in range(1, len(self.block_tables))]
+            layer_metas = [metas[g] for g in self.kv_groups.layer_group]
         return _Batch(torch.tensor(plan.token_ids, device=dev), torch.tensor(positions, device=dev), meta,
-                      [starts[row + 1] - 1 for row in plan.sample_rows])
+                      [starts[row + 1] - 1 for row in plan.sample_rows], layer_metas)
+
+    def _group_meta(self, plan: StepPlan, meta: AttentionMetadata, group: int) -> AttentionMetadata:
+        """``meta`` (group 0's) for the layers of layer group ``group``: its block tables and slots."""
+        bs, tables = self.block_size, self._block_ids
+        slots: list[int] = []
+        for request_id, start, n in zip(plan.request_ids, plan.starts, plan.num_new_tokens):
+            table = tables[request_id][group]
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        dev = self.device
+        return AttentionMetadata(
+            meta.query_start_loc, meta.seq_lens,
+            torch.from_numpy(self.block_tables[group].gather(plan.request_ids)).to(dev),
+            torch.tensor(slots, dtype=torch.int64, device=dev), meta.max_query_len, meta.max_seq_len)
 
     def _grammar(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]] | None:
         """The plan's grammar bitmask and, for each of its rows, the sampled row it masks."""

@@ -68,8 +68,8 @@ class Request:
     # How many of its block ids the model runner has been sent; -1: the runner has no state for
     # it (not scheduled since it was admitted or preempted). The scheduler's step plan keeps it.
     num_runner_blocks: int = -1
-    # Leading blocks given back because every layer's sliding window has passed them (their
-    # places in the table hold BlockManager.WINDOWED_OUT).
+    # Leading blocks given back by the sliding layer groups because their window has passed them
+    # (their places in those groups' tables hold BlockManager.WINDOWED_OUT).
     num_windowed_out: int = 0
     # This sequence's place in its structured-output grammar (None: unconstrained). The engine
     # core fills its token mask into each step's plan and advances it by the sampled token; it

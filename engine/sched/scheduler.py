@@ -282,7 +282,7 @@ class Scheduler:
         new: list[NewRequest] = []
         new_blocks: list[tuple[str, tuple[int, ...]]] = []
         drafted: list[int] = []  # per row, when any row carries drafts
-        tables, bs, constrained = self.kv.tables, self.kv.block_size, self._num_constrained > 0
+        kv, bs, constrained = self.kv, self.kv.block_size, self._num_constrained > 0
         for row, (request, start, num_new, samples) in enumerate(chunks):
             request_id = request.request_id
             ids.append(request_id)
@@ -307,9 +307,8 @@ class Scheduler:
                     new.append(NewRequest(request_id, tuple(request.token_ids), request.num_prompt_tokens,
                                           request.params, request.eos_token_id, request.num_prompt_logprobs))
                     have = 0
-                owned = tables[request_id]
-                new_blocks.append((request_id, tuple([b.block_id for b in owned[have:]])))
-                request.num_runner_blocks = len(owned)
+                new_blocks.append((request_id, kv.new_block_ids(request_id, have)))
+                request.num_runner_blocks = len(kv.tables[request_id][0])
         if drafted:
             drafted += [0] * (len(ids) - len(drafted))
         return StepPlan(tuple(ids), tuple(starts), tuple(counts), tuple(tokens), tuple(sample_rows), tuple(new),
@@ -355,7 +354,7 @@ class Scheduler:
     def _schedule_running(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk],
                           preempted: list[str]) -> None:
         running, allocate, bs = RequestStatus.RUNNING, self.kv.allocate, self.kv.block_size
-        if self.kv.sliding_window is not None:  # blocks every window has passed go back before any is asked for
+        if self.kv.sliding_window is not None:  # blocks the windows have passed go back before any is asked for
             for request in self.running:
                 self.kv.free_out_of_window(request)
         for request in list(self.running):
