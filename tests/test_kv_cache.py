@@ -126,6 +126,23 @@ def test_a_hybrid_prefix_hit_needs_the_global_blocks_and_only_the_windows_slidin
     assert kv.num_free_blocks == 12
 
 
+def test_a_freed_hybrid_request_leaves_its_global_prefix_to_be_evicted_last():
+    """free() gives back tail places first and, at a place, the sliding block before the global
+    one: a later request reuses those first, and the global head block (which any hit needs)
+    stays cached the longest."""
+    kv = BlockManager(num_blocks=6, block_size=2, windows=(None, 100))
+    first = make_request("a", [1, 2, 3, 4, 5])
+    assert kv.allocate(first, 5)
+    head = kv.block_ids("a")[0]
+    kv.free(first)
+    other = make_request("b", [9, 8, 7, 6])
+    assert kv.allocate(other, 4)  # 4 of the 6 blocks: the never-cached ones, then the tail's
+    assert head not in kv.block_ids("b") + kv.block_ids("b", 1)
+    hits = kv.find_cached_prefix(make_request("c", [1, 2, 3]))
+    assert len(hits) == 1 and hits[0][0].block_id == head
+    kv.check_invariants([other])
+
+
 def test_a_hybrid_hit_stops_where_the_sliding_group_lacks_a_block_its_window_sees():
     kv = BlockManager(num_blocks=12, block_size=4, windows=(None, 8))
     first = make_request("a", list(range(16)))

@@ -243,6 +243,11 @@ def test_a_long_request_on_a_hybrid_model_holds_only_the_window_in_its_sliding_l
     assert len(set(tokens)) > 50 and run(num_kv_blocks=32)[0] != tokens
 
 
+def test_fewer_blocks_than_layer_groups_are_refused_at_start(model):
+    with pytest.raises(ConfigError, match="1 KV blocks cannot hold a token: this model's layers are in 2 groups"):
+        EngineCore(EngineConfig(backend="cpu", dtype="float32", num_kv_blocks=1), model=model)
+
+
 def test_calculated_fp8_scales_come_from_the_first_pass(model):
     """--calculate-kv-scales: each layer's K and V scales, 1.0 until then, are set by the first
     forward pass (twice its largest K, V value maps to e4m3's 448) and kept after it."""

@@ -88,6 +88,10 @@ class EngineCore:
         self.eos_token_id = self.model.config.eos_token_id
         self.kv_groups = kv_groups(self.model, not config.disable_hybrid_kv_cache_manager)
         num_blocks = self._num_kv_blocks()
+        if num_blocks < self.kv_groups.num_groups:
+            raise ConfigError("num_kv_blocks", f"{num_blocks} KV blocks cannot hold a token: this model's layers are "
+                                               f"in {self.kv_groups.num_groups} groups, a block each per place "
+                                               "(raise num_kv_blocks or kv_cache_memory)")
         # A sliding group holds at most a sequence's window, the block being filled and a step's
         # prefill chunk (BlockManager.free_out_of_window); every group sliding, any length fits.
         sliding = self.kv_groups.has_windows

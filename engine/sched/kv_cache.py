@@ -264,12 +264,15 @@ class BlockManager:
                     block.block_hash = None
 
     def free(self, request: Request) -> None:
-        """Release every block ``request`` owns; idempotent. Tail blocks are freed first so
-        that a shared prefix outlives the request's private suffix in the LRU order."""
-        for table in self._owned.pop(request.request_id, ()):
-            for block in reversed(table):
-                if block is not WINDOWED_OUT:
-                    self._release(block)
+        """Release every block ``request`` owns; idempotent. Tail places are freed first, and
+        at a place the sliding groups' blocks before the global ones', so that a shared prefix
+        outlives the request's private suffix in the LRU order (a hit needs the global blocks)."""
+        tables = self._owned.pop(request.request_id, None)
+        if tables:
+            for i in range(len(tables[0]) - 1, -1, -1):
+                for table in reversed(tables):  # (groups are listed global first)
+                    if table[i] is not WINDOWED_OUT:
+                        self._release(table[i])
         request.num_windowed_out = 0
 
     def free_out_of_window(self, request: Request) -> None:
