@@ -68,16 +68,11 @@ class KVCacheGroups:
         """Whether the layers are split in groups (some global, some sliding)."""
         return len(self.windows) > 1
 
-    @property
-    def has_windows(self) -> bool:
-        return any(w is not None for w in self.windows)
-
-    def blocks_for(self, num_tokens: int, block_size: int, most_held: int | None) -> int:
-        """The blocks a sequence of ``num_tokens`` tokens holds at most: a block of each group per
-        ``block_size`` tokens, but for a sliding group at most ``most_held`` tokens' worth."""
-        length = -(-num_tokens // block_size)
-        held = length if most_held is None else min(length, -(-most_held // block_size))
-        return sum(length if w is None else held for w in self.windows)
+    def most_held(self, max_num_batched_tokens: int, block_size: int) -> int | None:
+        """The most tokens a sliding group holds of a sequence: its window, the block being
+        filled and a step's prefill chunk (BlockManager.free_out_of_window); None: no group slides."""
+        windows = [w for w in self.windows if w is not None]
+        return max(windows) + max_num_batched_tokens + 2 * block_size if windows else None
 
     def longest(self, num_blocks: int, block_size: int, most_held: int | None) -> int | None:
         """The most tokens one sequence can have in ``num_blocks`` blocks, where a sliding group

@@ -175,6 +175,19 @@ def test_every_type_serves_through_prefix_caching_preemption_and_windows(model, 
 NEAR_TIE = 0.05
 
 
+def run_alone(core: EngineCore, prompt: list[int], params: SamplingParams) -> tuple[list[int], int]:
+    """One request to its end: its tokens, and the most blocks in use after any step (the
+    bookkeeping checked at the end)."""
+    core.add_request("a", prompt, params)
+    tokens, most = [], 0
+    while core.has_unfinished_requests:
+        for delta in core.step():
+            tokens += delta.new_token_ids
+        most = max(most, core.block_manager.num_used_blocks)
+    core.block_manager.check_invariants()
+    return tokens, most
+
+
 def test_a_long_request_on_a_sliding_window_model_holds_only_its_window():
     """Every layer windowed (as Mistral, Phi-3): a request four times as long as the whole cache
     runs to the end without preemption, since the blocks its window has passed go back as it
@@ -188,13 +201,7 @@ def test_a_long_request_on_a_sliding_window_model_holds_only_its_window():
                                        max_model_len=400, max_num_batched_tokens=32), model=windowed)
         if not sliding:
             core.block_manager.windows, core.block_manager.sliding_window = (None,), None  # (keeps every block)
-        core.add_request("a", prompt, params)
-        tokens, most = [], 0
-        while core.has_unfinished_requests:
-            for delta in core.step():
-                tokens += delta.new_token_ids
-            most = max(most, core.block_manager.num_used_blocks)
-        core.block_manager.check_invariants()
+        tokens, most = run_alone(core, prompt, params)
         return tokens, most, core.stats().num_preemptions
 
     tokens, most, preemptions = run(num_kv_blocks=7, sliding=True)  # 400 tokens would need 25 blocks
@@ -219,13 +226,7 @@ def test_a_long_request_on_a_hybrid_model_holds_only_the_window_in_its_sliding_l
     def run(num_kv_blocks: int, **fields) -> tuple[list[int], int, EngineCore]:
         core = EngineCore(EngineConfig(backend=backend, dtype="float32", num_kv_blocks=num_kv_blocks, max_model_len=400,
                                        max_num_batched_tokens=32, **fields), model=hybrid)
-        core.add_request("a", prompt, params)
-        tokens, most = [], 0
-        while core.has_unfinished_requests:
-            for delta in core.step():
-                tokens += delta.new_token_ids
-            most = max(most, core.block_manager.num_used_blocks)
-        core.block_manager.check_invariants()
+        tokens, most = run_alone(core, prompt, params)
         assert core.stats().num_preemptions == 0 and core.block_manager.num_free_blocks == num_kv_blocks
         return tokens, most, core
 

@@ -92,11 +92,7 @@ class EngineCore:
             raise ConfigError("num_kv_blocks", f"{num_blocks} KV blocks cannot hold a token: this model's layers are "
                                                f"in {self.kv_groups.num_groups} groups, a block each per place "
                                                "(raise num_kv_blocks or kv_cache_memory)")
-        # A sliding group holds at most a sequence's window, the block being filled and a step's
-        # prefill chunk (BlockManager.free_out_of_window); every group sliding, any length fits.
-        sliding = self.kv_groups.has_windows
-        held = max(w for w in self.kv_groups.windows if w is not None) if sliding else None
-        held = None if held is None else held + config.max_num_batched_tokens + 2 * config.block_size
+        held = self.kv_groups.most_held(config.max_num_batched_tokens, config.block_size)
         self.max_model_len = self._max_model_len(self.kv_groups.longest(num_blocks, config.block_size, held))
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.kv_groups.windows)
