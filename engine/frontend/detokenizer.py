@@ -96,6 +96,9 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._longest_stop = max((len(s) for s in self._stops), default=0)
         self._text = _TextBuffer()
+        # The text between two offsets: the buffer's own method, so that a stream's read of
+        # its next delta is one call.
+        self.text_between = self._text.slice
         self.num_visible = 0
         self.stop_hit: str | None = None
 
@@ -119,11 +122,17 @@ class IncrementalDetokenizer:
         if chunk is None:
             chunk = self._decode(token_id)
         if chunk:
-            previous = self._text.length
-            self._text.append(chunk)
-            if self._stops and self._find_stop(previous):
-                return self.stop_hit
-        self.num_visible = self._text.length - self._held_back() if self._stops else self._text.length
+            text = self._text  # (its ``append``, written out: every stream, every step)
+            previous = text.length
+            text._starts.append(previous)
+            text._chunks.append(chunk)
+            text.length = length = previous + len(chunk)
+            if self._stops:
+                if self._find_stop(previous):
+                    return self.stop_hit
+                self.num_visible = length - self._held_back()
+            else:
+                self.num_visible = length
         return None
 
     def _decode(self, token_id: int) -> str | None:

@@ -151,8 +151,14 @@ class RequestOutputChannel:
         woken only by the end: there is nothing for it to read before; a streaming one with a
         stream interval when one is due (``_due``)."""
         self._dirty = True
-        if self._wake_on_change:
-            self._wakeup.set()
+        if self._wake_on_change:  # ``self._wakeup.set()``, written out: every stream, every step
+            wakeup = self._wakeup
+            waiter = wakeup._waiter
+            if waiter is None:
+                wakeup._pending = True
+            else:
+                wakeup._waiter = None
+                reschedule(waiter, _RESUMED)
         elif self.kind is RequestOutputKind.FINAL_ONLY:
             if self.state.finished:
                 self._wakeup.set()
@@ -253,10 +259,8 @@ class RequestOutputChannel:
                 and (finish_reason is None or self._sent_finished[0])):
             return None
         self._sent_chars[0], self._sent_tokens[0] = visible, num_tokens
-        self._sent_finished[0] = finish_reason is not None
-        self._sent_prompt_logprobs = True
-        self._closed = finished = finish_reason is not None  # (state.finished, for its one completion)
-        output = CompletionOutput(0, detokenizer.visible_since(sent_chars), token_ids[sent_tokens:], None, None,
+        self._sent_finished[0] = self._closed = finished = finish_reason is not None  # (state.finished)
+        output = CompletionOutput(0, detokenizer.text_between(sent_chars, visible), token_ids[sent_tokens:], None, None,
                                   finish_reason, c.stop_reason)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, None, [output], finished,
                              state.num_cached_tokens, state.times.first_scheduled)

@@ -110,8 +110,21 @@ class RequestState:
         completion = self.completions[index]
         if completion.finish_reason is not None:
             return None
-        self.times.on_tokens(stats)
-        return self._append(completion, index, token, stats)
+        # ``times.on_tokens`` and ``_append``, written out: this runs for every stream at every
+        # step. (A completion's first token comes in a ``TokenDelta``: the request has had one.)
+        times, now = self.times, stats.now
+        if now != times.last_token:
+            if times.last_token is None:
+                times.on_tokens(stats)
+            else:
+                stats.inter_token_latencies.append(now - times.last_token)
+                times.last_token = now
+        completion.token_ids.append(token)
+        stop = completion.detokenizer.add_token(token)
+        if stop is None:
+            return None
+        self._finish(completion, "stop", stop, stats)
+        return StopStringHit(index, stop)
 
     def _append(self, completion: CompletionState, index: int, token: int,
                 stats: IterationStats) -> StopStringHit | None:
