@@ -60,16 +60,49 @@ def workloads() -> dict[str, list[str]]:
     return {"edit": edit[:8], "chat": QUESTIONS}
 
 
-def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams, at_once: bool) -> tuple[int, float]:
-    """(output tokens, seconds): the prompts all queued at once, or one after the other."""
-    total, start = 0, time.perf_counter()
+@attrs.define
+class Run:
+    """One configuration's run: output tokens, seconds, and (one prompt at a time) the time of
+    the steps that gave a prompt its first token (its prefill) and the other steps' count and time."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+
+
+def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams, at_once: bool) -> Run:
+    """The prompts all queued at once, or one after the other."""
+    result, start = Run(), time.perf_counter()
     batches = [prompts] if at_once else [[p] for p in prompts]
     for batch in batches:
         for i, prompt in enumerate(batch):
             core.add_request(f"{time.perf_counter_ns()}-{i}", prompt, params)
+        first = True
         while core.has_unfinished_requests:
-            total += sum(len(d.new_token_ids) for d in core.step())
-    return total, time.perf_counter() - start
+            step_start = time.perf_counter()
+            tokens = sum(len(d.new_token_ids) for d in core.step())
+            took = time.perf_counter() - step_start
+            result.tokens += tokens
+            if first:  # (a prompt's steps up to its first token; only meaningful one at a time)
+                result.prefill_seconds += took
+                first = tokens == 0
+            else:
+                result.decode_steps += 1
+                result.decode_seconds += took
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def ceiling(none: Run, ngram: Run) -> float:
+    """The most n-gram proposals could give here if a verifying step cost no more than a one-token
+    step: no proposals' run time over the prefills and the proposals' decode steps at the one-token
+    step's time (each drafted step still costs one). Two things bound it: the tokens a step gains
+    where the answer is no copy of the prompt (1 a step), and the prefill both runs share."""
+    step = none.decode_seconds / none.decode_steps
+    return none.seconds / (ngram.prefill_seconds + ngram.decode_steps * step + (ngram.seconds - ngram.prefill_seconds
+                                                                               - ngram.decode_seconds))
 
 
 def main() -> None:
@@ -104,18 +137,26 @@ def main() -> None:
                   "streams": (f"{args.streams} streams", (prompts * args.streams)[:args.streams], True)}
         for label, batch, at_once in (shapes[c] for c in args.concurrency.split(",")):
             for round_ in range(args.rounds if not at_once else 1):
-                rates = {}
+                rates, runs = {}, {}
                 for key, core in cores.items():
                     before = core.stats()
-                    tokens, seconds = run(core, batch, params, at_once)
+                    runs[key] = result = run(core, batch, params, at_once)
+                    tokens = result.tokens
                     after = core.stats()
-                    rates[key] = tokens / seconds
+                    rates[key] = tokens / result.seconds
                     drafted = after.spec_num_drafts - before.spec_num_drafts
                     kept = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
                     per_step = f", {1 + kept / drafted:.2f} tokens per drafted step" if drafted else ""
                     print(f"{name:5s} {label:11s} round {round_ + 1}: {key:5s} {rates[key]:7.1f} output tok/s "
                           f"({tokens} tokens){per_step}")
-                print(f"{name:5s} {label:11s} round {round_ + 1}: ngram / none = {rates['ngram'] / rates['none']:.2f}x")
+                line = f"{name:5s} {label:11s} round {round_ + 1}: ngram / none = {rates['ngram'] / rates['none']:.2f}x"
+                if not at_once:
+                    none, ngram = runs["none"], runs["ngram"]
+                    line += (f"; prefill {none.prefill_seconds / none.seconds:.0%} of none's time, "
+                             f"{ngram.tokens / (ngram.decode_steps + len(batch)):.2f} tokens a step with "
+                             f"proposals, {none.tokens / (none.decode_steps + len(batch)):.2f} without; "
+                             f"at most {ceiling(none, ngram):.2f}x if verifying cost a one-token step")
+                print(line)
 
 
 if __name__ == "__main__":
