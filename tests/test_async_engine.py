@@ -371,6 +371,19 @@ async def test_a_stream_interval_sends_the_first_token_then_every_few(tiny_model
         assert "".join(o.outputs[0].text for o in chunked) == "".join(o.outputs[0].text for o in every)
 
 
+async def test_a_request_of_several_completions_counts_one_gap_a_step(tiny_core, tokenizer):
+    """n completions decode in the same steps; the request's inter-token latencies are its
+    gaps between steps with tokens, not one per completion."""
+    seen: list = []
+    params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        client.add_stat_logger(seen.append)
+        outputs = await collect(client, prompt(1), params)
+    assert [len(c.token_ids) for c in outputs[-1].outputs] == [12, 12]
+    itls = [t for s in seen for t in s.inter_token_latencies]
+    assert len([t for s in seen for t in s.time_to_first_tokens]) == 1 and len(itls) == 11
+
+
 async def test_stat_loggers_see_engine_timings_of_every_request(tiny_core, tokenizer):
     seen: list = []
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)

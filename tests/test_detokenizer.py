@@ -7,13 +7,15 @@ import attrs
 import hypothesis.strategies as st
 import pytest
 import trio
+import trio.testing
 from hypothesis import given
 
 from engine.frontend.detokenizer import IncrementalDetokenizer, _TextBuffer, longest_stop_prefix
 from engine.frontend.output_actor import OutputActor
 from engine.frontend.output_channel import RequestOutputChannel
 from engine.frontend.request_state import RequestState
-from engine.messages import EngineStats, StepOutput, StopRequest, TokenDelta
+from engine.frontend.stats import IterationStats
+from engine.messages import Decodes, EngineStats, StepOutput, StopRequest, TokenDelta
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -191,3 +193,50 @@ def test_byte_level_texts_stream_as_decode_stream_does(tokenizer, byte_level_poo
         expected += reference.step(tokenizer.backend_tokenizer, token) or ""
         detok.add_token(token)
         assert detok.text == expected
+
+
+def test_a_plain_stream_never_shows_text_held_back_for_a_stop_string(tokenizer):
+    """The common stream (one completion, deltas, no logprobs) reads its next delta up to the
+    visible text: a tail that may start a stop string waits until it is known, and the text
+    of the deltas joined is the text up to the stop string."""
+    inbox_send, inbox_receive = trio.open_memory_channel(10)
+    registry = {}
+    actor = OutputActor(None, inbox_send, registry, lambda step, stats: None)
+    state = RequestState("x", None, [1, 2], SamplingParams(stop=["STOP"], output_kind=RequestOutputKind.DELTA),
+                         tokenizer)
+    registry["x"] = channel = RequestOutputChannel(state)
+    texts = []
+
+    def step(deltas=(), decodes=Decodes()) -> None:
+        actor.process(StepOutput(deltas, (), STATS, 0, 0, None, decodes))
+        output = channel.poll()
+        texts.append(output.outputs[0].text if output is not None else "")
+
+    step((TokenDelta("x", 0, tuple(tokenizer.encode("hello ST"))),))  # the first tokens, then one a step
+    assert texts == ["hello "] and state.completions[0].detokenizer.visible_text == "hello "
+    for token in tokenizer.encode("OP and more"):
+        if state.finished:
+            break
+        step(decodes=Decodes(("x",), (0,), (token,)))
+    assert state.finished and "".join(texts) == "hello "
+    assert inbox_receive.receive_nowait() == StopRequest("x", 0, "STOP")
+
+
+async def test_a_parked_stream_that_fails_raises_rather_than_reading_the_tokens_before(tokenizer):
+    """A stream woken for new tokens and failed before it runs raises the failure: its last
+    tokens are not read first."""
+    state = RequestState("x", None, [1, 2], SamplingParams(output_kind=RequestOutputKind.DELTA), tokenizer)
+    channel = RequestOutputChannel(state)
+    read = []
+
+    async def consume():
+        with pytest.raises(RuntimeError, match="boom"):
+            read.append(await channel.receive())
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(consume)
+        await trio.testing.wait_all_tasks_blocked()
+        state.apply(TokenDelta("x", 0, (42,)), IterationStats(1.0))
+        channel.notify()
+        channel.fail(RuntimeError("boom"))
+    assert read == []

@@ -72,7 +72,8 @@ class Wakeup:
 
     Built on trio's task parking rather than a new ``trio.Event`` per wait: every stream
     waits once per engine step, and this halves the cost of a wake-up (one reschedule, no
-    parking lot, no allocation).
+    parking lot, no allocation). A streaming channel's ``notify`` does what ``set`` does itself
+    (every stream, every step), so a subclass's ``set`` is not called there.
     """
 
     def __init__(self) -> None:
