@@ -93,7 +93,7 @@ class RequestState:
             for i, token in enumerate(delta.new_token_ids):
                 if delta.new_logprobs:
                     completion.logprobs.append(delta.new_logprobs[i])
-                hit = self._append(completion, delta.index, token, stats)
+                hit = self.add_token(delta.index, token, stats)  # (its clock is read above)
                 if hit is not None:
                     return hit
         if delta.finished:
@@ -105,13 +105,14 @@ class RequestState:
         self.num_waiting -= 1
 
     def add_token(self, index: int, token: int, stats: IterationStats) -> StopStringHit | None:
-        """The common delta (``Decodes``): one more token of completion ``index``, which has
-        output already and no logprobs; the engine has not finished it."""
+        """One more token of completion ``index``: the common delta (``Decodes``: a completion
+        with output already, no logprobs, not finished by the engine), and each token ``apply``
+        adds; return a stop-string hit as ``apply`` does."""
         completion = self.completions[index]
         if completion.finish_reason is not None:
             return None
-        # ``times.on_tokens`` and ``_append``, written out: this runs for every stream at every
-        # step. (A completion's first token comes in a ``TokenDelta``: the request has had one.)
+        # ``times.on_tokens``, written out: this runs for every stream at every step. (A
+        # completion's first token comes in a ``TokenDelta``: the request has had one.)
         times, now = self.times, stats.now
         if now != times.last_token:
             if times.last_token is None:
@@ -119,15 +120,6 @@ class RequestState:
             else:
                 stats.inter_token_latencies.append(now - times.last_token)
                 times.last_token = now
-        completion.token_ids.append(token)
-        stop = completion.detokenizer.add_token(token)
-        if stop is None:
-            return None
-        self._finish(completion, "stop", stop, stats)
-        return StopStringHit(index, stop)
-
-    def _append(self, completion: CompletionState, index: int, token: int,
-                stats: IterationStats) -> StopStringHit | None:
         completion.token_ids.append(token)
         stop = completion.detokenizer.add_token(token)
         if stop is None:
