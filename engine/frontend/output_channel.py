@@ -203,7 +203,7 @@ class RequestOutputChannel:
                 return output
         while output is None:  # each wait is itself a checkpoint
             await self._wakeup.park()
-            if self._dirty and self._plain_delta and self._error is None and not self._closed:
+            if self._dirty and self._plain_delta and self._error is None:  # (closed: it returned)
                 self._dirty = False  # (``poll``, written out for every stream's every step)
                 output = self._take_plain_delta()
             else:
