@@ -9,8 +9,9 @@ of ``vllm bench serve``.
     python bench/serve.py --plot compare.png --plot-results ours.json theirs.json   # side by side
 
 Requests stream (``stream_options.include_usage``), so token counts come from the server's
-own ``usage``. TTFT is the time to the first chunk that carries text; ITL the gaps between
-later chunks; TPOT (time per output token, first token excluded) is
+own ``usage``. TTFT is the time to the first chunk that answers a step (any chunk with choices,
+text or not, as ``vllm bench serve`` counts them; a chat stream's opening role chunk aside); ITL the
+gaps between later ones; TPOT (time per output token, first token excluded) is
 ``(latency - ttft) / (output_tokens - 1)`` per request; E2EL the whole latency.
 Random prompts are random token ids of the default model's vocabulary (or ``--tokenizer``),
 decoded to text and cut to length, as vLLM's random dataset does.
@@ -126,8 +127,13 @@ def request_body(args, model: str, prompt: Prompt) -> dict:
     return body
 
 
-def chunk_text(event: dict) -> str:
-    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or "" for c in event.get("choices") or [])
+def carries_tokens(event: dict) -> bool:
+    """Whether a chunk is the server's answer to a step: any chunk with choices, as ``vllm bench
+    serve`` times them, text or not (a token that ends no character, or text held back for a
+    stop string, still comes as a chunk on time), except a chat stream's opening role
+    announcement, which a server may send before it has computed anything."""
+    return any(set(c.get("delta") or ()) != {"role", "content"} or c["delta"]["content"]
+               for c in event.get("choices") or ())
 
 
 async def send(http: httpx.AsyncClient, args, model: str, prompt: Prompt) -> RequestResult:
@@ -149,7 +155,7 @@ async def send(http: httpx.AsyncClient, args, model: str, prompt: Prompt) -> Req
                 if event.get("usage"):
                     result.input_len = event["usage"]["prompt_tokens"]
                     result.output_len = event["usage"]["completion_tokens"]
-                if chunk_text(event):
+                if carries_tokens(event):
                     if result.ttft == 0.0:
                         result.ttft = now - result.start
                     else:

@@ -755,8 +755,20 @@ def test_bench_serve_reports_every_metric_with_the_servers_token_counts(server, 
     assert (result["completed"], result["failed"]) == (6, 0)
     assert result["total_output_tokens"] == 36 == metric(server, "vllm:generation_tokens_total") - generated_before
     assert result["total_input_tokens"] == sum(result["input_lens"]) and all(n >= 20 for n in result["input_lens"])
+    # one gap per token after the first: every step's chunk is timed, text or not (vLLM's rule)
+    assert [len(gaps) for gaps in result["itls"]] == [n - 1 for n in result["output_lens"]] == [5] * 6
     for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput"):
         assert result[key] > 0, key
+
+
+def test_bench_serve_times_every_chunk_that_answers_a_step():
+    carries = load_bench_serve().carries_tokens
+    assert carries({"choices": [{"index": 0, "text": "", "finish_reason": None}]})  # a token with no text yet
+    assert carries({"choices": [{"index": 0, "delta": {"content": ""}}]})
+    assert carries({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    assert carries({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hi"}}]})  # echo
+    assert not carries({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})  # opening
+    assert not carries({"choices": [], "usage": {"completion_tokens": 3}})
 
 
 def test_bench_serve_counts_failed_requests_and_sweeps(server, capsys):
