@@ -36,7 +36,16 @@ from backends import packed as packed_kernels
 # 120 / 96; 576 x 1536 119 / 112, 109 / 126 (the one shape the probe's 1536 x 576 does not speak
 # for): prefill steps of 512 / 1024 prompt tokens ran 1.13-1.20x / 1.12-1.13x as fast with the
 # kernel (bench/step_cost.py --decodes 1).
+# One layer timed alone flatters dequantize + GEMM: its dequantized tile stays in cache, and in
+# the model a batch past the crossover also leaves the cpu backend's one native call for the
+# decoder stack (an op at a time from Python). AMD EPYC Zen 3 (family 25), 2026-12-05: alone,
+# kernel / tiled 0.75 / 0.87 / 0.95 / 1.03 at 128 / 256 / 512 / 1024 rows (warm; 0.84-1.02 at 128
+# in a fresh process, so a 0.9 bar picked 64 or 128 by chance); in the engine, 60 decodes +
+# 96 / 196 / 452 / 964 prompt tokens, kernel up to 1024 rows against up to 64: 297 / 445 / 893 /
+# 1929 ms against 417 / 564 / 940 / 1863 (bench/step_cost.py). So the kernel keeps a size
+# unless the probe finds dequantize + GEMM clearly faster there.
 PACKED_MAX_ROWS = 64  # the least crossover: what packed_max_rows starts from
+TILED_CLEARLY_FASTER = 1.1  # kernel time / dequantize + GEMM time above which a size goes to the GEMM
 # --activation-quantization int16 rounds x to int16 for batches of up to this many rows (decode
 # of one or two streams), where integer dot products are faster; from 4 rows fp32 activations are
 # as fast. AMD EPYC family 23 (Zen 1), 2 threads, packed kernel ms fp32 / int16 activations:
@@ -269,8 +278,8 @@ class PackedLinear:
 @functools.cache
 def packed_max_rows() -> int:
     """The most rows of x for which the packed kernel is used on this machine: ``PACKED_MAX_ROWS``,
-    or a larger candidate at which the kernel still runs clearly faster than dequantize + GEMM, timed
-    once per process on a layer of the default model's largest shape (1536 x 576, Q4_1; about
+    or a larger candidate at which dequantize + GEMM is not clearly faster (``TILED_CLEARLY_FASTER``),
+    timed once per process on a layer of the default model's largest shape (1536 x 576, Q4_1; about
     0.3 s). ``QM_PACKED_MAX_ROWS`` in the environment sets it instead."""
     override = os.environ.get("QM_PACKED_MAX_ROWS")
     if override:
@@ -281,24 +290,29 @@ def packed_max_rows() -> int:
                          generator=generator)
     data.view(-1, 20)[:, :4] = torch.tensor([0x00, 0x2c, 0x00, 0xac], dtype=torch.uint8)  # d = 1/16, m = -1/16
     probe = PackedLinear(data, "Q4_1", in_features, max_kernel_rows=0)
+    inputs = [torch.randn(rows, in_features, generator=generator) for rows in _CROSSOVER_CANDIDATES]
+    kernel, tiled = probe._matrix.linear, probe._tiled
+    kernel(inputs[-1]), tiled(inputs[-1])  # warm: the thread pool, the GEMM library, the whole scratch tile
     best = PACKED_MAX_ROWS
-    for rows in _CROSSOVER_CANDIDATES:
-        x = torch.randn(rows, in_features, generator=generator)
+    for rows, x in zip(_CROSSOVER_CANDIDATES, inputs):
         # A clear margin, so that a near tie does not flip the choice (and the order of sums) between runs.
-        if _best_of(lambda: probe._matrix.linear(x)) > 0.9 * _best_of(lambda: probe._tiled(x)):
+        kernel_s, tiled_s = _best_of_alternated(lambda: kernel(x), lambda: tiled(x))
+        if kernel_s > TILED_CLEARLY_FASTER * tiled_s:
             break
         best = rows
     return best
 
 
-def _best_of(run, repeat: int = 3) -> float:
-    run()  # warm: caches, the scratch tile, the thread pool
-    times = []
+def _best_of_alternated(first, second, repeat: int = 5) -> tuple[float, float]:
+    """The least time of each of two calls, run in turn ``repeat`` times (a slow moment of a
+    shared machine then falls on both)."""
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for run, taken in zip((first, second), times):
+            start = time.perf_counter()
+            run()
+            taken.append(time.perf_counter() - start)
+    return min(times[0]), min(times[1])
 
 
 # Up to this many rows the CUDA kernel (each block read once per 8 rows of x) is used, above
