@@ -127,8 +127,8 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "does not stall the streams (default: none)")
     p.add_argument("--mixed-prefill-per-decode", type=float, default=None,
                    help="a cap on those prompt tokens that follows the batch: at most max(32, this x the "
-                        "decoding streams, the prompt backlog / 64) per step, the ratio raised to 1.5 x the "
-                        "prompt tokens per output token of the recent workload where that is more (default: 1.5 "
+                        "decoding streams, the prompt backlog / 64) per step, the ratio raised to 1.2 x the "
+                        "prompt tokens per output token of the recent workload where that is more (default: 1.2 "
                         "on CPU unless --max-num-mixed-prefill-tokens is given, none on GPU)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     kv = p.add_mutually_exclusive_group()

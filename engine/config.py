@@ -35,7 +35,7 @@ DEFAULT_CPU_KV_CACHE_TOKENS = 32768
 # Prefill tokens a decoding step may carry per decoding stream when serving on CPU
 # (EngineConfig.mixed_prefill_per_decode): chosen with bench/schedule_sim.py and bench/serve.py
 # (bench/README.md); offline generation is faster uncapped.
-SERVING_CPU_MIXED_PREFILL_PER_DECODE = 1.5
+SERVING_CPU_MIXED_PREFILL_PER_DECODE = 1.2
 
 
 GENERATION_CONFIGS = ("auto", "vllm")
@@ -154,10 +154,11 @@ class EngineConfig:
             requests, so that a long prompt joining the batch does not stall every stream for
             a whole long step. None: no fixed cap (what offline throughput wants).
         mixed_prefill_per_decode: a cap that follows the batch instead: a step decoding D
-            streams carries at most max(32, ratio x D, backlog / 64) prefill tokens, where the
+            streams carries at most max(32, ratio x D, backlog / 64) prefill tokens (a prompt
+            longer than that in equal chunks), where the
             backlog is every prompt token still to compute (the last term keeps a queue of
             long prompts from waiting for ever). Its steps stay within about 1 + ratio times
-            a decode-only step. The ratio in force rises to 1.5 times the workload's prompt tokens
+            a decode-only step. The ratio in force rises to 1.2 times the workload's prompt tokens
             per output token where that is more (long prompts, short answers: otherwise the batch
             shrinks and prompts queue; ``Scheduler.prefill_per_decode``). None: off; the server sets
             ``SERVING_CPU_MIXED_PREFILL_PER_DECODE`` on CPU (where a step costs about its

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from engine.sched.kv_cache import BlockManager
 from engine.sched.request import Request, RequestStatus
+from engine.sched.scheduler import PREFILL_RATE_MARGIN as MARGIN
 from engine.sched.scheduler import Scheduler
 
 EOS = 0
@@ -240,7 +241,8 @@ def test_a_decoding_step_carries_at_most_the_mixed_prefill_budget():
         out, _ = run_step(s)
         assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) <= 8  # r1 decodes in every step
         sizes.append({c.request.request_id: c.num_new_tokens for c in out.chunks})
-    assert sizes[0] == {"r1": 1, "r2": 8} and sizes[3] == {"r1": 1, "r2": 6, "r3": 2}
+    # r2's 30 tokens in four chunks of 7-8 (not 8 8 8 6); r3 starts with what the fourth step has left
+    assert [size["r2"] for size in sizes[:4]] == [8, 8, 7, 7] and sizes[3] == {"r1": 1, "r2": 7, "r3": 1}
     assert all(size["r1"] == 1 for size in sizes)
 
 
@@ -255,8 +257,8 @@ def decoding_scheduler(num_decoding: int, **fields) -> Scheduler:
 
 @pytest.mark.parametrize("decoding, fields, prompts, expected", [
     (40, dict(mixed_prefill_per_decode=1.0), 1, [40, 40, 40]),  # ratio x the decoding streams
-    (40, dict(mixed_prefill_per_decode=1.5), 1, [60, 60, 60]),
-    (8, dict(mixed_prefill_per_decode=1.0), 1, [32, 32, 32]),  # never below 32
+    (40, dict(mixed_prefill_per_decode=1.5), 1, [50, 50, 50, 50]),  # 200 tokens in 4 equal chunks, not 60 60 60 20
+    (8, dict(mixed_prefill_per_decode=1.0), 1, [29, 29, 29]),  # never below 32: 7 chunks of 28-29
     (8, dict(mixed_prefill_per_decode=1.0), 40, [125, 123]),  # a backlog of 40 x 200 tokens, over 64 steps
     (40, dict(mixed_prefill_per_decode=1.0, max_num_mixed_prefill_tokens=16), 1, [16, 16, 16]),  # the smaller cap
 ])
@@ -277,7 +279,7 @@ def test_the_per_decode_ratio_rises_to_the_workloads_prompt_tokens_per_output_to
         s.add_request(make_request(f"r{i + 1}", 64, max_tokens=8, arrival=i))
     while s.num_unfinished:
         run_step(s)
-    assert s.prefill_per_decode == pytest.approx(1.5 * 8, rel=0.05)  # (the counts decay step by step)
+    assert s.prefill_per_decode == pytest.approx(MARGIN * 8, rel=0.05)  # (the counts decay step by step)
     aborted = make_request("r9", 4, max_tokens=1000, arrival=9)
     s.add_request(aborted)
     run_step(s)
@@ -291,14 +293,15 @@ def test_the_per_decode_ratio_rises_to_the_workloads_prompt_tokens_per_output_to
     assert s.prefill_per_decode == 1.5
     decoding = decoding_scheduler(8, mixed_prefill_per_decode=1.0)
     decoding._recent_prefill, decoding._recent_output = 400.0, 100.0  # 4 prompt tokens per output token
-    decoding.add_request(make_request("r1000", 200, max_tokens=1000, arrival=1000))
+    cap = MARGIN * 4 * 8  # the margin x 4 x 8 streams
+    decoding.add_request(make_request("r1000", 4 * int(cap), max_tokens=1000, arrival=1000))  # 4 chunks of the cap
     out, _ = run_step(decoding)
-    assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) == 48  # 1.5 x 4 x 8 streams
+    assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) == int(cap)
 
 
 def test_the_per_decode_ratio_does_not_overshoot_while_the_short_outputs_finish_first():
     """Of requests that started together, the shortest outputs finish first: prompt / output of the
-    finished ones would start at 64 / 4 (x 1.5 = 24) here. The prompt tokens of the finished over
+    finished ones would start at 64 / 4 (x the margin) here. The prompt tokens of the finished over
     the output tokens of all stays near the workload's 64 / 35 as they finish."""
     s = decoding_scheduler(0, mixed_prefill_per_decode=1.5)
     for i in range(32):  # 64-token prompts, outputs of 4 to 66 tokens: 2048 / 1120 prompt tokens per output token
@@ -307,7 +310,7 @@ def test_the_per_decode_ratio_does_not_overshoot_while_the_short_outputs_finish_
     while s.num_unfinished:
         run_step(s)
         ratios.append(s.prefill_per_decode)
-    workload = 1.5 * 2048 / 1120
+    workload = MARGIN * 2048 / 1120
     assert max(ratios) <= workload * 1.05
     assert ratios[-1] == pytest.approx(workload, rel=0.1)
 
@@ -320,7 +323,7 @@ def test_before_requests_finish_the_ratio_is_held_up_by_prompt_per_max_tokens_of
     for i in range(4):  # 64-token prompts, at most 16 output tokens each
         s.add_request(make_request(f"r{i + 1}", 64, max_tokens=16, arrival=i))
     run_step(s)
-    assert s.num_unfinished == 4 and s.prefill_per_decode == pytest.approx(1.5 * 4)
+    assert s.num_unfinished == 4 and s.prefill_per_decode == pytest.approx(MARGIN * 4)
     chat = decoding_scheduler(0, mixed_prefill_per_decode=1.5)
     for i in range(4):  # max_tokens unset: resolved to the rest of the model's length (4096)
         chat.add_request(make_request(f"r{i + 1}", 64, max_tokens=4096 - 64, arrival=i))

@@ -94,7 +94,10 @@ BACKLOG_STEPS = 64
 # below that the batch shrinks, the cap (per decoding stream) with it, and prompts queue:
 # 512-token prompts with 128-token outputs waited 35 s (TTFT p50 at 32 streams in
 # bench/schedule_sim.py) with the ratio at 1.5, 3.0 s at 6 (1.5 x 4); 8 let prefill bursts
-# through again (ITL p99 3.5x the median).
+# through again (ITL p99 3.5x the median). 1.2 since 2026-12-05: at 1.5 a step decoding 64 streams
+# with 96 prompt tokens cost ~2x a decode-only one, and ITL p99 reached 1.8-1.95x the median with
+# Poisson arrivals and 1.7x with mixed lengths; at 1.2 1.5-1.7x, at the same output tok/s and a
+# later first token (serve.py, Zen 3; bench/README.md, "The tail, again").
 # The rate is the prompt tokens of the requests that finished over the output tokens that all
 # requests produced, both decayed over about PREFILL_RATE_WINDOW steps (Little's law: in a
 # steady state that is prompt / output per request). Not prompt / output of the finished ones:
@@ -105,7 +108,7 @@ BACKLOG_STEPS = 64
 # below holds it up: answers end at max_tokens at the latest, so the prompt tokens computed per
 # max_tokens of recently admitted requests (over about PREFILL_BOUND_WINDOW of them) is at most
 # the workload's rate, exact where answers run to max_tokens, and known from the first admission.
-PREFILL_RATE_MARGIN = 1.5
+PREFILL_RATE_MARGIN = 1.2
 PREFILL_RATE_WINDOW = 256
 PREFILL_BOUND_WINDOW = 64
 
@@ -138,11 +141,21 @@ class StepBudget:
 
     tokens: int
     prefill: float  # math.inf when uncapped
+    cap: float = attrs.field(init=False)  # the prefill cap the step started with
+
+    def __attrs_post_init__(self) -> None:
+        self.cap = self.prefill
 
     def grant(self, wanted: int) -> int:
-        """How many of ``wanted`` tokens fit (one token is a decode, more are a prefill chunk)."""
+        """How many of ``wanted`` tokens fit (one token is a decode, more are a prefill chunk).
+        Under a cap (streams decode), a prompt that needs n steps at the cap is cut into n equal
+        chunks, not n - 1 full ones and a remainder: as many steps to its first token, and the
+        decoding streams wait one cost of step instead of alternately 1 + r and less (a 128-token
+        prompt under a cap of 90: 64 + 64, not 90 + 38)."""
         if wanted == 1:
             return min(1, self.tokens)
+        if wanted > self.cap:
+            wanted = -(-wanted // math.ceil(wanted / self.cap))
         return int(min(wanted, self.tokens, self.prefill))
 
     def spend(self, num_tokens: int) -> None:
