@@ -152,7 +152,8 @@ class EngineConfig:
         max_num_batched_tokens: most tokens (prefill + decode) in one forward pass.
         max_num_mixed_prefill_tokens: most prefill tokens in a step that also decodes running
             requests, so that a long prompt joining the batch does not stall every stream for
-            a whole long step. None: no fixed cap (what offline throughput wants).
+            a whole long step (a longer prompt goes in equal chunks). None: no fixed cap (what
+            offline throughput wants).
         mixed_prefill_per_decode: a cap that follows the batch instead: a step decoding D
             streams carries at most max(32, ratio x D, backlog / 64) prefill tokens (a prompt
             longer than that in equal chunks), where the

@@ -239,6 +239,22 @@ def test_packed_linear_small_and_tiled_paths_bias_and_dtype(kind, monkeypatch):
     assert layer.nbytes == data.numel() + bias.numel() * 4
 
 
+@pytest.mark.parametrize("kernel_over_tiled, expected", [
+    ((0.8, 0.95, 1.05, 1.2), 512),  # the kernel keeps sizes where the GEMM is not 1.1x faster
+    ((1.15, 0.9, 0.9, 0.9), linear_module.PACKED_MAX_ROWS),  # the first size where it is ends the search
+    ((1.0, 1.0, 1.0, 1.0), 1024),  # a tie keeps the kernel (it also keeps the one native call)
+])
+def test_the_crossover_keeps_the_kernel_unless_the_gemm_is_clearly_faster(monkeypatch, kernel_over_tiled, expected):
+    ratios = iter(kernel_over_tiled)
+    monkeypatch.setattr(linear_module, "_best_of_alternated", lambda kernel, tiled: (next(ratios), 1.0))
+    monkeypatch.delenv("QM_PACKED_MAX_ROWS", raising=False)
+    linear_module.packed_max_rows.cache_clear()
+    try:
+        assert linear_module.packed_max_rows() == expected
+    finally:
+        linear_module.packed_max_rows.cache_clear()
+
+
 def test_the_kernels_row_crossover_is_measured_once_or_set(monkeypatch):
     linear_module.packed_max_rows.cache_clear()
     try:

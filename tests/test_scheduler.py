@@ -239,11 +239,26 @@ def test_a_decoding_step_carries_at_most_the_mixed_prefill_budget():
     sizes = []
     for _ in range(8):
         out, _ = run_step(s)
-        assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) <= 8  # r1 decodes in every step
+        assert sum(c.num_new_tokens for c in out.chunks if c.request.request_id != "r1") <= 8  # r1 decodes
         sizes.append({c.request.request_id: c.num_new_tokens for c in out.chunks})
     # r2's 30 tokens in four chunks of 7-8 (not 8 8 8 6); r3 starts with what the fourth step has left
     assert [size["r2"] for size in sizes[:4]] == [8, 8, 7, 7] and sizes[3] == {"r1": 1, "r2": 7, "r3": 1}
     assert all(size["r1"] == 1 for size in sizes)
+
+
+def test_one_token_prompt_chunks_count_against_the_prefill_cap_too():
+    """Equal chunks leave a step a token or two of its cap: a prompt may take one (a chunk of one
+    token), but then no other prompt gets another one for free."""
+    s = make_scheduler(num_blocks=256, max_model_len=256, max_num_batched_tokens=64, max_num_mixed_prefill_tokens=8,
+                       max_num_seqs=16)
+    s.add_request(make_request("r1", 4, max_tokens=200))
+    run_step(s)
+    for i in range(7):
+        s.add_request(make_request(f"r{i + 2}", 30, max_tokens=2, arrival=i + 1))
+    for _ in range(40):
+        out, _ = run_step(s)
+        prompt_tokens = sum(c.num_new_tokens for c in out.chunks if not c.samples or c.num_new_tokens > 1)
+        assert prompt_tokens <= 8
 
 
 def decoding_scheduler(num_decoding: int, **fields) -> Scheduler:
@@ -270,6 +285,13 @@ def test_the_mixed_prefill_cap_that_follows_the_batch(decoding, fields, prompts,
         out, _ = run_step(s)
         assert sum(1 for c in out.chunks if c.num_new_tokens == 1) == decoding
         assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) == want
+
+
+def test_a_fractional_cap_cuts_a_prompt_into_equal_whole_chunks():
+    s = decoding_scheduler(32, mixed_prefill_per_decode=1.2)  # a cap of 38.4 tokens: 38 of them
+    s.add_request(make_request("r1000", 115, max_tokens=1000, arrival=1000))
+    chunks = [sum(c.num_new_tokens for c in run_step(s)[0].chunks if c.num_new_tokens > 1) for _ in range(4)]
+    assert chunks == [29, 29, 29, 28]  # not 38 26 26 25
 
 
 def test_the_per_decode_ratio_rises_to_the_workloads_prompt_tokens_per_output_token():

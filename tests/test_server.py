@@ -755,8 +755,6 @@ def test_bench_serve_reports_every_metric_with_the_servers_token_counts(server, 
     assert (result["completed"], result["failed"]) == (6, 0)
     assert result["total_output_tokens"] == 36 == metric(server, "vllm:generation_tokens_total") - generated_before
     assert result["total_input_tokens"] == sum(result["input_lens"]) and all(n >= 20 for n in result["input_lens"])
-    # one gap per token after the first: every step's chunk is timed, text or not (vLLM's rule)
-    assert [len(gaps) for gaps in result["itls"]] == [n - 1 for n in result["output_lens"]] == [5] * 6
     for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput"):
         assert result[key] > 0, key
 

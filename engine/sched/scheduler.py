@@ -155,17 +155,20 @@ class StepBudget:
         if wanted == 1:
             return min(1, self.tokens)
         if wanted > self.cap:
-            wanted = -(-wanted // math.ceil(wanted / self.cap))
+            whole = max(1, int(self.cap))  # (the chunks are whole tokens: a cap of 38.4 takes 38)
+            wanted = -(-wanted // -(-wanted // whole))
         return int(min(wanted, self.tokens, self.prefill))
 
-    def spend(self, num_tokens: int) -> None:
+    def spend(self, num_tokens: int, prefill: bool) -> None:
+        """Take ``num_tokens`` granted to a decode or (``prefill``) to a prompt's chunk, even a
+        chunk of one token: it counts against the prefill cap too."""
         self.tokens -= num_tokens
-        if num_tokens > 1:
+        if prefill:
             self.prefill -= num_tokens
 
-    def give_back(self, num_tokens: int) -> None:
+    def give_back(self, num_tokens: int, prefill: bool) -> None:
         self.tokens += num_tokens
-        if num_tokens > 1:
+        if prefill:
             self.prefill += num_tokens
 
 
@@ -335,8 +338,8 @@ class Scheduler:
         backlog / 64): a step holds at most about (1 + r) D tokens, so every stream's next token
         waits at most about 1 + r decode-only steps, and with r above the workload's prompt
         tokens per output token prompts are admitted faster than streams finish, so the batch
-        refills to its concurrency: r is raised to 1.5 times that rate, as observed
-        (``prefill_per_decode``)."""
+        refills to its concurrency: r is raised to PREFILL_RATE_MARGIN (1.2) times that rate, as
+        observed (``prefill_per_decode``)."""
         cap, ratio = self.max_num_mixed_prefill_tokens, self.mixed_prefill_per_decode
         if (cap is None and ratio is None) or not self.enable_chunked_prefill:
             return math.inf
@@ -386,6 +389,7 @@ class Scheduler:
                 scheduled[request.request_id] = _chunk(ScheduledChunk, (request, start, 1, True))
                 budget.tokens -= 1
                 continue
+            prefill = num_new > 1
             num_new = budget.grant(num_new)
             if num_new == 0:  # a prefill chunk, and this step's prefill budget is spent
                 continue
@@ -394,13 +398,14 @@ class Scheduler:
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 unscheduled = scheduled.pop(victim.request_id, None)
-                if unscheduled is not None:
-                    budget.give_back(unscheduled.num_new_tokens)
+                if unscheduled is not None:  # (a chunk that samples nothing is part of a prompt)
+                    budget.give_back(unscheduled.num_new_tokens,
+                                     unscheduled.num_new_tokens > 1 or not unscheduled.samples)
                 if victim is request:
                     break
             else:
                 scheduled[request.request_id] = ScheduledChunk.of(request, request.num_computed_tokens, num_new)
-                budget.spend(num_new)
+                budget.spend(num_new, prefill)
 
     def _schedule_drafts(self, budget: StepBudget, scheduled: dict[str, ScheduledChunk]) -> None:
         """Give decoding requests proposed tokens after their next one, from what the step
@@ -464,7 +469,7 @@ class Scheduler:
             self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self._admit(request, num_cached)
             scheduled[request.request_id] = ScheduledChunk.of(request, num_cached, num_new)
-            budget.spend(num_new)
+            budget.spend(num_new, wanted > 1)
 
     def _admit(self, request: Request, num_cached: int) -> None:
         del self.waiting[0]
