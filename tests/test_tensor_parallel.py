@@ -116,6 +116,26 @@ def test_a_hung_rank_fails_the_step_within_the_timeout(tmp_path):
     assert rank.wait(10) is not None
 
 
+def test_a_master_port_in_use_ends_the_start_with_one_line(tmp_path):
+    """Node 0 of two listens at --master-port for the other node's ranks: a port another process
+    holds is a usage error (exit 2, one line naming the flag), not a traceback from torch."""
+    import socket
+
+    model = random_llama(tmp_path, 4)
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "engine.api", "--model", model, "--tensor-parallel-size", "2",
+                               "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
+                               str(port), "--port", "0", *(f"--{k.replace('_', '-')}={v}" for k, v in FP32.items())],
+                              capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --master-port {port}: rank 0 cannot listen there") and "in use" in last, last
+    assert "Traceback" not in done.stderr
+
+
 def test_two_nodes_serve_and_the_loss_of_one_ends_every_stream(tmp_path):
     """Two launches on this machine, as on two (``--nnodes 2``, node ranks 0 and 1, meeting at
     127.0.0.1): the server answers; SIGKILL of the second node ends the open streams with an

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -54,12 +53,26 @@ _KEPT_PLANS = 64  # (a plan's key is deleted this many steps later: every rank h
 _LOADING = 900.0  # seconds the ranks may take to load their shards (not a hang: no collective runs yet)
 
 
-def _join(rank: int, size: int, address: str, port: int, device: str, timeout: float) -> dist.TCPStore:
-    """Join the group (its store on rank 0 at ``address:port``); returns the store."""
+def _serve_store(address: str, port: int, size: int, timeout: float) -> dist.TCPStore:
+    """Rank 0's side of the group's store, listening on ``port`` (0: a free one, read back as the
+    store's ``port``, so no other process can take it between a probe and the bind)."""
+    try:
+        return dist.TCPStore(address, port, size, is_master=True, timeout=timedelta(seconds=timeout),
+                             wait_for_workers=False)
+    except dist.DistNetworkError as exc:
+        raise ConfigError("master_port", f"--master-port {port}: rank 0 cannot listen there for the other "
+                                          f"tensor-parallel ranks ({exc})") from None
+
+
+def _join(rank: int, size: int, address: str, port: int, device: str, timeout: float,
+          store: dist.TCPStore | None = None) -> dist.TCPStore:
+    """Join the group: its store on rank 0 at ``address:port`` (rank 0 passes the ``store`` it
+    serves); returns the store."""
     if device.startswith("cuda"):
         torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
     limit = timedelta(seconds=timeout)
-    store = dist.TCPStore(address, port, size, is_master=rank == 0, timeout=limit, wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(address, port, size, is_master=False, timeout=limit)
     dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size, timeout=limit)
     return store
 
@@ -83,17 +96,16 @@ class TensorParallelDriver:
 
     def __init__(self, config: EngineConfig, device: str) -> None:
         self.config, self.device, self.size = config, device, config.tensor_parallel_size
-        if config.nnodes > 1:  # (the other nodes' ranks meet this one there)
-            self.address, self.port = config.master_addr, config.master_port
-        else:
-            self.address = "127.0.0.1"
-            with socket.socket() as probe:  # (a free port for the group's rendezvous)
-                probe.bind((self.address, 0))
-                self.port = probe.getsockname()[1]
+        # The group's store first (other nodes' ranks meet this one at master_addr:master_port;
+        # on one machine a free port of the loopback): a port in use ends the start here.
+        self.address = config.master_addr if config.nnodes > 1 else "127.0.0.1"
+        self._store = _serve_store(self.address, config.master_port if config.nnodes > 1 else 0, self.size,
+                                   config.distributed_timeout)
+        self.port = self._store.port
+        self._joined = False
         self.processes = [subprocess.Popen(_rank_command(rank, self.address, self.port, config))
                           for rank in range(1, ranks_per_node(config))]
         self._stopped = False
-        self._store: dist.TCPStore | None = None
         self._step = 0
         atexit.register(self._kill)
 
@@ -101,7 +113,8 @@ class TensorParallelDriver:
         """Join the group (on the device thread, as every later collective) and tell every rank
         the KV cache's size."""
         torch.set_num_threads(_threads(self.size))
-        self._store = _join(0, self.size, self.address, self.port, self.device, self.config.distributed_timeout)
+        _join(0, self.size, self.address, self.port, self.device, self.config.distributed_timeout, self._store)
+        self._joined = True
         self._store.set("num_blocks", str(num_blocks))
         self._wait_for_ranks()
         log.info("tensor parallel: %d ranks (%s), every step's plan broadcast from rank 0", self.size,
@@ -140,7 +153,7 @@ class TensorParallelDriver:
             return
         self._stopped = True
         try:
-            if self._store is None:
+            if not self._joined:
                 raise RuntimeError("never joined")
             self._put(b"")  # (the end)
             dist.destroy_process_group()
