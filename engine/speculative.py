@@ -11,14 +11,15 @@ distribution with the draft is the rejection rule of Leviathan et al. with a one
 distribution (keep x with probability p(x), else draw from p without x), in one step.
 
 ``draft_model`` proposals come from a smaller model of the same vocabulary, run by the same
-engine beside the target (engine/runner/drafter.py): it computes every token the target
+engine beside the target (engine/runner/drafter.py): it computes the tokens the target
 computes, into a KV cache of its own over the target's block tables, and after each step
 proposes its greedy continuation of each request (a one-hot draft distribution again).
 
 Proposals cost a longer forward pass; on a CPU a decode step is bound by reading the weights
 until the batch is large, so at a few streams the extra tokens are nearly free, and under
 load they are not: proposals stop while more than ``disable_by_batch_size`` requests run
-(vLLM's key).
+(vLLM's key), and a draft model then runs no pass at all (it catches up on what it missed
+when proposals resume).
 """
 
 from __future__ import annotations

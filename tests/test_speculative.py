@@ -185,6 +185,58 @@ def test_greedy_output_is_the_same_with_a_draft_model(model, tokenizer, random_d
 
 
 @pytest.mark.slow
+def test_a_draft_model_sits_out_large_batches_and_catches_up_when_they_shrink(model, tokenizer, monkeypatch):
+    """disable_by_batch_size 3, ten requests of one shared prefix queued at once, each asking for
+    6 tokens more than the last: while more than three run, the draft model runs no forward pass;
+    as they finish, proposals resume for the last three, whose draft KV (their prompts, the
+    prefix blocks another request filled, and their outputs so far) is caught up first. The model
+    as its own draft then has its proposals kept as if it had never paused; the tokens are those
+    without proposals."""
+    from engine.models.loader import default_model_path
+    from engine.runner.drafter import Drafter
+
+    passes, steps = [0], []  # (proposals asked for, the draft's forward passes) per step
+    real_forward, real_run = Drafter._forward, Drafter.run
+
+    def forward(self, *args):
+        passes[0] += 1
+        return real_forward(self, *args)
+
+    def run(self, rows, num_proposals):
+        before = passes[0]
+        proposals = real_run(self, rows, num_proposals)
+        steps.append((num_proposals, passes[0] - before))
+        return proposals
+
+    monkeypatch.setattr(Drafter, "_forward", forward)
+    monkeypatch.setattr(Drafter, "run", run)
+    shared = _prompts(tokenizer)[-7]
+    prompts = [shared + p[-6:] for p in _prompts(tokenizer)[:10]]
+
+    def tokens(core: EngineCore) -> list[list[int]]:
+        for i, prompt in enumerate(prompts):
+            core.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6 * (i + 1), ignore_eos=True))
+        out = {str(i): [] for i in range(len(prompts))}
+        while core.has_unfinished_requests:
+            for delta in core.step():
+                out[delta.request_id] += delta.new_token_ids
+        assert core.block_manager.num_used_blocks == 0
+        return [out[str(i)] for i in range(len(prompts))]
+
+    plain = tokens(_core(model, "cpu", None))
+    core = _core(model, "cpu", {**_draft(str(default_model_path())), "disable_by_batch_size": 3})
+    drafted = tokens(core)
+    paused = [n for asked, n in steps if asked == 0]
+    assert paused and not any(paused)  # (steps above the batch size: no forward pass of the draft)
+    resumed = steps.index(next(step for step in steps if step[0] > 0))
+    assert resumed >= len(paused) // 2  # (the pause came first, for most of the run)
+    stats = core.stats()
+    assert stats.prefix_cache_hits > 0 and stats.spec_num_draft_tokens > 20
+    assert stats.spec_num_accepted_tokens > 0.9 * stats.spec_num_draft_tokens
+    assert drafted == plain
+
+
+@pytest.mark.slow
 def test_a_draft_model_through_preemptions_and_a_prefix_cache_gives_the_same_tokens(model, tokenizer):
     """A cache too small for the batch (requests preempted and recomputed, the draft's cache with
     them) and prompts that share a prefix (the draft reads the cached blocks the target reuses):

@@ -1,10 +1,17 @@
 """A draft model beside the target (speculative method ``draft_model``, engine/speculative.py).
 
-The draft model computes every token the target computes, each step, into a KV cache of its
-own laid out over the target's block tables (same block ids, same slots: its cache tensors
-are the target's shape for the draft's heads). So whatever the target's cache holds (a
-prompt's chunks, a prefix from the cache, what a preempted request recomputes), the draft's
-holds too, for the same positions, with no bookkeeping of its own.
+While proposals are wanted (``StepPlan.num_proposals``), the draft model computes every token
+the target computes, each step, into a KV cache of its own laid out over the target's block
+tables (same block ids, same slots: its cache tensors are the target's shape for the draft's
+heads). So what the target's cache holds (a prompt's chunks, a prefix from the cache, what a
+preempted request recomputes), the draft's holds too, for the same positions.
+
+While they are not (a batch above ``disable_by_batch_size``), the draft model does not run:
+its cost would be all loss there. It notes which positions it missed instead: per block id,
+how many leading positions hold the draft's KV of what the target's block now holds
+(``filled``), and per request its tokens. When proposals resume, a request whose draft KV
+lags is caught up in the same pass (its missing tokens first, from its earliest missed one),
+and a prefix from the cache is read as far as its blocks are filled.
 
 After the target's step, for each request that sampled a token and is to get proposals, the
 draft model takes that token and proposes the greedy continuation, one position at a time:
@@ -60,11 +67,66 @@ class Drafter:
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype.storage, device=device) for _ in range(cfg.num_layers)]
         self.kv_scales = ([torch.ones(2, dtype=torch.float32, device=device) for _ in range(cfg.num_layers)]
                           if kv_dtype.is_fp8 else None)
+        self.filled = [0] * num_blocks  # per block id: its leading positions whose draft KV is the target's
+        self._tokens: dict[str, list[int]] = {}  # per request: its tokens so far (what a catch-up reads)
+        self._valid: dict[str, int] = {}  # per request: positions 0.. with the draft's KV (where known)
+
+    def admit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """A request the runner takes in (new, or back after a preemption): its tokens so far."""
+        self._tokens[request_id] = list(token_ids)
+        self._valid.pop(request_id, None)
+
+    def forget(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self._tokens.pop(request_id, None)
+            self._valid.pop(request_id, None)
+
+    def _note(self, row: DraftRow, computed: bool) -> None:
+        """The target computed ``row``'s tokens (its first ``len(token_ids)``, less the sampled one
+        where it proposes) into its blocks; the draft did too where ``computed``."""
+        bs, start, filled = self.block_size, row.start, self.filled
+        kept = len(row.token_ids) - row.propose
+        tokens = self._tokens[row.request_id]
+        del tokens[start:]
+        tokens.extend(row.token_ids)
+        end = start + kept
+        for b in range(start // bs, -(-end // bs)):
+            block, first, last = row.block_ids[b], max(start - b * bs, 0), min(end - b * bs, bs)
+            if not computed:
+                filled[block] = min(filled[block], first)
+            elif filled[block] >= first:  # (else a hole before: that block's tail stays unread)
+                filled[block] = last
+        if computed:
+            self._valid[row.request_id] = end
+        elif row.request_id in self._valid:
+            self._valid[row.request_id] = min(self._valid[row.request_id], start)
+
+    def _caught_up(self, row: DraftRow) -> DraftRow:
+        """``row``, from the first position whose draft KV is missing (the request's tokens from
+        there, then the row's)."""
+        valid = self._valid.get(row.request_id)
+        if valid is None:  # (new here: read its blocks' state)
+            bs, filled, valid = self.block_size, self.filled, 0
+            for block in row.block_ids[:-(-row.start // bs)]:
+                valid += filled[block]
+                if filled[block] < bs:
+                    break
+        if valid >= row.start:
+            return row
+        missed = self._tokens[row.request_id][valid:row.start]
+        return attrs.evolve(row, start=valid, token_ids=(*missed, *row.token_ids))
 
     def run(self, rows: list[DraftRow], num_proposals: int) -> dict[str, tuple[int, ...]]:
         """Compute ``rows`` into the draft cache; for each row that proposes, its greedy
         continuation of ``num_proposals`` tokens (fewer where the draft model's context ends)."""
         rows = [row for row in rows if row.token_ids]
+        if num_proposals <= 0:  # (the draft model sits this step out)
+            for row in rows:
+                self._note(row, computed=False)
+            return {}
+        rows = [self._caught_up(row) for row in rows]
+        for row in rows:
+            self._note(row, computed=True)
         if not rows:
             return {}
         limit = self.model.config.max_position_embeddings

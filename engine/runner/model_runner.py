@@ -318,6 +318,8 @@ class ModelRunner:
             for request_id in gone:
                 self.requests.pop(request_id, None)
                 self._block_ids.pop(request_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(gone)
         for new in plan.new_requests:
             for tables in self.block_tables:  # (a plan names a new request's old state gone first)
                 tables.release((new.request_id,))
@@ -326,6 +328,8 @@ class ModelRunner:
                 new.request_id, list(new.token_ids[:new.num_prompt_tokens]), new.params, new.eos_token_id,
                 new.num_prompt_logprobs, history)
             self._block_ids[new.request_id] = [[] for _ in self.block_tables]
+            if self.drafter is not None:
+                self.drafter.admit(new.request_id, new.token_ids)
         num_groups = len(self.block_tables)
         for request_id, block_ids in plan.new_block_ids:
             n = len(block_ids) // num_groups  # (each group's new ids, group after group)
