@@ -1,4 +1,5 @@
-"""Speculative decoding with n-gram proposals against none, in the engine (no HTTP), alternated.
+"""Speculative decoding with n-gram (or a draft model's) proposals against none, in the engine (no
+HTTP), alternated.
 
 Two workloads on the default model (chat-templated prompts, greedy, ``ignore_eos`` off so
 answers end where the model ends them, at most ``--max-tokens``):
@@ -12,8 +13,11 @@ once, where proposals stop (``disable_by_batch_size``) unless ``--force`` sets i
 batch. Printed: output tok/s per configuration, the ratio to no proposals from the same round,
 and the mean tokens per drafted step (kept drafts + 1).
 
+``--draft-model PATH`` (``default``: the default model as its own draft) proposes with a draft
+model instead (speculative method ``draft_model``), ``--num-speculative-tokens`` a step.
+
     python bench/spec_decode.py [--rounds 2] [--max-tokens 128] [--streams 64] [--force]
-        [--workloads edit,chat] [--concurrency 1,streams]
+        [--workloads edit,chat] [--concurrency 1,streams] [--draft-model PATH]
 """
 
 from __future__ import annotations
@@ -116,16 +120,20 @@ def main() -> None:
     parser.add_argument("--force", action="store_true", help="proposals at --streams too (disable_by_batch_size)")
     parser.add_argument("--workloads", default="edit,chat", help="comma-separated: edit, chat")
     parser.add_argument("--concurrency", default="1,streams", help="comma-separated: 1, streams")
+    parser.add_argument("--draft-model", help="a draft model's proposals instead of n-gram ('default': the model)")
     args = parser.parse_args()
     print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}")
     model = load_model(resolve_model(None), "auto", torch.float32, "cpu", 0)
     config = EngineConfig(backend="cpu", dtype="float32", max_num_seqs=max(args.streams, 1), enable_prefix_caching=False)
     tokenizer = tokenizer_for(config)
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
+    method = "draft_model" if args.draft_model else "ngram"
+    spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
+            **({"model": str(resolve_model(None).path) if args.draft_model == "default" else args.draft_model}
+               if args.draft_model else
+               {"prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}),
             **({"disable_by_batch_size": args.streams} if args.force else {})}
     cores = {"none": EngineCore(config, model=model),
-             "ngram": EngineCore(attrs.evolve(config, speculative_config=spec), model=model)}
+             method: EngineCore(attrs.evolve(config, speculative_config=spec), model=model)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for name, messages in workloads().items():
         if name not in args.workloads.split(","):
@@ -147,11 +155,12 @@ def main() -> None:
                     drafted = after.spec_num_drafts - before.spec_num_drafts
                     kept = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
                     per_step = f", {1 + kept / drafted:.2f} tokens per drafted step" if drafted else ""
-                    print(f"{name:5s} {label:11s} round {round_ + 1}: {key:5s} {rates[key]:7.1f} output tok/s "
+                    print(f"{name:5s} {label:11s} round {round_ + 1}: {key:11s} {rates[key]:7.1f} output tok/s "
                           f"({tokens} tokens){per_step}")
-                line = f"{name:5s} {label:11s} round {round_ + 1}: ngram / none = {rates['ngram'] / rates['none']:.2f}x"
+                line = (f"{name:5s} {label:11s} round {round_ + 1}: {method} / none = "
+                        f"{rates[method] / rates['none']:.2f}x")
                 if not at_once:
-                    none, ngram = runs["none"], runs["ngram"]
+                    none, ngram = runs["none"], runs[method]
                     line += (f"; prefill {none.prefill_seconds / none.seconds:.0%} of none's time, "
                              f"{ngram.tokens / (ngram.decode_steps + len(batch)):.2f} tokens a step with "
                              f"proposals, {none.tokens / (none.decode_steps + len(batch)):.2f} without; "
