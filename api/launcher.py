@@ -33,6 +33,16 @@ from engine.transport.processes import EXIT_TIMEOUT, reap, start_engines_for_fro
 log = logging.getLogger("api.launcher")
 
 
+def front_command(argv: list[str], index: int, listen_fd: int, engine_fds: list[int]) -> list[str]:
+    """Front ``index``'s command line: the server's own flags, one front on the shared socket,
+    its links to the engines. Each front sees the engines' whole counters, so only the first
+    logs the activity line (N fronts would print N copies)."""
+    command = [sys.executable, "-m", "engine.api", *argv, "--api-server-count", "1", "--listen-fd", str(listen_fd)]
+    for fd in engine_fds:
+        command += ["--engine-fd", str(fd)]
+    return command + (["--disable-log-stats"] if index > 0 and "--disable-log-stats" not in argv else [])
+
+
 async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
     config = engine_config(args)
     if config.data_parallel_size_local is not None and config.data_parallel_size_local < config.data_parallel_size:
@@ -44,13 +54,10 @@ async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="engine-metrics-") as metrics_dir:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
         try:
-            for sockets in per_front:
-                front_argv = [sys.executable, "-m", "engine.api", *argv, "--api-server-count", "1",
-                              "--listen-fd", str(listener.fileno())]
-                for s in sockets:
-                    front_argv += ["--engine-fd", str(s.fileno())]
+            for index, sockets in enumerate(per_front):
                 fronts.append(await trio.lowlevel.open_process(
-                    front_argv, pass_fds=(listener.fileno(), *(s.fileno() for s in sockets)), env=env))
+                    front_command(argv, index, listener.fileno(), [s.fileno() for s in sockets]),
+                    pass_fds=(listener.fileno(), *(s.fileno() for s in sockets)), env=env))
                 for s in sockets:
                     s.close()
             listener.close()

@@ -515,6 +515,19 @@ def test_structured_outputs_and_tools_in_both_layouts(server):
     constrained(server[0], {"Authorization": f"Bearer {API_KEY}"}, exact=False)  # (the fixture's dtype is auto)
 
 
+def test_only_the_first_api_server_logs_the_activity_line():
+    """--api-server-count N: each front reads the engines' whole counters, so the fronts after the
+    first run with --disable-log-stats (one activity line every 10 s, not N copies)."""
+    from api.launcher import front_command
+
+    argv = ["--port", "8000"]
+    first, second = (front_command(argv, i, 5, [6 + i]) for i in range(2))
+    assert "--disable-log-stats" not in first and second.count("--disable-log-stats") == 1
+    assert second[-3:] == ["--engine-fd", "7", "--disable-log-stats"]
+    assert front_command(["--disable-log-stats"], 1, 5, [6]).count("--disable-log-stats") == 1
+    assert first[first.index("--listen-fd") + 1] == "5" and first[first.index("--engine-fd") + 1] == "6"
+
+
 def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_does():
     """--data-parallel-size 2 and --api-server-count 2: 32 concurrent streamed chats give one
     engine's greedy text; /metrics adds up (each engine's counters; every front's requests);
