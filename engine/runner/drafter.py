@@ -10,8 +10,11 @@ While they are not (a batch above ``disable_by_batch_size``), the draft model do
 its cost would be all loss there. It notes which positions it missed instead: per block id,
 how many leading positions hold the draft's KV of what the target's block now holds
 (``filled``), and per request its tokens. When proposals resume, a request whose draft KV
-lags is caught up in the same pass (its missing tokens first, from its earliest missed one),
-and a prefix from the cache is read as far as its blocks are filled.
+lags is caught up in the same pass (its missing tokens first, from its earliest missed one;
+at most ``max_num_batched_tokens`` of them a pass, the rest in the next ones), and a prefix
+from the cache is read as far as its blocks are filled. (A model whose every layer slides keeps
+the draft running: the target gives back the blocks its window passed, which a catch-up
+would write into.)
 
 After the target's step, for each request that sampled a token and is to get proposals, the
 draft model takes that token and proposes the greedy continuation, one position at a time:
@@ -55,7 +58,8 @@ class Drafter:
     Resource handling: the cache tensors live as long as the drafter."""
 
     def __init__(self, model: LlamaModel, backend: AttentionBackend, num_blocks: int, block_size: int,
-                 device: str, kv_dtype: KVCacheDtype, num_proposals: int, max_rows: int) -> None:
+                 device: str, kv_dtype: KVCacheDtype, num_proposals: int, max_rows: int, max_catch_up: int,
+                 pause: bool = True) -> None:
         cfg = model.config
         self.model, self.backend, self.block_size, self.device = model, backend, block_size, device
         # Proposals past a table's end: positions last + 1 .. last + num_proposals - 1, and the
@@ -69,7 +73,14 @@ class Drafter:
                           if kv_dtype.is_fp8 else None)
         self.filled = [0] * num_blocks  # per block id: its leading positions whose draft KV is the target's
         self._tokens: dict[str, list[int]] = {}  # per request: its tokens so far (what a catch-up reads)
-        self._valid: dict[str, int] = {}  # per request: positions 0.. with the draft's KV (where known)
+        # Per request: positions 0.. with the draft's KV, where known (a row starts where the last
+        # one's kept tokens end, so a paused row never starts below it).
+        self._valid: dict[str, int] = {}
+        self.max_catch_up = max_catch_up  # missed tokens one pass computes at most (the rest the next)
+        # Whether it sits out steps without proposals: not over a sliding window's table, whose
+        # passed blocks the target gives back while the runner's table still names them (a
+        # catch-up would write into blocks other requests own).
+        self.pause = pause
 
     def admit(self, request_id: str, token_ids: Sequence[int]) -> None:
         """A request the runner takes in (new, or back after a preemption): its tokens so far."""
@@ -81,15 +92,17 @@ class Drafter:
             self._tokens.pop(request_id, None)
             self._valid.pop(request_id, None)
 
-    def _note(self, row: DraftRow, computed: bool) -> None:
+    def _record(self, row: DraftRow) -> None:
+        """The request's tokens from ``row``'s start on are ``row``'s."""
+        tokens = self._tokens[row.request_id]
+        del tokens[row.start:]
+        tokens.extend(row.token_ids)
+
+    def _mark(self, row: DraftRow, computed: bool) -> None:
         """The target computed ``row``'s tokens (its first ``len(token_ids)``, less the sampled one
         where it proposes) into its blocks; the draft did too where ``computed``."""
         bs, start, filled = self.block_size, row.start, self.filled
-        kept = len(row.token_ids) - row.propose
-        tokens = self._tokens[row.request_id]
-        del tokens[start:]
-        tokens.extend(row.token_ids)
-        end = start + kept
+        end = start + len(row.token_ids) - row.propose
         for b in range(start // bs, -(-end // bs)):
             block, first, last = row.block_ids[b], max(start - b * bs, 0), min(end - b * bs, bs)
             if not computed:
@@ -98,35 +111,54 @@ class Drafter:
                 filled[block] = last
         if computed:
             self._valid[row.request_id] = end
-        elif row.request_id in self._valid:
-            self._valid[row.request_id] = min(self._valid[row.request_id], start)
 
-    def _caught_up(self, row: DraftRow) -> DraftRow:
-        """``row``, from the first position whose draft KV is missing (the request's tokens from
-        there, then the row's)."""
+    def _valid_length(self, row: DraftRow) -> int:
+        """Positions 0.. of ``row``'s request whose draft KV is there (a new request's: as far as
+        its blocks are filled)."""
         valid = self._valid.get(row.request_id)
-        if valid is None:  # (new here: read its blocks' state)
+        if valid is None:
             bs, filled, valid = self.block_size, self.filled, 0
             for block in row.block_ids[:-(-row.start // bs)]:
                 valid += filled[block]
                 if filled[block] < bs:
                     break
-        if valid >= row.start:
-            return row
-        missed = self._tokens[row.request_id][valid:row.start]
-        return attrs.evolve(row, start=valid, token_ids=(*missed, *row.token_ids))
+        return valid
+
+    def _caught_up(self, rows: list[DraftRow]) -> list[DraftRow]:
+        """``rows``, each from the first position whose draft KV is missing (the request's tokens
+        from there, then the row's), at most ``max_catch_up`` missed tokens in all: a row past
+        that computes what fits of its missed tokens, proposes nothing, and goes on next pass."""
+        budget, out = self.max_catch_up, []
+        for row in rows:
+            valid = self._valid_length(row)
+            if valid >= row.start:
+                out.append(row)
+                continue
+            missed = self._tokens[row.request_id][valid:row.start]
+            if len(missed) <= budget:
+                budget -= len(missed)
+                out.append(attrs.evolve(row, start=valid, token_ids=(*missed, *row.token_ids)))
+                continue
+            self._mark(row, computed=False)
+            if budget:
+                out.append(DraftRow(row.request_id, valid, tuple(missed[:budget]), row.block_ids, False))
+                budget = 0
+        return out
 
     def run(self, rows: list[DraftRow], num_proposals: int) -> dict[str, tuple[int, ...]]:
         """Compute ``rows`` into the draft cache; for each row that proposes, its greedy
-        continuation of ``num_proposals`` tokens (fewer where the draft model's context ends)."""
+        continuation of ``num_proposals`` tokens (fewer where the draft model's context ends).
+        With no proposals asked for, the draft model runs nothing (where it may pause)."""
         rows = [row for row in rows if row.token_ids]
-        if num_proposals <= 0:  # (the draft model sits this step out)
-            for row in rows:
-                self._note(row, computed=False)
-            return {}
-        rows = [self._caught_up(row) for row in rows]
         for row in rows:
-            self._note(row, computed=True)
+            self._record(row)
+        if num_proposals <= 0 and self.pause:
+            for row in rows:
+                self._mark(row, computed=False)
+            return {}
+        rows = self._caught_up(rows)
+        for row in rows:
+            self._mark(row, computed=True)
         if not rows:
             return {}
         limit = self.model.config.max_position_embeddings
