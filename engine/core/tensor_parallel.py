@@ -60,8 +60,8 @@ def _serve_store(address: str, port: int, size: int, timeout: float) -> dist.TCP
         return dist.TCPStore(address, port, size, is_master=True, timeout=timedelta(seconds=timeout),
                              wait_for_workers=False)
     except dist.DistNetworkError as exc:
-        raise ConfigError("master_port", f"--master-port {port}: rank 0 cannot listen there for the other "
-                                          f"tensor-parallel ranks ({exc})") from None
+        where = f"--master-port {port}: rank 0 cannot listen there" if port else f"rank 0 cannot listen on {address}"
+        raise ConfigError("master_port", f"{where} for the other tensor-parallel ranks ({exc})") from None
 
 
 def _join(rank: int, size: int, address: str, port: int, device: str, timeout: float,
