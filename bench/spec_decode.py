@@ -126,12 +126,16 @@ def main() -> None:
     model = load_model(resolve_model(None), "auto", torch.float32, "cpu", 0)
     config = EngineConfig(backend="cpu", dtype="float32", max_num_seqs=max(args.streams, 1), enable_prefix_caching=False)
     tokenizer = tokenizer_for(config)
-    method = "draft_model" if args.draft_model else "ngram"
-    spec = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
-            **({"model": str(resolve_model(None).path) if args.draft_model == "default" else args.draft_model}
-               if args.draft_model else
-               {"prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}),
-            **({"disable_by_batch_size": args.streams} if args.force else {})}
+    if args.draft_model:
+        draft = str(resolve_model(None).path) if args.draft_model == "default" else args.draft_model
+        spec = {"method": "draft_model", "model": draft}
+    else:
+        spec = {"method": "ngram", "prompt_lookup_min": args.prompt_lookup_min,
+                "prompt_lookup_max": args.prompt_lookup_max}
+    spec["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.force:
+        spec["disable_by_batch_size"] = args.streams
+    method = spec["method"]
     cores = {"none": EngineCore(config, model=model),
              method: EngineCore(attrs.evolve(config, speculative_config=spec), model=model)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
@@ -160,11 +164,11 @@ def main() -> None:
                 line = (f"{name:5s} {label:11s} round {round_ + 1}: {method} / none = "
                         f"{rates[method] / rates['none']:.2f}x")
                 if not at_once:
-                    none, ngram = runs["none"], runs[method]
+                    none, drafted = runs["none"], runs[method]
                     line += (f"; prefill {none.prefill_seconds / none.seconds:.0%} of none's time, "
-                             f"{ngram.tokens / (ngram.decode_steps + len(batch)):.2f} tokens a step with "
+                             f"{drafted.tokens / (drafted.decode_steps + len(batch)):.2f} tokens a step with "
                              f"proposals, {none.tokens / (none.decode_steps + len(batch)):.2f} without; "
-                             f"at most {ceiling(none, ngram):.2f}x if verifying cost a one-token step")
+                             f"at most {ceiling(none, drafted):.2f}x if verifying cost a one-token step")
                 print(line)
 
 

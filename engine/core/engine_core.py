@@ -131,7 +131,8 @@ class EngineCore:
             drafter = self.device_thread.run_sync(Drafter, self.draft_model, self.backend, num_blocks,
                                                   config.block_size, self.device, self.kv_dtype,
                                                   config.speculative.num_speculative_tokens, config.max_num_seqs,
-                                                  config.max_num_batched_tokens, self.kv_groups.windows[0] is None)
+                                                  config.max_num_batched_tokens,  # (max_catch_up)
+                                                  self.kv_groups.windows[0] is None)  # (pause: not over a window)
         if config.tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallelDriver(config, self.device)
             self.device_thread.run_sync(self.tensor_parallel.join, num_blocks)

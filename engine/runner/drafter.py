@@ -73,7 +73,8 @@ class Drafter:
                           if kv_dtype.is_fp8 else None)
         self.filled = [0] * num_blocks  # per block id: its leading positions whose draft KV is the target's
         self._tokens: dict[str, list[int]] = {}  # per request: its tokens so far (what a catch-up reads)
-        # Per request: positions 0.. with the draft's KV, where known (a row starts where the last
+        # Per request: positions 0.. with the draft's KV. What `filled` over its table says, kept so
+        # that a running request's table is not walked every step (a row starts where the last
         # one's kept tokens end, so a paused row never starts below it).
         self._valid: dict[str, int] = {}
         self.max_catch_up = max_catch_up  # missed tokens one pass computes at most (the rest the next)
