@@ -13,11 +13,17 @@ once, where proposals stop (``disable_by_batch_size``) unless ``--force`` sets i
 batch. Printed: output tok/s per configuration, the ratio to no proposals from the same round,
 and the mean tokens per drafted step (kept drafts + 1).
 
+With the cpu backend's default int8 cache the two runs' texts can part: a verifying step computes
+its rows in one pass, so their keys and values differ from one-row steps' in the last bits, and
+rounding them to int8 turns that into differences of ~1e-2 in a logprob (not ~1e-5 as with a
+float32 cache), which flips near-ties. The run says so when the token counts differ;
+``--kv-cache-dtype float16`` (or float32) compares equal texts.
+
 ``--draft-model PATH`` (``default``: the default model as its own draft) proposes with a draft
 model instead (speculative method ``draft_model``), ``--num-speculative-tokens`` a step.
 
     python bench/spec_decode.py [--rounds 2] [--max-tokens 128] [--streams 64] [--force]
-        [--workloads edit,chat] [--concurrency 1,streams] [--draft-model PATH]
+        [--workloads edit,chat] [--concurrency 1,streams] [--draft-model PATH] [--kv-cache-dtype auto]
 """
 
 from __future__ import annotations
@@ -121,10 +127,14 @@ def main() -> None:
     parser.add_argument("--workloads", default="edit,chat", help="comma-separated: edit, chat")
     parser.add_argument("--concurrency", default="1,streams", help="comma-separated: 1, streams")
     parser.add_argument("--draft-model", help="a draft model's proposals instead of n-gram ('default': the model)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="the cache's element type (auto: the cpu backend's int8; float16 or float32 keep "
+                             "the two runs' texts equal, see the module docstring)")
     args = parser.parse_args()
     print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}")
     model = load_model(resolve_model(None), "auto", torch.float32, "cpu", 0)
-    config = EngineConfig(backend="cpu", dtype="float32", max_num_seqs=max(args.streams, 1), enable_prefix_caching=False)
+    config = EngineConfig(backend="cpu", dtype="float32", max_num_seqs=max(args.streams, 1), enable_prefix_caching=False,
+                          kv_cache_dtype=args.kv_cache_dtype)
     tokenizer = tokenizer_for(config)
     if args.draft_model:
         draft = str(resolve_model(None).path) if args.draft_model == "default" else args.draft_model
@@ -170,6 +180,9 @@ def main() -> None:
                              f"proposals, {none.tokens / (none.decode_steps + len(batch)):.2f} without; "
                              f"at most {ceiling(none, drafted):.2f}x if verifying cost a one-token step")
                 print(line)
+                if runs[method].tokens != runs["none"].tokens:
+                    print(f"{name:5s} {label:11s} round {round_ + 1}: the texts differ ({runs['none'].tokens} vs "
+                          f"{runs[method].tokens} tokens), so the ratio compares different answers")
 
 
 if __name__ == "__main__":

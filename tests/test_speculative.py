@@ -141,6 +141,25 @@ def test_greedy_output_is_the_same_with_proposals(model, tokenizer, backend):
     assert identical >= 45
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_batch_invariant_proposals_give_the_same_bits_with_an_int8_cache(model, tokenizer, backend):
+    """With the int8 cache a verifying pass's last-bit differences become rounding steps of the
+    cached keys and values (~1e-2 in a logprob), so without --batch-invariant texts can part
+    (docs/guide.md); with it every position is computed as a one-token step computes it: the
+    same tokens and logprobs, bit for bit."""
+    prompts = _prompts(tokenizer)[::5]  # plain, code and copy prompts alike
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    fields = dict(kv_cache_dtype="int8", batch_invariant=True)
+    plain = _run(_core(model, backend, None, **fields), prompts, params)
+    core = _core(model, backend, {**NGRAM, "disable_by_batch_size": 64}, **fields)
+    drafted = _run(core, prompts, params)
+    assert core.stats().spec_num_accepted_tokens > 20
+    for (want, want_lps), (got, got_lps) in zip(plain, drafted):
+        assert got == want
+        assert [(p.logprob, p.top_logprobs) for p in got_lps] == [(p.logprob, p.top_logprobs) for p in want_lps]
+
+
 @pytest.fixture(scope="session")
 def random_draft(tmp_path_factory) -> str:
     """A random-weight Llama with the default model's vocabulary, saved as a model directory: a
