@@ -109,6 +109,18 @@ def _run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> 
     return outputs
 
 
+_PLAIN: dict[tuple, list] = {}
+
+
+def _plain(model, backend: str, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list]]:
+    """``_run`` without proposals, kept per backend, prompts and parameters (several tests and
+    parametrizations compare against the same run)."""
+    key = (backend, str(prompts), repr(params))
+    if key not in _PLAIN:
+        _PLAIN[key] = _run(_core(model, backend, None), prompts, params)
+    return _PLAIN[key]
+
+
 def _core(model, backend: str, speculative: dict | None, **fields) -> EngineCore:
     config = dict(backend=backend, dtype="float32", kv_cache_dtype="float32", num_kv_blocks=1024, max_num_seqs=16,
                   max_num_batched_tokens=512, speculative_config=speculative)
@@ -123,7 +135,7 @@ def test_greedy_output_is_the_same_with_proposals(model, tokenizer, backend):
     (the verifying pass computes a position in another batch shape: DESIGN.md's rule)."""
     prompts = _prompts(tokenizer)
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
-    plain = _run(_core(model, backend, None), prompts, params)
+    plain = _plain(model, backend, prompts, params)
     core = _core(model, backend, {**NGRAM, "disable_by_batch_size": 64})
     drafted = _run(core, prompts, params)
     stats = core.stats()
@@ -142,8 +154,7 @@ def test_greedy_output_is_the_same_with_proposals(model, tokenizer, backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_batch_invariant_proposals_give_the_same_bits_with_an_int8_cache(model, tokenizer, backend):
+def test_batch_invariant_proposals_give_the_same_bits_with_an_int8_cache(model, tokenizer):
     """With the int8 cache a verifying pass's last-bit differences become rounding steps of the
     cached keys and values (~1e-2 in a logprob), so without --batch-invariant texts can part
     (docs/guide.md); with it every position is computed as a one-token step computes it: the
@@ -151,8 +162,8 @@ def test_batch_invariant_proposals_give_the_same_bits_with_an_int8_cache(model, 
     prompts = _prompts(tokenizer)[::5]  # plain, code and copy prompts alike
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
     fields = dict(kv_cache_dtype="int8", batch_invariant=True)
-    plain = _run(_core(model, backend, None, **fields), prompts, params)
-    core = _core(model, backend, {**NGRAM, "disable_by_batch_size": 64}, **fields)
+    plain = _run(_core(model, "cpu", None, **fields), prompts, params)
+    core = _core(model, "cpu", {**NGRAM, "disable_by_batch_size": 64}, **fields)
     drafted = _run(core, prompts, params)
     assert core.stats().spec_num_accepted_tokens > 20
     for (want, want_lps), (got, got_lps) in zip(plain, drafted):
@@ -189,7 +200,7 @@ def test_greedy_output_is_the_same_with_a_draft_model(model, tokenizer, random_d
 
     prompts = _prompts(tokenizer)
     params = SamplingParams(temperature=0, max_tokens=16)
-    plain = _run(_core(model, backend, None), prompts, params)
+    plain = _plain(model, backend, prompts, params)
     path = str(default_model_path()) if draft == "itself" else random_draft
     core = _core(model, backend, _draft(path))
     drafted = _run(core, prompts, params)
