@@ -120,7 +120,9 @@ def build_cuda_host_emulation(out: Path, name: str = "pa_cuda") -> Path:
         raise RuntimeError("no C++ compiler found (set CXX)")
     out.mkdir(parents=True, exist_ok=True)
     target = out / f"lib{name}_emulated.so"
-    _run([cxx, "-O2", "-std=c++17", "-fPIC", "-shared", "-x", "c++", "-DPA_CUDA_HOST_EMULATION", "-Wno-unknown-pragmas",
+    # -O1: it builds in 17 s against -O2's 28 (2 cores), and the tests of the emulated kernels
+    # then run ~5 s longer: the suite gains ~5 s.
+    _run([cxx, "-O1", "-std=c++17", "-fPIC", "-shared", "-x", "c++", "-DPA_CUDA_HOST_EMULATION", "-Wno-unknown-pragmas",
           f"-I{ROOT / 'include'}", f"-I{ROOT / 'cuda'}", str(ROOT / "cuda" / CUDA_LIBRARIES[name]), "-o", str(target)])
     return target
 
