@@ -13,6 +13,13 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU only in its interpreter, which must be chosen before import.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The largest batch the packed kernels take before dequantize + GEMM, fixed for this process and
+# every server and engine process a test starts: each would otherwise time it for itself
+# (engine.models.linear.packed_max_rows), and two processes that chose differently sum a large
+# prefill in another order, so that texts compared across them could part at a near-tie. 1024 is
+# what the probe picks on the project's machines; tests of the probe unset it.
+os.environ.setdefault("QM_PACKED_MAX_ROWS", "1024")
+
 import attrs
 import pytest
 

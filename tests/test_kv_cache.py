@@ -133,8 +133,9 @@ def test_a_freed_hybrid_request_leaves_its_global_prefix_to_be_evicted_last():
     kv = BlockManager(num_blocks=6, block_size=2, windows=(None, 100))
     first = make_request("a", [1, 2, 3, 4, 5])
     assert kv.allocate(first, 5)
-    head = kv.block_ids("a")[0]
+    head, sliding_head = kv.block_ids("a")[0], kv.block_ids("a", 1)[0]
     kv.free(first)
+    assert list(kv._free)[-2:] == [sliding_head, head]  # (the end of the free list is evicted last)
     other = make_request("b", [9, 8, 7, 6])
     assert kv.allocate(other, 4)  # 4 of the 6 blocks: the never-cached ones, then the tail's
     assert head not in kv.block_ids("b") + kv.block_ids("b", 1)
@@ -290,7 +291,11 @@ class HybridBlockManagerMachine(BlockManagerMachine):
     @precondition(lambda self: self.live)
     @rule(data=st.data())
     def slide(self, data):
-        self.kv.free_out_of_window(self.live[data.draw(st.sampled_from(sorted(self.live)))])
+        request = self.live[data.draw(st.sampled_from(sorted(self.live)))]
+        self.kv.free_out_of_window(request)
+        # every block wholly before the window is given back (the invariant checks the other side)
+        gone = max(0, request.num_computed_tokens - 3 + 1) // 2
+        assert all(block is WINDOWED_OUT for block in self.kv.tables[request.request_id][1][:gone])
 
     @invariant()
     def consistent(self):

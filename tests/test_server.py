@@ -15,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import openai
@@ -572,6 +573,9 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
                         assert b"OMP_NUM_THREADS=" + threads in f.read().split(b"\0")
             if layout == "two API servers":
                 assert len(children) == 3  # two fronts and the engine
+                commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
+                fronts = [c for c in commands if b"--listen-fd" in c]
+                assert len(fronts) == 2 and sum(b"--disable-log-stats" in c for c in fronts) == 1  # one logs
                 # whichever front answers, the request counter is the whole server's
                 assert all(metric_total(base, "vllm:request_success_total") == 32 for _ in range(4))
             outputs[layout + ", constrained"] = constrained(base)

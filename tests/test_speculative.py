@@ -115,7 +115,7 @@ _PLAIN: dict[tuple, list] = {}
 def _plain(model, backend: str, prompts: list[list[int]], params: SamplingParams) -> list[tuple[list[int], list]]:
     """``_run`` without proposals, kept per backend, prompts and parameters (several tests and
     parametrizations compare against the same run)."""
-    key = (backend, str(prompts), repr(params))
+    key = (id(model), backend, str(prompts), repr(params))
     if key not in _PLAIN:
         _PLAIN[key] = _run(_core(model, backend, None), prompts, params)
     return _PLAIN[key]

@@ -122,9 +122,10 @@ def test_a_master_port_in_use_ends_the_start_with_one_line(tmp_path):
     import socket
 
     model = random_llama(tmp_path, 4)
-    with socket.socket() as holder:
-        holder.bind(("0.0.0.0", 0))
-        holder.listen()
+    # (held on IPv6 and IPv4 alike where the host can: torch's store tries an IPv6 socket first,
+    # which an IPv4-only holder leaves free on a host with net.ipv6.bindv6only=1)
+    dual = socket.has_dualstack_ipv6()
+    with socket.create_server(("", 0), family=socket.AF_INET6 if dual else socket.AF_INET, dualstack_ipv6=dual) as holder:
         port = holder.getsockname()[1]
         done = subprocess.run([sys.executable, "-m", "engine.api", "--model", model, "--tensor-parallel-size", "2",
                                "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
