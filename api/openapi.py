@@ -43,6 +43,10 @@ def json_schema(hint: Any) -> dict[str, Any]:
 def object_schema(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     properties = {f.name: f.metadata.get("schema") or json_schema(hints[f.name]) for f in attrs.fields(cls)}
+    for f in attrs.fields(cls):  # (null is the default for a field that has one: api.protocol)
+        schema = properties[f.name]
+        if f.default is not attrs.NOTHING and f.default is not None and {"type": "null"} not in schema.get("anyOf", ()):
+            properties[f.name] = {"anyOf": [schema, {"type": "null"}]}
     required = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING]
     schema: dict[str, Any] = {"type": "object", "properties": properties}
     if required:

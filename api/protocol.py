@@ -254,12 +254,17 @@ def _prompt(value: Any, _type: Any) -> Any:
 
 def _objects_only(cls: type) -> Any:
     """Structure an attrs class only from a JSON object (cattrs would take any container,
-    so a string or a list would silently become all defaults)."""
+    so a string or a list would silently become all defaults). A ``null`` for a field with a
+    default is that default: OpenAI's schema marks such fields nullable (``n``, ``stream``,
+    ``logprobs``, the penalties...), and vLLM reads them as Optional."""
     structure = make_dict_structure_fn(cls, converter)
+    defaulted = frozenset(f.name for f in attrs.fields(cls) if f.default is not attrs.NOTHING and f.default is not None)
 
     def hook(value: Any, _type: Any) -> Any:
         if not isinstance(value, dict):
             raise TypeError(f"expected an object, got {type(value).__name__}")
+        if None in value.values():
+            value = {k: v for k, v in value.items() if v is not None or k not in defaulted}
         return structure(value, cls)
     return hook
 

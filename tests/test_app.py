@@ -240,6 +240,30 @@ async def test_accepted_means_honoured_else_400(tiny_vocab_core, tokenizer, path
         assert ok.status_code == 200
 
 
+async def test_null_is_the_default_for_the_fields_openai_marks_nullable(tiny_vocab_core, tokenizer):
+    """JS SDKs and proxies send every field, unset ones as null: OpenAI's schema marks n, stream,
+    logprobs, echo, the penalties and parallel_tool_calls nullable, and a null means the default."""
+    nulls = dict.fromkeys(["n", "presence_penalty", "frequency_penalty", "stream", "stream_options", "seed"])
+    bodies = {"/v1/chat/completions": {**CHAT, **nulls, "logprobs": None, "parallel_tool_calls": None},
+              "/v1/completions": {"prompt": "Hi", **nulls, "echo": None, "logprobs": None},
+              "/v1/responses": {"input": "Hi", "stream": None, "parallel_tool_calls": None}}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        for path, body in bodies.items():
+            body = {**body, ("max_output_tokens" if "responses" in path else "max_tokens"): 2, "temperature": 0}
+            with_nulls = await server.http.post(path, json=body)
+            assert with_nulls.status_code == 200, (path, with_nulls.text)
+            without = (await server.http.post(path, json={k: v for k, v in body.items() if v is not None})).json()
+            reply = with_nulls.json()
+            if "choices" in reply:
+                assert len(reply["choices"]) == 1 and reply["choices"][0].get("logprobs") is None
+                assert reply["choices"][0].get("text", reply["choices"][0].get("message")) == \
+                    without["choices"][0].get("text", without["choices"][0].get("message"))
+            else:
+                assert reply["output"] == without["output"] or reply["output_text"] == without["output_text"]
+        missing = await server.http.post("/v1/chat/completions", json={"messages": None, "max_tokens": 2})
+        assert missing.status_code == 400 and error(missing.content)["param"] == "messages"
+
+
 # ---- overload, deadlines, slow clients, faults ----
 
 def slow_steps(core, monkeypatch, seconds: float = 0.02) -> None:
