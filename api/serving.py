@@ -60,14 +60,17 @@ def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: 
 
 
 def completion_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: int, offset: int) -> dict:
-    """The legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset.
+    Each ``top_logprobs`` entry holds the ``top`` most likely tokens and the sampled one (OpenAI:
+    "up to logprobs+1 elements"; with ``top`` 0 the sampled one alone)."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for token_id, position in zip(token_ids, positions):
         chosen = position[token_id]
         tokens.append(chosen.decoded_token)
         token_logprobs.append(_logprob(chosen.logprob))
-        best = sorted(position.items(), key=lambda kv: kv[1].rank)[:top]
-        top_logprobs.append({lp.decoded_token: _logprob(lp.logprob) for _, lp in best})
+        best = sorted((lp for t, lp in position.items() if t != token_id), key=lambda lp: lp.rank)[:top]
+        shown = sorted([chosen, *best], key=lambda lp: lp.rank)
+        top_logprobs.append({lp.decoded_token: _logprob(lp.logprob) for lp in shown})
         text_offset.append(offset)
         offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,

@@ -194,6 +194,23 @@ async def test_prompt_logprobs_are_returned_as_vllm_does(tiny_vocab_core, tokeni
         assert streamed.status_code == 400 and error(streamed.content)["param"] == "prompt_logprobs"
 
 
+async def test_completion_top_logprobs_hold_the_sampled_token(tiny_vocab_core, tokenizer):
+    """OpenAI: "the logprob of the sampled token, so there may be up to logprobs+1 elements"."""
+    body = {"prompt": "Hi", "max_tokens": 12, "temperature": 50.0, "seed": 3, "ignore_eos": True}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        for top in (0, 1):
+            for stream in (False, True):
+                response = await server.http.post("/v1/completions", json={**body, "logprobs": top, "stream": stream})
+                chunks = [e for e in sse_data(response.text.splitlines()) if e != "[DONE]"] if stream else [response.json()]
+                logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+                tokens = [t for lp in logprobs for t in lp["tokens"]]
+                tops = [entry for lp in logprobs for entry in lp["top_logprobs"]]
+                assert len(tokens) == len(tops) == 12
+                assert all(token in entry and 1 <= len(entry) <= top + 1 for token, entry in zip(tokens, tops))
+                if top:  # (at so high a temperature the sampled token is seldom the most likely)
+                    assert any(len(entry) == 2 for entry in tops)
+
+
 async def test_cached_tokens_of_a_multi_prompt_completion_are_summed(tiny_vocab_core, tokenizer):
     prompts = [[100] * 40, [300 + i for i in range(40)]]  # two full blocks each can hit
     async with serve_http(tiny_vocab_core, tokenizer) as server:
