@@ -111,6 +111,31 @@ def test_possible_stop_prefix_is_held_back_then_released(tokenizer):
     assert detok.stop_hit is None and detok.visible_text == detok.text == "value <END? no"
 
 
+def test_min_tokens_holds_back_stop_strings_as_vllm_does(tokenizer):
+    """No stop string ends within the first min_tokens tokens' text; one that ends after it
+    stops, even if it began before (vLLM's detokenizer: searched once there are more tokens
+    than min_tokens, from where the min_tokens-th token's text ended)."""
+    ids = tokenizer.encode("1, 2, 3, 4, 5")
+    text = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    plain, _, hit = stream(tokenizer, ids, SamplingParams(stop=[","]))
+    assert hit == "," and plain.visible_text == "1"
+    held = len(tokenizer.encode("1, 2,"))  # the commas after 1 and 2 fall within min_tokens
+    detok, shown, hit = stream(tokenizer, ids, SamplingParams(stop=[","], min_tokens=held))
+    assert hit == "," and detok.visible_text == "1, 2, 3"
+    # a longer stop string than the one found: the search window is the longest's, yet a match
+    # wholly within the held text does not count
+    detok, _, hit = stream(tokenizer, ids, SamplingParams(stop=[",", "zzzz"], min_tokens=held))
+    assert hit == "," and detok.visible_text == "1, 2, 3"
+    # a stop string that began within min_tokens and ends after: found
+    straddle = len(tokenizer.encode("1, 2")) - 1
+    assert text[straddle] == "1, "  # (the stop string's ", " within it, its "2" after)
+    detok, _, hit = stream(tokenizer, ids, SamplingParams(stop=[", 2"], min_tokens=straddle))
+    assert hit == ", 2" and detok.visible_text == "1"
+    # past the end of the text: no stop at all, the whole text
+    detok, _, hit = stream(tokenizer, ids, SamplingParams(stop=[","], min_tokens=len(ids)))
+    assert hit is None and detok.visible_text == "1, 2, 3, 4, 5"
+
+
 def test_earliest_of_several_stop_strings_wins(tokenizer):
     ids = tokenizer.encode("one two three four")
     detok, _, hit = stream(tokenizer, ids, SamplingParams(stop=["four", "two"]))

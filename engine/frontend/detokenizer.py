@@ -95,6 +95,11 @@ class IncrementalDetokenizer:
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._longest_stop = max((len(s) for s in self._stops), default=0)
+        # min_tokens holds back stop strings as it holds back stop tokens (as vLLM): until the
+        # completion has more tokens than that, none is looked for, and then only one that ends
+        # past the text of the first min_tokens tokens (``_stop_floor``, in characters).
+        self._tokens_before_stops = params.min_tokens
+        self._stop_floor = 0
         self._text = _TextBuffer()
         # The text between two offsets: the buffer's own method, so that a stream's read of
         # its next delta is one call.
@@ -117,6 +122,14 @@ class IncrementalDetokenizer:
         """Decode one more token; return the stop string if this token completed one."""
         if self._lazy or self.stop_hit is not None:
             return None
+        if self._tokens_before_stops:  # (within min_tokens: no stop string ends in this text)
+            self._tokens_before_stops -= 1
+            self._add(token_id, search=False)
+            self._stop_floor = self._text.length
+            return None
+        return self._add(token_id)
+
+    def _add(self, token_id: int, search: bool = True) -> str | None:
         texts = self._texts
         chunk = texts.get(token_id) if texts is not None else None
         if chunk is None:
@@ -128,7 +141,7 @@ class IncrementalDetokenizer:
             text._chunks.append(chunk)
             text.length = length = previous + len(chunk)
             if self._stops:
-                if self._find_stop(previous):
+                if search and self._find_stop(previous):
                     return self.stop_hit
                 self.num_visible = length - self._held_back()
             else:
@@ -166,7 +179,8 @@ class IncrementalDetokenizer:
     def _find_stop(self, previous: int) -> bool:
         window_start = max(0, previous - self._longest_stop + 1)
         window = self._text.slice(window_start)
-        found = [(pos, s) for s in self._stops if (pos := window.find(s)) >= 0]
+        floor = self._stop_floor - window_start  # (a match ends past it: 0 or less but after min_tokens)
+        found = [(pos, s) for s in self._stops if (pos := window.find(s, max(0, floor - len(s) + 1))) >= 0]
         if not found:
             return False
         pos, stop = min(found)
