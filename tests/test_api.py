@@ -74,6 +74,17 @@ def test_stop_strings_and_stop_tokens(llm):
     by_token = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[third]))
     assert by_token[0].outputs[0].token_ids == full.token_ids[:3]
     assert by_token[0].outputs[0].stop_reason == third
+    # the stop token ends the token ids, not the text (as vLLM), unless include_stop_str_in_output
+    decode = llm.get_tokenizer().decode
+    assert by_token[0].outputs[0].text == decode(full.token_ids[:2]) != decode(full.token_ids[:3])
+    kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[third],
+                                               include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == decode(full.token_ids[:3])
+    eos = llm.engine.eos_token_id  # (a special token: its text shows only without skip_special_tokens)
+    ended = SamplingParams(temperature=0, max_tokens=5, logit_bias={eos: 100}, min_tokens=2, skip_special_tokens=False)
+    out = llm.generate(prompt, ended)[0].outputs[0]
+    assert out.token_ids[-1] == eos and out.text == decode(out.token_ids[:-1], skip_special_tokens=False)
+    assert decode([eos], skip_special_tokens=False) not in out.text
 
 
 def test_min_tokens_holds_back_eos(llm):

@@ -88,16 +88,26 @@ class RequestState:
             times.first_scheduled = delta.first_scheduled_at
         if not completion.started and (delta.new_token_ids or delta.finished):
             self._start(completion)
+        # Ended by a stop token (EOS or one of stop_token_ids; a stop string is the detokenizer's):
+        # the token is the completion's last, but its text is not, unless
+        # include_stop_str_in_output (vLLM's detokenizer skips it the same way).
+        stop_token = (delta.finished and delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
+                      and bool(delta.new_token_ids) and not self.params.include_stop_str_in_output)
         if delta.new_token_ids:
             times.on_tokens(stats)
+            last = len(delta.new_token_ids) - 1
             for i, token in enumerate(delta.new_token_ids):
                 if delta.new_logprobs:
                     completion.logprobs.append(delta.new_logprobs[i])
+                if stop_token and i == last:
+                    completion.token_ids.append(token)
+                    break
                 hit = self.add_token(delta.index, token, stats)  # (its clock is read above)
                 if hit is not None:
                     return hit
         if delta.finished:
-            self._finish(completion, delta.finish_reason, delta.stop_reason, stats)
+            self._finish(completion, delta.finish_reason, delta.stop_reason, stats,
+                         text_tokens=-1 if stop_token else None)
         return None
 
     def _start(self, completion: CompletionState) -> None:
@@ -139,10 +149,11 @@ class RequestState:
         self._record_finish(stats)
 
     def _finish(self, completion: CompletionState, reason: str, stop_reason: int | str | None,
-                stats: IterationStats) -> None:
+                stats: IterationStats, text_tokens: int | None = None) -> None:
+        """``text_tokens``: the tokens that make the text (all; -1: all but the stop token)."""
         completion.finish_reason, completion.stop_reason = reason, stop_reason
         self._num_unfinished -= 1
-        completion.detokenizer.finish(completion.token_ids)
+        completion.detokenizer.finish(completion.token_ids[:text_tokens])
         if self.finished:
             self._record_finish(stats)
 
