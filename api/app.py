@@ -681,7 +681,10 @@ class _Handlers:
 
     async def _completion_chunks(self, req, request_id: str, outputs, tracker: UsageTracker, prompt_texts):
         chunk = ChunkWriter(request_id, "text_completion", self.state.model_name, req.stream_options, tracker)
-        offsets: dict[int, int] = {}
+        # each choice's next text_offset, counted as the whole response counts it: from the end
+        # of the echoed prompt, a token's decoded text at a time
+        offsets = {p * req.n + i: len(text) if req.echo else 0 for p, text in enumerate(prompt_texts)
+                   for i in range(req.n)}
 
         if req.echo:
             yield chunk([{"index": p * req.n + i, "text": text, "logprobs": None, "finish_reason": None}
@@ -693,8 +696,9 @@ class _Handlers:
                 index = p * req.n + c.index
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + len(c.text)
+                    logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, offsets[index])
+                    if logprobs["tokens"]:
+                        offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1] or "")
                 choices.append({"index": index, "text": c.text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             yield chunk(choices)

@@ -211,6 +211,26 @@ async def test_completion_top_logprobs_hold_the_sampled_token(tiny_vocab_core, t
                     assert any(len(entry) == 2 for entry in tops)
 
 
+@pytest.mark.parametrize("echo", [False, True])
+async def test_streamed_text_offsets_are_the_whole_responses(tiny_vocab_core, tokenizer, echo):
+    """text_offset: where each token's text starts in the choice's text (after the echoed
+    prompt), the same streamed as at once."""
+    body = {"prompt": ["Hi there", "One two"], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1, "echo": echo}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        whole = (await server.http.post("/v1/completions", json=body)).json()["choices"]
+        events = sse_data((await server.http.post("/v1/completions", json={**body, "stream": True})).text.splitlines())
+    for choice in whole:
+        logprobs, text = choice["logprobs"], choice["text"]
+        assert logprobs["text_offset"][0] == (len(text) - len("".join(logprobs["tokens"])))
+        for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
+            assert text[offset:offset + len(token)] == token
+        streamed = [c for e in events if e != "[DONE]" for c in e["choices"] if c["index"] == choice["index"]]
+        assert "".join(c["text"] for c in streamed) == text
+        pieces = [c["logprobs"] for c in streamed if c["logprobs"]]
+        assert [o for lp in pieces for o in lp["text_offset"]] == logprobs["text_offset"]
+
+
 async def test_cached_tokens_of_a_multi_prompt_completion_are_summed(tiny_vocab_core, tokenizer):
     prompts = [[100] * 40, [300 + i for i in range(40)]]  # two full blocks each can hit
     async with serve_http(tiny_vocab_core, tokenizer) as server:
