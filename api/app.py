@@ -515,11 +515,11 @@ class _Handlers:
         self.check_prompts(1, req.n)  # again, after the awaits: a stream's 503 must come before its 200
         return PreparedChat(rendered.ids, params, plan, reasoning)
 
-    @staticmethod
-    def _chat_echo(req: ChatCompletionRequest) -> str:
+    @classmethod
+    def _chat_echo(cls, req: ChatCompletionRequest) -> str:
         last = req.messages[-1]
-        if req.echo and last.role == "assistant" and isinstance(last.content, str):
-            return last.content
+        if req.echo and last.role == "assistant":
+            return cls._text_content(last.content, len(req.messages) - 1)
         return ""
 
     async def _chat_chunks(self, req, request_id: str, stream, tracker: UsageTracker, echo: str,

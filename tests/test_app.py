@@ -231,6 +231,27 @@ async def test_streamed_text_offsets_are_the_whole_responses(tiny_vocab_core, to
         assert [o for lp in pieces for o in lp["text_offset"]] == logprobs["text_offset"]
 
 
+async def test_chat_echo_leads_with_the_final_assistant_message_in_either_content_form(tiny_vocab_core, tokenizer):
+    """echo (vLLM's) with continue_final_message: the answer starts with the last assistant
+    message's text, given as a string or as text parts, streamed or not."""
+    said = "1, 2,"
+    forms = [said, [{"type": "text", "text": "1, "}, {"type": "text", "text": "2,"}]]
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        answers = []
+        for content in forms:
+            body = {"messages": [{"role": "user", "content": "Count"}, {"role": "assistant", "content": content}],
+                    "max_tokens": 3, "temperature": 0, "echo": True, "continue_final_message": True,
+                    "add_generation_prompt": False}
+            whole = (await server.http.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+            events = sse_data((await server.http.post("/v1/chat/completions", json={**body, "stream": True}))
+                              .text.splitlines())
+            deltas = [e["choices"][0]["delta"] for e in events if e != "[DONE]" and e["choices"]]
+            assert deltas[0]["content"] == said and whole["content"].startswith(said)
+            assert "".join(d.get("content") or "" for d in deltas) == whole["content"]
+            answers.append(whole["content"])
+        assert answers[0] == answers[1] and len(answers[0]) > len(said)
+
+
 async def test_cached_tokens_of_a_multi_prompt_completion_are_summed(tiny_vocab_core, tokenizer):
     prompts = [[100] * 40, [300 + i for i in range(40)]]  # two full blocks each can hit
     async with serve_http(tiny_vocab_core, tokenizer) as server:
