@@ -510,7 +510,13 @@ class _Handlers:
         if plan is not None:
             params = plan.constrain(params)
         reasoning, params = self.reasoning(rendered, params, req.thinking_token_budget)
-        self.validate(rendered.ids, params, req.priority)
+        try:
+            self.validate(rendered.ids, params, req.priority)
+        except InvalidParameterError as exc:  # (the engine knows max_tokens; the caller may have said otherwise)
+            if exc.param != "max_tokens" or req.max_completion_tokens is None:
+                raise
+            raise InvalidParameterError("max_completion_tokens",
+                                        str(exc).replace("max_tokens", "max_completion_tokens")) from None
         await self.compile_constraint(req, params, plan)
         self.check_prompts(1, req.n)  # again, after the awaits: a stream's 503 must come before its 200
         return PreparedChat(rendered.ids, params, plan, reasoning)

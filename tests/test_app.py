@@ -281,6 +281,8 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
     ("/v1/completions", {"prompt": "Hi", "n": 2, "seed": 18446744073709551615}, "seed"),
     ("/v1/completions", {"prompt": "Hi", "seed": -(2**63) - 1}, "seed"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 10**6}, "max_completion_tokens"),  # past the context
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 10**6}, "max_output_tokens"),
     ("/v1/completions", {"prompt": "Hi", "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
     ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "Hi", "priority": 1}, "priority"),
