@@ -174,6 +174,7 @@ def create_app(state: ServerState) -> QuartTrio:
     app.add_url_rule("/version", "version", api.version, methods=["GET"])
     app.add_url_rule("/metrics", "metrics", api.metrics, methods=["GET"])
     app.add_url_rule("/v1/models", "models", api.models, methods=["GET"])
+    app.add_url_rule("/v1/models/<path:model>", "model", api.model, methods=["GET"])  # (an id may hold a /)
     app.add_url_rule("/tokenize", "tokenize", api.tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", "detokenize", api.detokenize, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", "chat", api.chat_completions, methods=["POST"])
@@ -344,11 +345,17 @@ class _Handlers:
         return json_response(engine_stats_json(self.state.model_name, stats, self._throughput, max_len))
 
     async def models(self) -> Response:
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, model: str) -> Response:
+        """OpenAI's retrieve model (``client.models.retrieve``)."""
+        self.check_model(model)
+        return json_response(self._model_card())
+
+    def _model_card(self) -> dict:
         max_len = self.state.client.max_model_len if self.state.client else None
-        card = {"id": self.state.model_name, "object": "model", "created": self.state.created,
-                "owned_by": "trio-llm-engine", "root": self.state.model_name, "parent": None,
-                "max_model_len": max_len}
-        return json_response({"object": "list", "data": [card]})
+        return {"id": self.state.model_name, "object": "model", "created": self.state.created,
+                "owned_by": "trio-llm-engine", "root": self.state.model_name, "parent": None, "max_model_len": max_len}
 
     async def tokenize(self) -> Response:
         req = await self.body(TokenizeRequest)

@@ -84,6 +84,14 @@ def _stored_response() -> dict[str, Any]:
             "delete": {"summary": "Delete a stored response", "parameters": parameters, "responses": responses}}
 
 
+def _model() -> dict[str, Any]:
+    """GET of one model by id (OpenAI's retrieve model; 404 model_not_found for another id)."""
+    parameters = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return {"get": {"summary": "The served model, by id", "parameters": parameters,
+                    "responses": {"200": {"description": "the model", "content": {"application/json": {}}},
+                                  "401": _ERROR, "404": _ERROR}}}
+
+
 def openapi_document(version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of this server's endpoints."""
     requests = (ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest)
@@ -100,6 +108,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/tokenize": _post("Token ids of a prompt or a conversation", TokenizeRequest, False),
             "/detokenize": _post("Text of token ids", DetokenizeRequest, False),
             "/v1/models": _get("The served model"),
+            "/v1/models/{model}": _model(),
             "/health": _get("200 when ready; 503 while loading, draining or after an engine failure", "text/plain"),
             "/version": _get("The server's version"),
             "/metrics": _get("Prometheus metrics", "text/plain"),

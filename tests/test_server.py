@@ -149,6 +149,12 @@ def test_models_and_version(server, client, schemas):
     card = models["data"][0]
     assert card["id"] == MODEL and card["max_model_len"] == 8192 and card["root"] == MODEL
     assert [m.id for m in client.models.list()] == [MODEL]
+    one = httpx.get(server[0] + f"/v1/models/{MODEL}", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    schemas.validate("Model", one)
+    assert one == card and client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("another/model")
+    assert missing.value.code == "model_not_found"
     assert httpx.get(server[0] + "/version").json()["version"]
 
 
