@@ -252,6 +252,29 @@ async def test_chat_echo_leads_with_the_final_assistant_message_in_either_conten
         assert answers[0] == answers[1] and len(answers[0]) > len(said)
 
 
+async def test_chat_template_kwargs_set_the_templates_switches_and_nothing_of_the_servers(tiny_vocab_core, tokenizer):
+    """As vLLM: add_generation_prompt and continue_final_message in chat_template_kwargs override
+    the request's fields (it was a 400 quoting a Python TypeError); arguments the server sets
+    itself (tokenize, chat_template...) are a 400 naming chat_template_kwargs."""
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
+    base = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        async def usage_and_text(body):
+            reply = await server.http.post("/v1/chat/completions", json={**base, **body})
+            assert reply.status_code == 200, reply.text
+            return reply.json()["usage"]["prompt_tokens"], reply.json()["choices"][0]["message"]["content"]
+
+        for switches in ({"add_generation_prompt": False}, {"continue_final_message": True,
+                                                             "add_generation_prompt": False}):
+            assert await usage_and_text({"chat_template_kwargs": switches}) == await usage_and_text(switches)
+        assert (await usage_and_text({"chat_template_kwargs": {"add_generation_prompt": False}}))[0] != \
+            (await usage_and_text({}))[0]
+        for kwargs in ({"tokenize": True}, {"chat_template": "{{ 1 }}"}, {"add_generation_prompt": "no"}):
+            refused = await server.http.post("/v1/chat/completions", json={**base, "chat_template_kwargs": kwargs})
+            assert refused.status_code == 400 and error(refused.content)["param"] == "chat_template_kwargs"
+            assert "TypeError" not in refused.text and "()" not in error(refused.content)["message"]
+
+
 async def test_cached_tokens_of_a_multi_prompt_completion_are_summed(tiny_vocab_core, tokenizer):
     prompts = [[100] * 40, [300 + i for i in range(40)]]  # two full blocks each can hit
     async with serve_http(tiny_vocab_core, tokenizer) as server:
