@@ -378,11 +378,17 @@ class _Handlers:
     async def detokenize(self) -> Response:
         req = await self.body(DetokenizeRequest)
         self.check_model(req.model)
-        vocab = len(self.client.tokenizer)
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
-        return json_response({"prompt": self.client.tokenizer.decode(req.tokens)})
+        tokenizer = self.client.tokenizer
+        vocab = len(tokenizer)
+
+        def decode(tokens: list[int]) -> str:
+            bad = next((t for t in tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+            return tokenizer.decode(tokens)
+
+        # (~4 characters a token: a long list is checked and decoded off the event loop)
+        return json_response({"prompt": await _off_loop(4 * len(req.tokens), decode, req.tokens)})
 
     # ---- chat ----
 

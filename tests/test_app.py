@@ -275,6 +275,28 @@ async def test_chat_template_kwargs_set_the_templates_switches_and_nothing_of_th
             assert "TypeError" not in refused.text and "()" not in error(refused.content)["message"]
 
 
+async def test_a_long_detokenize_is_checked_and_decoded_in_a_worker_thread(tiny_vocab_core, tokenizer, monkeypatch):
+    from api import app as app_module
+
+    calls = []
+    real = app_module.trio.to_thread.run_sync
+
+    def run_sync(fn, *args, **kwargs):
+        if fn.__name__ == "decode":
+            calls.append(fn)
+        return real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(app_module.trio.to_thread, "run_sync", run_sync)
+    ids = tokenizer.encode("Hello world, and more. ") * 1000
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        reply = await server.http.post("/detokenize", json={"tokens": ids})
+        assert reply.json()["prompt"] == tokenizer.decode(ids) and len(calls) == 1
+        bad = await server.http.post("/detokenize", json={"tokens": [*ids, 10**6]})
+        assert bad.status_code == 400 and error(bad.content)["param"] == "tokens" and len(calls) == 2
+        short = await server.http.post("/detokenize", json={"tokens": ids[:5]})
+        assert short.json()["prompt"] == tokenizer.decode(ids[:5]) and len(calls) == 2  # (on the loop)
+
+
 async def test_cached_tokens_of_a_multi_prompt_completion_are_summed(tiny_vocab_core, tokenizer):
     prompts = [[100] * 40, [300 + i for i in range(40)]]  # two full blocks each can hit
     async with serve_http(tiny_vocab_core, tokenizer) as server:
