@@ -573,7 +573,7 @@ class _Handlers:
                 delta = {}
                 if split.reasoning and req.include_reasoning:
                     delta["reasoning_content"] = delta["reasoning"] = split.reasoning
-                if split.content or not (c.finish_reason or split.calls or delta):
+                if split.content:
                     delta["content"] = split.content
                 if split.calls:
                     delta["tool_calls"] = [call.as_openai() for call in split.calls]
@@ -585,8 +585,11 @@ class _Handlers:
                           if req.logprobs else None, "finish_reason": finish_reason}
                 if c.finish_reason:
                     choice["stop_reason"] = c.stop_reason
+                elif not delta and choice["logprobs"] is None:
+                    continue  # (text held back: a call or a stop string may be starting; vLLM sends nothing)
                 choices.append(choice)
-            yield chunk(choices)
+            if choices:
+                yield chunk(choices)
         if chunk.include_usage:
             tracker.count_reasoning(splitters)
             yield chunk([], tracker.usage())

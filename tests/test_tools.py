@@ -354,6 +354,9 @@ def test_responses_with_calls_match_openais_schemas(live):
     for event in events:
         schemas.validate("CreateChatCompletionStreamResponse", event)
     assert any(c["delta"].get("tool_calls") for e in events for c in e["choices"])
+    # no empty deltas while the call is held back (each event says something, or ends the choice)
+    deltas = [(c["delta"], c["finish_reason"]) for e in events for c in e["choices"]][1:]
+    assert all(delta.get("content") != "" and (delta or finish) for delta, finish in deltas), deltas
 
 
 @pytest.mark.slow
