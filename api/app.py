@@ -686,6 +686,12 @@ class _Handlers:
         self.check_prompts(len(prompts), req.n)  # before tokenizing any of them
         inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p) for p in prompts]
         params = sampling_params(req, chat=False, defaults=self.state.client.default_sampling)
+        # echo with logprobs: the prompt's tokens have logprobs too (OpenAI's legacy completions,
+        # vLLM; lm-evaluation-harness scores continuations so), at once only: prompt logprobs do
+        # not stream
+        echo_logprobs = req.echo and req.logprobs is not None and not req.stream
+        if echo_logprobs and (params.prompt_logprobs is None or params.prompt_logprobs < req.logprobs):
+            params = attrs.evolve(params, prompt_logprobs=req.logprobs)
         for _, ids in inputs:  # every prompt is checked before any is queued
             self.validate(ids, params, req.priority)
         await self.compile_constraint(req, params)
@@ -707,9 +713,14 @@ class _Handlers:
         for p, final in enumerate(finals):
             for c in final.outputs:
                 prefix = prompt_texts[p] if req.echo else ""
-                choice = {"index": p * req.n + c.index, "text": prefix + c.text,
-                          "logprobs": completion_logprobs(c.logprobs, c.token_ids, req.logprobs, len(prefix))
-                          if req.logprobs is not None else None,
+                logprobs = None
+                if echo_logprobs:
+                    logprobs = completion_logprobs(final.prompt_logprobs + c.logprobs,
+                                                   final.prompt_token_ids + c.token_ids, req.logprobs, 0,
+                                                   self.client.tokenizer.decode)
+                elif req.logprobs is not None:
+                    logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, len(prefix))
+                choice = {"index": p * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)

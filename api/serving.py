@@ -59,12 +59,22 @@ def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: 
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: int, offset: int) -> dict:
+def completion_logprobs(positions: list[PositionLogprobs | None], token_ids: list[int], top: int, offset: int,
+                        decode=None) -> dict:
     """The legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset.
     Each ``top_logprobs`` entry holds the ``top`` most likely tokens and the sampled one (OpenAI:
-    "up to logprobs+1 elements"; with ``top`` 0 the sampled one alone)."""
+    "up to logprobs+1 elements"; with ``top`` 0 the sampled one alone). A None position (a
+    prompt's first token, echoed) has its text (by ``decode``) and null logprobs."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for token_id, position in zip(token_ids, positions):
+        if position is None:
+            text = decode([token_id])
+            tokens.append(text)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            text_offset.append(offset)
+            offset += len(text)
+            continue
         chosen = position[token_id]
         tokens.append(chosen.decoded_token)
         token_logprobs.append(_logprob(chosen.logprob))

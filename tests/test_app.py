@@ -228,7 +228,27 @@ async def test_streamed_text_offsets_are_the_whole_responses(tiny_vocab_core, to
         streamed = [c for e in events if e != "[DONE]" for c in e["choices"] if c["index"] == choice["index"]]
         assert "".join(c["text"] for c in streamed) == text
         pieces = [c["logprobs"] for c in streamed if c["logprobs"]]
-        assert [o for lp in pieces for o in lp["text_offset"]] == logprobs["text_offset"]
+        offsets = [o for lp in pieces for o in lp["text_offset"]]  # (a stream scores no prompt tokens)
+        assert len(offsets) == 6 and offsets == logprobs["text_offset"][-6:]
+
+
+async def test_echo_with_logprobs_scores_the_prompt_too(tiny_vocab_core, tokenizer):
+    """OpenAI's legacy completions (and vLLM): echo with logprobs gives the prompt's tokens their
+    logprobs as well, the first null (how lm-evaluation-harness scores a continuation)."""
+    ids = tokenizer.encode("one two three four")
+    body = {"prompt": "one two three four", "max_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        echoed = (await server.http.post("/v1/completions", json={**body, "echo": True})).json()["choices"][0]
+        plain = (await server.http.post("/v1/completions", json={**body, "prompt_logprobs": 1})).json()["choices"][0]
+    logprobs = echoed["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 2 and echoed["text"] == body["prompt"] + plain["text"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    prompt_scores = [position[str(token)]["logprob"] for token, position in zip(ids[1:], plain["prompt_logprobs"][1:])]
+    assert logprobs["token_logprobs"][1:len(ids)] == pytest.approx(prompt_scores)
+    assert logprobs["token_logprobs"][len(ids):] == plain["logprobs"]["token_logprobs"]
+    for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
+        assert echoed["text"][offset:offset + len(token)] == token
+    assert all(1 <= len(entry) <= 2 for entry in logprobs["top_logprobs"][1:])
 
 
 async def test_chat_echo_leads_with_the_final_assistant_message_in_either_content_form(tiny_vocab_core, tokenizer):
