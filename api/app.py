@@ -244,8 +244,9 @@ _AUTHENTICATED = ("/v1/", "/tokenize", "/detokenize")
 # may not (the template's own variables pass through; add_generation_prompt and
 # continue_final_message override the request's)
 _SERVER_TEMPLATE_ARGUMENTS = frozenset({
-    "conversation", "tools", "documents", "chat_template", "tokenize", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+    "messages", "tokenizer", "conversation", "tools", "documents", "chat_template", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "processor_kwargs"})
 _EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 # One request failed inside the engine (the engine goes on); the log has the details.
 REQUEST_FAILED = APIError(500, "the request failed inside the engine", type="server_error", code="request_failed")
@@ -397,6 +398,16 @@ class _Handlers:
         """The conversation through the chat template (with the server's default template
         arguments under the request's own)."""
         template_kwargs = {**self.state.default_chat_template_kwargs, **(template_kwargs or {})}
+        # (as vLLM: the kwargs, the server's defaults too, override the request's two switches)
+        add_generation_prompt = template_kwargs.pop("add_generation_prompt", add_generation_prompt)
+        continue_final_message = template_kwargs.pop("continue_final_message", continue_final_message)
+        if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
+            raise bad_request("chat_template_kwargs: add_generation_prompt and continue_final_message must be "
+                              "booleans", "chat_template_kwargs")
+        taken = sorted(set(template_kwargs) & _SERVER_TEMPLATE_ARGUMENTS)
+        if taken:
+            raise bad_request(f"chat_template_kwargs: {', '.join(taken)} is the server's to set; these kwargs are "
+                              "the chat template's own variables", "chat_template_kwargs")
         converted = []
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:
@@ -519,21 +530,11 @@ class _Handlers:
         self.check_prompts(1, req.n)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         template_kwargs = dict(req.chat_template_kwargs or {})
-        # (as vLLM: the kwargs override the request's own two template switches)
-        add_generation_prompt = template_kwargs.pop("add_generation_prompt", req.add_generation_prompt)
-        continue_final_message = template_kwargs.pop("continue_final_message", req.continue_final_message)
-        if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
-            raise bad_request("chat_template_kwargs: add_generation_prompt and continue_final_message must be "
-                              "booleans", "chat_template_kwargs")
-        taken = sorted(set(template_kwargs) & _SERVER_TEMPLATE_ARGUMENTS)
-        if taken:
-            raise bad_request(f"chat_template_kwargs: {', '.join(taken)} is the server's to set; these kwargs are "
-                              "the chat template's own variables", "chat_template_kwargs")
         if req.reasoning_effort is not None:  # (as vLLM: the template reads it; "none" turns thinking off)
             template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
             if req.reasoning_effort == "none":
                 template_kwargs.setdefault("enable_thinking", False)
-        rendered = await self.render_chat(req.messages, add_generation_prompt, continue_final_message,
+        rendered = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                           template_kwargs, plan)
         params = sampling_params(req, chat=True, defaults=self.state.client.default_sampling)
         if plan is not None:
@@ -690,7 +691,7 @@ class _Handlers:
         # vLLM; lm-evaluation-harness scores continuations so), at once only: prompt logprobs do
         # not stream
         echo_logprobs = req.echo and req.logprobs is not None and not req.stream
-        if echo_logprobs and (params.prompt_logprobs is None or params.prompt_logprobs < req.logprobs):
+        if echo_logprobs and params.prompt_logprobs is None:  # (as vLLM: the caller's own prompt_logprobs stand)
             params = attrs.evolve(params, prompt_logprobs=req.logprobs)
         for _, ids in inputs:  # every prompt is checked before any is queued
             self.validate(ids, params, req.priority)

@@ -78,8 +78,8 @@ def completion_logprobs(positions: list[PositionLogprobs | None], token_ids: lis
         chosen = position[token_id]
         tokens.append(chosen.decoded_token)
         token_logprobs.append(_logprob(chosen.logprob))
-        best = sorted((lp for t, lp in position.items() if t != token_id), key=lambda lp: lp.rank)[:top]
-        shown = sorted([chosen, *best], key=lambda lp: lp.rank)
+        best = sorted(position.values(), key=lambda lp: lp.rank)[:top]  # (a position may hold more)
+        shown = best if any(lp is chosen for lp in best) else [*best, chosen]
         top_logprobs.append({lp.decoded_token: _logprob(lp.logprob) for lp in shown})
         text_offset.append(offset)
         offset += len(chosen.decoded_token or "")

@@ -194,6 +194,18 @@ async def test_prompt_logprobs_are_returned_as_vllm_does(tiny_vocab_core, tokeni
         assert streamed.status_code == 400 and error(streamed.content)["param"] == "prompt_logprobs"
 
 
+def test_completion_top_logprobs_are_the_top_and_the_sampled_token_whatever_a_position_holds():
+    """A position may hold more alternatives than asked (an echoed prompt's, by prompt_logprobs)."""
+    from api.serving import completion_logprobs
+    from engine.outputs import Logprob
+
+    position = {7: Logprob(-0.1, 1, "a"), 8: Logprob(-1.0, 2, "b"), 9: Logprob(-2.0, 3, "c")}
+    out = completion_logprobs([None, position, position], [5, 7, 9], 1, 0, decode=lambda ids: "xy")
+    assert out["top_logprobs"] == [None, {"a": -0.1}, {"a": -0.1, "c": -2.0}]
+    assert out["tokens"] == ["xy", "a", "c"] and out["text_offset"] == [0, 2, 3]
+    assert out["token_logprobs"] == [None, -0.1, -2.0]
+
+
 async def test_completion_top_logprobs_hold_the_sampled_token(tiny_vocab_core, tokenizer):
     """OpenAI: "the logprob of the sampled token, so there may be up to logprobs+1 elements"."""
     body = {"prompt": "Hi", "max_tokens": 12, "temperature": 50.0, "seed": 3, "ignore_eos": True}
@@ -287,12 +299,18 @@ async def test_chat_template_kwargs_set_the_templates_switches_and_nothing_of_th
         for switches in ({"add_generation_prompt": False}, {"continue_final_message": True,
                                                              "add_generation_prompt": False}):
             assert await usage_and_text({"chat_template_kwargs": switches}) == await usage_and_text(switches)
-        assert (await usage_and_text({"chat_template_kwargs": {"add_generation_prompt": False}}))[0] != \
-            (await usage_and_text({}))[0]
-        for kwargs in ({"tokenize": True}, {"chat_template": "{{ 1 }}"}, {"add_generation_prompt": "no"}):
+        without_generation_prompt = (await usage_and_text({"chat_template_kwargs": {"add_generation_prompt": False}}))[0]
+        assert without_generation_prompt != (await usage_and_text({}))[0]
+        for kwargs in ({"tokenize": True}, {"chat_template": "{{ 1 }}"}, {"messages": []},
+                       {"add_generation_prompt": "no"}):
             refused = await server.http.post("/v1/chat/completions", json={**base, "chat_template_kwargs": kwargs})
             assert refused.status_code == 400 and error(refused.content)["param"] == "chat_template_kwargs"
             assert "TypeError" not in refused.text and "()" not in error(refused.content)["message"]
+    # the server's default kwargs may set a switch too (--default-chat-template-kwargs)
+    async with serve_http(tiny_vocab_core, tokenizer,
+                          default_chat_template_kwargs={"add_generation_prompt": False}) as server:
+        reply = await server.http.post("/v1/chat/completions", json=base)
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == without_generation_prompt
 
 
 async def test_a_long_detokenize_is_checked_and_decoded_in_a_worker_thread(tiny_vocab_core, tokenizer, monkeypatch):

@@ -256,6 +256,7 @@ def test_the_crossover_keeps_the_kernel_unless_the_gemm_is_clearly_faster(monkey
 
 
 def test_the_kernels_row_crossover_is_measured_once_or_set(monkeypatch):
+    monkeypatch.delenv("QM_PACKED_MAX_ROWS", raising=False)  # (tests/conftest.py sets it for the suite)
     linear_module.packed_max_rows.cache_clear()
     try:
         measured = linear_module.packed_max_rows()

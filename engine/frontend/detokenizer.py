@@ -122,14 +122,10 @@ class IncrementalDetokenizer:
         """Decode one more token; return the stop string if this token completed one."""
         if self._lazy or self.stop_hit is not None:
             return None
+        search = True
         if self._tokens_before_stops:  # (within min_tokens: no stop string ends in this text)
             self._tokens_before_stops -= 1
-            self._add(token_id, search=False)
-            self._stop_floor = self._text.length
-            return None
-        return self._add(token_id)
-
-    def _add(self, token_id: int, search: bool = True) -> str | None:
+            search = False
         texts = self._texts
         chunk = texts.get(token_id) if texts is not None else None
         if chunk is None:
@@ -146,6 +142,8 @@ class IncrementalDetokenizer:
                 self.num_visible = length - self._held_back()
             else:
                 self.num_visible = length
+        if not search:
+            self._stop_floor = self._text.length
         return None
 
     def _decode(self, token_id: int) -> str | None:
