@@ -80,12 +80,12 @@ def first_leaf(error: BaseException) -> BaseException:
 @contextmanager
 def ungrouped() -> Iterator[None]:
     """Around a nursery whose caller expects one error: an exception group leaving the block is
-    raised as its first leaf (an ``Exception``; a group of only cancellations or the like stays a
-    group)."""
+    raised as its first leaf (an ``Exception``, or a ``KeyboardInterrupt`` / ``SystemExit``, which
+    a script catches as such; a group of cancellations or the like stays a group)."""
     try:
         yield
     except BaseExceptionGroup as group:
         leaf = first_leaf(group)
-        if isinstance(leaf, Exception):
+        if isinstance(leaf, (Exception, KeyboardInterrupt, SystemExit)):
             raise leaf from None
         raise

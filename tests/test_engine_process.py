@@ -54,6 +54,27 @@ async def test_the_split_engine_gives_the_tokens_and_logprobs_of_one_process():
     assert split_stats.kv_blocks_used == 0
 
 
+@pytest.mark.parametrize("engine_process", [False, True])
+async def test_an_error_of_the_callers_block_leaves_open_engine_as_itself(engine_process):
+    """Not inside the engine nursery's ExceptionGroup: ``except KeyError`` around the block works."""
+    with pytest.raises(KeyError, match="mine"):
+        async with open_engine(**CONFIG, engine_process=engine_process) as client:
+            async for _ in client.generate("Hi", SamplingParams(max_tokens=2)):
+                pass
+            raise KeyError("mine")
+
+
+def test_ungrouped_gives_a_keyboard_interrupt_as_itself_and_keeps_a_group_of_cancellations():
+    from engine.errors import ungrouped
+
+    with pytest.raises(KeyboardInterrupt):
+        with ungrouped():
+            raise BaseExceptionGroup("nursery", [BaseExceptionGroup("inner", [KeyboardInterrupt()])])
+    with pytest.raises(BaseExceptionGroup):
+        with ungrouped():
+            raise BaseExceptionGroup("nursery", [GeneratorExit()])
+
+
 async def test_an_abandoned_stream_frees_its_blocks_in_the_engine_process():
     async with open_engine(**CONFIG, engine_process=True) as client:
         params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)

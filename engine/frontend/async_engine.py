@@ -21,7 +21,8 @@ import trio
 from engine.core.core_actor import STEP_QUEUE_SIZE
 from engine.core.engine_core import EngineCore
 from engine.core.interface import Core, CoreActorLike
-from engine.errors import EngineDeadError, EngineOverloadedError, EngineShutdownError, InvalidParameterError
+from engine.errors import (EngineDeadError, EngineOverloadedError, EngineShutdownError, InvalidParameterError,
+                           ungrouped)
 from engine.frontend.output_actor import OutputActor
 from engine.frontend.output_channel import MergedOutputs, RequestOutputChannel, Wakeup
 from engine.frontend.request_state import RequestState
@@ -427,17 +428,21 @@ async def open_engine(config=None, *, engine_fds: Sequence[int] | None = None,
     if engine_fds or config.engine_process or config.data_parallel_size > 1:
         engines = attached_engines(config, engine_fds) if engine_fds else engine_processes(
             config, config.data_parallel_size)
-        async with engines as cores:
-            core = cores[0] if len(cores) == 1 else DataParallelCore(cores)
-            tokenizer = await trio.to_thread.run_sync(tokenizer_for, config)
-            async with Engine(core, tokenizer).serve() as client:
-                yield client
+        # (ungrouped: an error of the caller's block, or the engine's, leaves it as itself, not
+        # inside the engine nursery's ExceptionGroup)
+        with ungrouped():
+            async with engines as cores:
+                core = cores[0] if len(cores) == 1 else DataParallelCore(cores)
+                tokenizer = await trio.to_thread.run_sync(tokenizer_for, config)
+                async with Engine(core, tokenizer).serve() as client:
+                    yield client
         return
     core = await trio.to_thread.run_sync(EngineCore, config)
     try:
         tokenizer = await trio.to_thread.run_sync(tokenizer_for, config)
-        async with Engine(core, tokenizer).serve() as client:
-            yield client
+        with ungrouped():
+            async with Engine(core, tokenizer).serve() as client:
+                yield client
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(core.close)  # (tensor-parallel ranks end with the engine)
