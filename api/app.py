@@ -68,7 +68,7 @@ from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.reasoning import ReasoningParser, check_budget
-from engine.tokenizer import render_chat_template
+from engine.tokenizer import render_chat_template, template_switches
 from engine.tools import ToolPlan, plan_tools, render_inputs
 
 log = logging.getLogger(__name__)
@@ -240,13 +240,6 @@ def engine_api_error(error: Exception) -> APIError:
 # Paths that need the API key (when one is set). /health, /metrics, /version and the API
 # description stay open, as in vLLM: probes and scrapers carry no key.
 _AUTHENTICATED = ("/v1/", "/tokenize", "/detokenize")
-# transformers' apply_chat_template arguments that the server sets, which chat_template_kwargs
-# may not (the template's own variables pass through; add_generation_prompt and
-# continue_final_message override the request's)
-_SERVER_TEMPLATE_ARGUMENTS = frozenset({
-    "messages", "tokenizer", "conversation", "tools", "documents", "chat_template", "tokenize", "padding",
-    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-    "processor_kwargs"})
 _EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 # One request failed inside the engine (the engine goes on); the log has the details.
 REQUEST_FAILED = APIError(500, "the request failed inside the engine", type="server_error", code="request_failed")
@@ -398,16 +391,9 @@ class _Handlers:
         """The conversation through the chat template (with the server's default template
         arguments under the request's own)."""
         template_kwargs = {**self.state.default_chat_template_kwargs, **(template_kwargs or {})}
-        # (as vLLM: the kwargs, the server's defaults too, override the request's two switches)
-        add_generation_prompt = template_kwargs.pop("add_generation_prompt", add_generation_prompt)
-        continue_final_message = template_kwargs.pop("continue_final_message", continue_final_message)
-        if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
-            raise bad_request("chat_template_kwargs: add_generation_prompt and continue_final_message must be "
-                              "booleans", "chat_template_kwargs")
-        taken = sorted(set(template_kwargs) & _SERVER_TEMPLATE_ARGUMENTS)
-        if taken:
-            raise bad_request(f"chat_template_kwargs: {', '.join(taken)} is the server's to set; these kwargs are "
-                              "the chat template's own variables", "chat_template_kwargs")
+        # (the kwargs, the server's defaults too, override the request's two switches)
+        add_generation_prompt, continue_final_message, template_kwargs = template_switches(
+            template_kwargs, add_generation_prompt, continue_final_message)
         converted = []
         for i, m in enumerate(messages):
             if m.role not in CHAT_ROLES:

@@ -22,7 +22,7 @@ from engine.messages import EngineStats, StepOutput
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import StructuredOutputManager
-from engine.tokenizer import apply_chat_template, tokenizer_for
+from engine.tokenizer import apply_chat_template, template_switches, text_messages, tokenizer_for
 from engine.tools import plan_tools, render_inputs
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
@@ -95,13 +95,15 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         plan = plan_tools(tools, tool_choice, parallel_tool_calls)
+        add_generation_prompt, continue_final_message, template_kwargs = template_switches(
+            chat_template_kwargs, add_generation_prompt, continue_final_message)
         prompts = []
         for conv in conversations:
-            conv, tool_kwargs = render_inputs(self.tokenizer, conv, plan, chat_template)
-            kwargs = {**(chat_template_kwargs or {}), **tool_kwargs}
+            conv, tool_kwargs = render_inputs(self.tokenizer, text_messages(conv), plan, chat_template)
             prompts.append({"prompt_token_ids": apply_chat_template(
                 self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template, **kwargs)})
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                **{**template_kwargs, **tool_kwargs})})
         if plan is not None:
             params = self._params_per_prompt(sampling_params, len(prompts))
             sampling_params = [plan.constrain(p) for p in params]

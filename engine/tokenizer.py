@@ -10,8 +10,10 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.errors import InvalidParameterError
 from engine.models.loader import ModelSource, cache_dir
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,64 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
     except OSError as exc:  # a read-only cache only costs the next start some time
         log.warning("could not cache the tokenizer in %s: %s", cached, exc)
     return tok
+
+
+# transformers' apply_chat_template arguments (and render_chat_template's) that the engine sets,
+# which chat_template_kwargs may not: those kwargs are the template's own variables
+# (add_generation_prompt and continue_final_message among them override the caller's, as in vLLM)
+ENGINE_TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "tokenizer", "conversation", "tools", "documents", "chat_template", "tokenize", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "processor_kwargs"})
+
+
+def template_switches(kwargs: Mapping[str, Any] | None, add_generation_prompt: bool, continue_final_message: bool,
+                      ) -> tuple[bool, bool, dict[str, Any]]:
+    """The two template switches, overridden by ``chat_template_kwargs`` where they name them
+    (vLLM applies the kwargs last), and the kwargs without them.
+
+    Raises:
+        InvalidParameterError: naming ``chat_template_kwargs``, for a switch that is not a
+            boolean or an argument the engine sets itself.
+    """
+    kwargs = dict(kwargs or {})
+    add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+    continue_final_message = kwargs.pop("continue_final_message", continue_final_message)
+    if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
+        raise InvalidParameterError("chat_template_kwargs", "chat_template_kwargs: add_generation_prompt and "
+                                                            "continue_final_message must be booleans")
+    taken = sorted(set(kwargs) & ENGINE_TEMPLATE_ARGUMENTS)
+    if taken:
+        raise InvalidParameterError("chat_template_kwargs", f"chat_template_kwargs: {', '.join(taken)} is the "
+                                                            "server's to set; these kwargs are the chat template's "
+                                                            "own variables")
+    return add_generation_prompt, continue_final_message, kwargs
+
+
+def text_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """OpenAI-style messages with each content as text: a list of text parts joined, as vLLM
+    does for a template that takes strings.
+
+    Raises:
+        InvalidParameterError: naming ``messages``, for a message without a role or a part
+            that is not text.
+    """
+    result = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise InvalidParameterError("messages", f"messages[{i}] must be an object with a role (a string)")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                if kind != "text":
+                    raise InvalidParameterError("messages", f"messages[{i}]: content of type {kind!r} is not "
+                                                            "supported (text only)")
+                texts.append(part.get("text") or "")
+            message = {**message, "content": "".join(texts)}
+        result.append(dict(message))
+    return result
 
 
 def render_chat_template(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,

@@ -123,6 +123,28 @@ def test_chat_uses_the_template(llm):
     assert "4" in out.outputs[0].text
 
 
+def test_chat_reads_text_parts_and_template_switches_as_vllm_does(llm):
+    """Content as OpenAI's text parts is its joined text; add_generation_prompt in
+    chat_template_kwargs overrides the argument; what the engine sets itself, or a part that is
+    not text, is an InvalidParameterError naming the field (they were TypeErrors from the template)."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    plain = llm.chat([{"role": "user", "content": "Say hi"}], params, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}],
+                     params, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == plain.prompt_token_ids
+    switched = llm.chat([{"role": "user", "content": "Say hi"}], params, use_tqdm=False,
+                        chat_template_kwargs={"add_generation_prompt": False})[0]
+    assert switched.prompt_token_ids == llm.chat([{"role": "user", "content": "Say hi"}], params, use_tqdm=False,
+                                                 add_generation_prompt=False)[0].prompt_token_ids
+    assert len(switched.prompt_token_ids) < len(plain.prompt_token_ids)
+    for messages, kwargs, param in [([{"role": "user", "content": "hi"}], {"tokenize": True}, "chat_template_kwargs"),
+                                    ([{"role": "user", "content": [{"type": "image_url"}]}], None, "messages"),
+                                    ([{"content": "no role"}], None, "messages")]:
+        with pytest.raises(InvalidParameterError) as exc:
+            llm.chat(messages, params, use_tqdm=False, chat_template_kwargs=kwargs)
+        assert exc.value.param == param
+
+
 @pytest.mark.parametrize("prompt, params, param, words", [
     ("", SamplingParams(), "prompt", "empty"),
     ([1, 2, 10**6], SamplingParams(), "prompt", "vocabulary"),
