@@ -66,7 +66,7 @@ def test_stop_strings_and_stop_tokens(llm):
     assert "answer" in full.text
     cut = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop=["answer"]))[0].outputs[0]
     assert cut.text == full.text[:full.text.index("answer")]
-    assert (cut.finish_reason, cut.stop_reason) == ("stop", "answer")
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", "answer") and cut.finished()  # (a method, as vLLM's)
     kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop="answer",
                                                include_stop_str_in_output=True))[0].outputs[0]
     assert kept.text.endswith("answer") and kept.text.startswith(cut.text)
