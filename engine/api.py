@@ -172,6 +172,9 @@ class _Progress:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise InvalidParameterError("prompts", "prompts are a string, a list of token ids, a dict or a list of "
+                                               f"those; got {type(prompts).__name__}")
     prompts = list(prompts)
     if not prompts:
         raise InvalidParameterError("prompts", "no prompts given")

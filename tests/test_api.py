@@ -150,6 +150,8 @@ def test_chat_reads_text_parts_and_template_switches_as_vllm_does(llm):
     ([1, 2, 10**6], SamplingParams(), "prompt", "vocabulary"),
     ("hi", SamplingParams(max_tokens=10**6), "max_tokens", "8192"),
     ("hi", SamplingParams(stop_token_ids=[-5 + 10**7]), "stop_token_ids", "vocabulary"),
+    (None, SamplingParams(), "prompts", "NoneType"),  # (they were TypeErrors)
+    ([True, 5], SamplingParams(), "prompt", "bool"),
 ])
 def test_bad_prompts_are_rejected_naming_the_parameter(llm, prompt, params, param, words, monkeypatch):
     queued = spy_on_queueing(llm, monkeypatch)

@@ -47,6 +47,14 @@ async def test_output_kinds_agree(tiny_core, tokenizer):
                for a, b in zip(final, final[1:]))
 
 
+async def test_a_list_of_strings_given_as_one_prompt_is_a_clear_error(tiny_core, tokenizer):
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        with pytest.raises(InvalidParameterError, match="generate_many") as exc:
+            async for _ in client.generate(["a", "b"], SamplingParams(max_tokens=2)):
+                pass
+        assert exc.value.param == "prompt" and tiny_core.block_manager.num_used_blocks == 0
+
+
 async def test_n_fans_out_and_merges(tiny_core, tokenizer):
     params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     async with Engine(tiny_core, tokenizer).serve() as client:

@@ -242,7 +242,12 @@ class EngineClient:
             if "prompt" in prompt:
                 return self.prepare(prompt["prompt"])
             raise InvalidParameterError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        return None, list(prompt)
+        ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
+        if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            several = ids is not None and any(isinstance(p, (str, dict, list)) for p in ids)
+            why = "several prompts go to generate_many" if several else f"got {type(prompt).__name__}"
+            raise InvalidParameterError("prompt", f"a prompt is a string, a list of token ids or a dict ({why})")
+        return None, ids
 
     async def generate(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
