@@ -12,6 +12,7 @@ from engine.config import (
     ACTIVATION_QUANTIZATIONS,
     BACKENDS,
     DEFAULT_CPU_KV_CACHE_TOKENS,
+    DTYPE_ALIASES,
     DTYPES,
     GENERATION_CONFIGS,
     KV_CACHE_DTYPES,
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="attention backend (auto: best available)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device to run on")
-    p.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: bfloat16 on GPU and on CPUs with AMX (bf16 matrix units), float32 on other CPUs")
+    p.add_argument("--dtype", choices=(*DTYPES, *DTYPE_ALIASES), default="auto", help="auto: bfloat16 on GPU and on CPUs with AMX (bf16 matrix units), float32 on other CPUs")
     p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto", help="dummy: random weights, for benchmarks")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
                    help="auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights stay packed and run in native kernels "

@@ -18,6 +18,7 @@ from engine.errors import ConfigError
 from engine.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # (vLLM's)
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 QUANTIZATIONS = ("auto", "none", "int8")
 ACTIVATION_QUANTIZATIONS = ("none", "int16", "bf16")
@@ -204,9 +205,11 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
-    dtype: str = attrs.field(default="auto", validator=_one_of(DTYPES))
+    dtype: str = attrs.field(default="auto", converter=lambda v: DTYPE_ALIASES.get(v, v), validator=_one_of(DTYPES))
     load_format: str = attrs.field(default="auto", validator=_one_of(LOAD_FORMATS))
-    quantization: str = attrs.field(default="auto", validator=_one_of(QUANTIZATIONS))
+    # (None, vLLM's default: as the checkpoint holds it)
+    quantization: str = attrs.field(default="auto", converter=lambda v: "auto" if v is None else v,
+                                    validator=_one_of(QUANTIZATIONS))
     activation_quantization: str = attrs.field(default="none", validator=_one_of(ACTIVATION_QUANTIZATIONS))
     max_model_len: int | None = attrs.field(default=None, validator=_positive)
     block_size: int = attrs.field(default=16, validator=_power_of_two)

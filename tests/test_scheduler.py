@@ -227,6 +227,14 @@ def test_config_rejects_bad_combinations():
     with pytest.raises(ConfigError) as exc:
         EngineConfig(scheduling_policy="lifo")
     assert "fcfs" in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
+        EngineConfig(dtype="float64")
+    assert exc.value.param == "dtype"
+
+
+def test_config_takes_vllms_spellings():
+    assert (EngineConfig(dtype="half").dtype, EngineConfig(dtype="float").dtype) == ("float16", "float32")
+    assert EngineConfig(quantization=None).quantization == "auto"
 
 
 def test_a_decoding_step_carries_at_most_the_mixed_prefill_budget():
