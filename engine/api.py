@@ -55,6 +55,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling values a request gets where it sets none (as vLLM's: the model's
+        generation_config.json under ``generation_config="auto"``)."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block (as vLLM's ``LLM.reset_prefix_cache``): later
         requests compute their prompts from scratch."""

@@ -117,6 +117,14 @@ def test_generate_shows_progress_unless_told_not_to(llm, capsys):
     assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
 
 
+def test_the_default_sampling_params_are_the_models_as_vllm_reads_them(llm, monkeypatch):
+    assert llm.get_default_sampling_params() == SamplingParams()  # (this GGUF file says none)
+    # as a generation_config.json would give them
+    monkeypatch.setattr(type(llm.engine), "sampling_defaults", property(lambda self: {"temperature": 0.3, "top_k": 20}))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.3, 20, 1.0)
+
+
 def test_chat_uses_the_template(llm):
     out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0, max_tokens=16))[0]
     assert "<|im_start|>assistant" in llm.get_tokenizer().decode(out.prompt_token_ids)

@@ -53,6 +53,7 @@ async def test_a_list_of_strings_given_as_one_prompt_is_a_clear_error(tiny_core,
             async for _ in client.generate(["a", "b"], SamplingParams(max_tokens=2)):
                 pass
         assert exc.value.param == "prompt" and tiny_core.block_manager.num_used_blocks == 0
+        assert await client.get_tokenizer() is client.tokenizer  # (awaited, as vLLM's AsyncLLM)
 
 
 async def test_n_fans_out_and_merges(tiny_core, tokenizer):

@@ -172,6 +172,10 @@ class EngineClient:
     def max_model_len(self) -> int:
         return self._engine.core.max_model_len
 
+    async def get_tokenizer(self):
+        """``tokenizer``, awaited as vLLM's ``AsyncLLM.get_tokenizer``."""
+        return self.tokenizer
+
     @property
     def default_sampling(self) -> dict[str, float]:
         """The sampling values a request gets where it sets none (``--generation-config auto``:
