@@ -41,6 +41,7 @@ from api.protocol import (
     DetokenizeRequest,
     ResponsesRequest,
     TokenizeRequest,
+    in_request_terms,
     parse,
     sampling_params,
     structured_outputs,
@@ -528,11 +529,8 @@ class _Handlers:
         reasoning, params = self.reasoning(rendered, params, req.thinking_token_budget)
         try:
             self.validate(rendered.ids, params, req.priority)
-        except InvalidParameterError as exc:  # (the engine knows max_tokens; the caller may have said otherwise)
-            if exc.param != "max_tokens" or req.max_completion_tokens is None:
-                raise
-            raise InvalidParameterError("max_completion_tokens",
-                                        str(exc).replace("max_tokens", "max_completion_tokens")) from None
+        except InvalidParameterError as exc:
+            raise in_request_terms(exc, req, chat=True) from None
         await self.compile_constraint(req, params, plan)
         self.check_prompts(1, req.n)  # again, after the awaits: a stream's 503 must come before its 200
         return PreparedChat(rendered.ids, params, plan, reasoning)

@@ -378,6 +378,18 @@ def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
 _API_NAMES = {"logprobs": "top_logprobs"}  # our parameter name -> the chat API's, where they differ
 
 
+def in_request_terms(exc: InvalidParameterError, request: ChatCompletionRequest | CompletionRequest,
+                     chat: bool) -> InvalidParameterError:
+    """An engine error about a parameter, naming the field the request gave it by (a chat
+    request's ``top_logprobs``, or ``max_completion_tokens`` where it set that)."""
+    if not chat:
+        return exc
+    names = dict(_API_NAMES, max_tokens="max_completion_tokens") if request.max_completion_tokens is not None \
+        else _API_NAMES
+    param = names.get(exc.param, exc.param)
+    return exc if param == exc.param else InvalidParameterError(param, str(exc).replace(exc.param, param, 1))
+
+
 def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat: bool,
                     defaults: Mapping[str, float] | None = None) -> SamplingParams:
     """The engine's parameters for a request; range errors become 400s naming the API field.
@@ -410,7 +422,5 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat:
     try:
         return SamplingParams(**fields)
     except InvalidParameterError as exc:
-        names = dict(_API_NAMES, max_tokens="max_completion_tokens") if chat and request.max_completion_tokens \
-            is not None else _API_NAMES
-        param = names.get(exc.param, exc.param) if chat else exc.param
-        raise APIError(400, str(exc).replace(exc.param, param, 1), param) from None
+        named = in_request_terms(exc, request, chat)
+        raise APIError(400, str(named), named.param) from None
