@@ -69,7 +69,7 @@ from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.reasoning import ReasoningParser, check_budget
-from engine.tokenizer import render_chat_template, template_switches
+from engine.tokenizer import content_text, render_chat_template, template_switches
 from engine.tools import ToolPlan, plan_tools, render_inputs
 
 log = logging.getLogger(__name__)
@@ -455,15 +455,10 @@ class _Handlers:
 
     @staticmethod
     def _text_content(content, index: int) -> str:
-        if content is None or isinstance(content, str):
-            return content or ""
-        parts = []
-        for part in content:
-            if part.type != "text":
-                raise APIError(400, f"messages[{index}]: content of type {part.type!r} is not supported by this "
-                                    "server (text only)", "messages", code="unsupported_parameter")
-            parts.append(part.text or "")
-        return "".join(parts)
+        try:
+            return content_text(content, index)
+        except InvalidParameterError as exc:
+            raise APIError(400, str(exc), "messages", code="unsupported_parameter") from None
 
     async def chat_completions(self) -> Response:
         deadline = self.deadline()  # from the request's arrival: reading, templating, compiling count

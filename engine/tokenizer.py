@@ -86,9 +86,29 @@ def template_switches(kwargs: Mapping[str, Any] | None, add_generation_prompt: b
     return add_generation_prompt, continue_final_message, kwargs
 
 
+def content_text(content: Any, index: int) -> str:
+    """Message ``index``'s content as text: a string as it is, None as "", a list of OpenAI's
+    text parts (dicts, or objects with ``type`` and ``text``) joined, as vLLM does for a
+    template that takes strings.
+
+    Raises:
+        InvalidParameterError: naming ``messages``, for a part that is not text.
+    """
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        kind, text = (part.get("type"), part.get("text")) if isinstance(part, Mapping) else \
+            (getattr(part, "type", type(part).__name__), getattr(part, "text", None))
+        if kind != "text":
+            raise InvalidParameterError("messages", f"messages[{index}]: content of type {kind!r} is not supported "
+                                                    "by this server (text only)")
+        texts.append(text or "")
+    return "".join(texts)
+
+
 def text_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """OpenAI-style messages with each content as text: a list of text parts joined, as vLLM
-    does for a template that takes strings.
+    """OpenAI-style messages with each content as text (``content_text``).
 
     Raises:
         InvalidParameterError: naming ``messages``, for a message without a role or a part
@@ -99,16 +119,7 @@ def text_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise InvalidParameterError("messages", f"messages[{i}] must be an object with a role (a string)")
         content = message.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                if kind != "text":
-                    raise InvalidParameterError("messages", f"messages[{i}]: content of type {kind!r} is not "
-                                                            "supported (text only)")
-                texts.append(part.get("text") or "")
-            message = {**message, "content": "".join(texts)}
-        result.append(dict(message))
+        result.append({**message, "content": content_text(content, i)} if isinstance(content, list) else dict(message))
     return result
 
 

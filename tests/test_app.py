@@ -213,7 +213,8 @@ async def test_completion_top_logprobs_hold_the_sampled_token(tiny_vocab_core, t
         for top in (0, 1):
             for stream in (False, True):
                 response = await server.http.post("/v1/completions", json={**body, "logprobs": top, "stream": stream})
-                chunks = [e for e in sse_data(response.text.splitlines()) if e != "[DONE]"] if stream else [response.json()]
+                events = sse_data(response.text.splitlines())
+                chunks = [e for e in events if e != "[DONE]"] if stream else [response.json()]
                 logprobs = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
                 tokens = [t for lp in logprobs for t in lp["tokens"]]
                 tops = [entry for lp in logprobs for entry in lp["top_logprobs"]]
@@ -299,7 +300,8 @@ async def test_chat_template_kwargs_set_the_templates_switches_and_nothing_of_th
         for switches in ({"add_generation_prompt": False}, {"continue_final_message": True,
                                                              "add_generation_prompt": False}):
             assert await usage_and_text({"chat_template_kwargs": switches}) == await usage_and_text(switches)
-        without_generation_prompt = (await usage_and_text({"chat_template_kwargs": {"add_generation_prompt": False}}))[0]
+        switched = {"chat_template_kwargs": {"add_generation_prompt": False}}
+        without_generation_prompt = (await usage_and_text(switched))[0]
         assert without_generation_prompt != (await usage_and_text({}))[0]
         for kwargs in ({"tokenize": True}, {"chat_template": "{{ 1 }}"}, {"messages": []},
                        {"add_generation_prompt": "no"}):
