@@ -115,6 +115,48 @@ def ceiling(none: Run, ngram: Run) -> float:
                                                                                - ngram.decode_seconds))
 
 
+def speculative_config(args: argparse.Namespace) -> dict:
+    """``--speculative-config`` of the run with proposals, from the command line."""
+    if args.draft_model:
+        draft = str(resolve_model(None).path) if args.draft_model == "default" else args.draft_model
+        spec = {"method": "draft_model", "model": draft}
+    else:
+        spec = {"method": "ngram", "prompt_lookup_min": args.prompt_lookup_min,
+                "prompt_lookup_max": args.prompt_lookup_max}
+    spec["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.force:
+        spec["disable_by_batch_size"] = args.streams
+    return spec
+
+
+def compare(cores: dict[str, EngineCore], batch: list[list[int]], params: SamplingParams, at_once: bool,
+            tag: str) -> None:
+    """One round: each core over ``batch``, its rate printed, then the ratio (and, one prompt at a
+    time, where the time went and the ceiling)."""
+    method = [key for key in cores if key != "none"][0]
+    rates, runs = {}, {}
+    for key, core in cores.items():
+        before = core.stats()
+        runs[key] = result = run(core, batch, params, at_once)
+        after = core.stats()
+        rates[key] = result.tokens / result.seconds
+        drafted = after.spec_num_drafts - before.spec_num_drafts
+        kept = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        per_step = f", {1 + kept / drafted:.2f} tokens per drafted step" if drafted else ""
+        print(f"{tag}: {key:11s} {rates[key]:7.1f} output tok/s ({result.tokens} tokens){per_step}")
+    none, drafted = runs["none"], runs[method]
+    line = f"{tag}: {method} / none = {rates[method] / rates['none']:.2f}x"
+    if not at_once:
+        line += (f"; prefill {none.prefill_seconds / none.seconds:.0%} of none's time, "
+                 f"{drafted.tokens / (drafted.decode_steps + len(batch)):.2f} tokens a step with "
+                 f"proposals, {none.tokens / (none.decode_steps + len(batch)):.2f} without; "
+                 f"at most {ceiling(none, drafted):.2f}x if verifying cost a one-token step")
+    print(line)
+    if drafted.tokens != none.tokens:
+        print(f"{tag}: the texts differ ({none.tokens} vs {drafted.tokens} tokens), so the ratio compares "
+              "different answers")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -136,18 +178,9 @@ def main() -> None:
     config = EngineConfig(backend="cpu", dtype="float32", max_num_seqs=max(args.streams, 1), enable_prefix_caching=False,
                           kv_cache_dtype=args.kv_cache_dtype)
     tokenizer = tokenizer_for(config)
-    if args.draft_model:
-        draft = str(resolve_model(None).path) if args.draft_model == "default" else args.draft_model
-        spec = {"method": "draft_model", "model": draft}
-    else:
-        spec = {"method": "ngram", "prompt_lookup_min": args.prompt_lookup_min,
-                "prompt_lookup_max": args.prompt_lookup_max}
-    spec["num_speculative_tokens"] = args.num_speculative_tokens
-    if args.force:
-        spec["disable_by_batch_size"] = args.streams
-    method = spec["method"]
+    spec = speculative_config(args)
     cores = {"none": EngineCore(config, model=model),
-             method: EngineCore(attrs.evolve(config, speculative_config=spec), model=model)}
+             spec["method"]: EngineCore(attrs.evolve(config, speculative_config=spec), model=model)}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for name, messages in workloads().items():
         if name not in args.workloads.split(","):
@@ -159,30 +192,7 @@ def main() -> None:
                   "streams": (f"{args.streams} streams", (prompts * args.streams)[:args.streams], True)}
         for label, batch, at_once in (shapes[c] for c in args.concurrency.split(",")):
             for round_ in range(args.rounds if not at_once else 1):
-                rates, runs = {}, {}
-                for key, core in cores.items():
-                    before = core.stats()
-                    runs[key] = result = run(core, batch, params, at_once)
-                    tokens = result.tokens
-                    after = core.stats()
-                    rates[key] = tokens / result.seconds
-                    drafted = after.spec_num_drafts - before.spec_num_drafts
-                    kept = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-                    per_step = f", {1 + kept / drafted:.2f} tokens per drafted step" if drafted else ""
-                    print(f"{name:5s} {label:11s} round {round_ + 1}: {key:11s} {rates[key]:7.1f} output tok/s "
-                          f"({tokens} tokens){per_step}")
-                line = (f"{name:5s} {label:11s} round {round_ + 1}: {method} / none = "
-                        f"{rates[method] / rates['none']:.2f}x")
-                if not at_once:
-                    none, drafted = runs["none"], runs[method]
-                    line += (f"; prefill {none.prefill_seconds / none.seconds:.0%} of none's time, "
-                             f"{drafted.tokens / (drafted.decode_steps + len(batch)):.2f} tokens a step with "
-                             f"proposals, {none.tokens / (none.decode_steps + len(batch)):.2f} without; "
-                             f"at most {ceiling(none, drafted):.2f}x if verifying cost a one-token step")
-                print(line)
-                if runs[method].tokens != runs["none"].tokens:
-                    print(f"{name:5s} {label:11s} round {round_ + 1}: the texts differ ({runs['none'].tokens} vs "
-                          f"{runs[method].tokens} tokens), so the ratio compares different answers")
+                compare(cores, batch, params, at_once, f"{name:5s} {label:11s} round {round_ + 1}")
 
 
 if __name__ == "__main__":
