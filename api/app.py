@@ -30,6 +30,9 @@ from api.responses import (
     chat_body,
     chat_param,
     check_request,
+    in_responses_terms,
+    input_item_resources,
+    item_page,
     output_messages,
     response_head,
     responses_usage,
@@ -183,6 +186,9 @@ def create_app(state: ServerState) -> QuartTrio:
     app.add_url_rule("/v1/responses", "responses", api.responses_create, methods=["POST"])
     app.add_url_rule("/v1/responses/<response_id>", "response", api.responses_get, methods=["GET"])
     app.add_url_rule("/v1/responses/<response_id>", "response_delete", api.responses_delete, methods=["DELETE"])
+    app.add_url_rule("/v1/responses/<response_id>/cancel", "response_cancel", api.responses_cancel, methods=["POST"])
+    app.add_url_rule("/v1/responses/<response_id>/input_items", "response_input_items", api.responses_input_items,
+                     methods=["GET"])
     app.add_url_rule("/v1/engine/stats", "engine_stats", api.engine_stats, methods=["GET"])
     if state.frontend:
         app.add_url_rule("/", "page", api.page, methods=["GET"])
@@ -585,9 +591,10 @@ class _Handlers:
             try:
                 return await self._responses_create(req, deadline)
             except APIError as exc:  # a chat field's error, in the Responses API's words
-                raise attrs.evolve(exc, param=chat_param(exc.param)) from None
+                raise attrs.evolve(exc, message=in_responses_terms(exc.message, exc.param),
+                                   param=chat_param(exc.param)) from None
             except InvalidParameterError as exc:
-                raise APIError(400, _renamed(str(exc), exc.param), chat_param(exc.param)) from None
+                raise APIError(400, in_responses_terms(str(exc), exc.param), chat_param(exc.param)) from None
 
     async def _responses_create(self, req: ResponsesRequest, deadline: float | None) -> Response:
         store = self.state.responses
@@ -602,8 +609,9 @@ class _Handlers:
         tracker = UsageTracker(len(chat.ids))
         stream = _before(deadline, self.client.generate({"prompt_token_ids": chat.ids}, chat.params,
                                                                request_id=response_id, priority=req.priority))
+        items = input_item_resources(req.input) if stored else []
         remember = (lambda response: store.put(StoredResponse(response, conversation + output_messages(
-            response["output"])))) if stored else None
+            response["output"]), items))) if stored else None
         if req.stream:
             def failed(error: Exception) -> bytes:
                 return b"".join(sse_event(event) for event in builder.fail(_stream_error(error)))
@@ -650,6 +658,25 @@ class _Handlers:
     async def responses_delete(self, response_id: str) -> Response:
         self._store().delete(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
+
+    async def responses_cancel(self, response_id: str) -> Response:
+        self._store().get(response_id)  # (a 404 for one it does not know)
+        raise bad_request("only background responses can be cancelled, and this server makes none: this one "
+                          "has finished", "response_id")
+
+    async def responses_input_items(self, response_id: str) -> Response:
+        items = self._store().get(response_id).input_items
+        args = request.args
+        try:
+            limit = int(args.get("limit", 20))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit must be an integer from 1 to 100; got {args.get('limit')!r}", "limit")
+        order = args.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order must be 'asc' or 'desc'; got {order!r}", "order")
+        return json_response(item_page(items, limit, order, args.get("after")))
 
     # ---- completions ----
 
@@ -823,12 +850,6 @@ def _stream_error(error: Exception) -> APIError:
         return engine_api_error(error)
     log.error("a stream failed after its headers were sent", exc_info=error)
     return APIError(500, "internal server error", type="server_error")
-
-
-def _renamed(message: str, param: str | None) -> str:
-    """An engine error message about a chat field, naming the Responses field instead."""
-    name = chat_param(param)
-    return message.replace(param, name, 1) if param and name != param else message
 
 
 def _response_id() -> str:

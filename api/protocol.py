@@ -21,6 +21,8 @@ from engine.errors import InvalidParameterError
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 StrOrList = Union[str, list[str], None]
+# OpenAI's ReasoningEffort values; the chat template reads the one given ("none" turns thinking off).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 TokenPrompt = Union[str, list[str], list[int], list[list[int]]]
 
 
@@ -34,8 +36,12 @@ _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "arr
 
 @attrs.frozen
 class TextPart:
+    """A content part: ``text``, or an assistant's ``refusal`` (read as its text, as vLLM does);
+    other types are refused by name where the content is read (``engine.tokenizer.content_text``)."""
+
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 @attrs.frozen
@@ -127,7 +133,7 @@ class ChatCompletionRequest(SamplingFields):
     # closed, and whether the response carries it.
     thinking_token_budget: int | None = None
     include_reasoning: bool = True
-    reasoning_effort: str | None = None  # OpenAI's; passed to the chat template (as vLLM)
+    reasoning_effort: str | None = attrs.field(default=None, metadata={"schema": {"enum": [*REASONING_EFFORTS, None]}})
     audio: Any = None
     modalities: list[str] | None = None
 
@@ -139,6 +145,9 @@ class ChatCompletionRequest(SamplingFields):
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
+        if self.reasoning_effort not in (None, *REASONING_EFFORTS):
+            raise bad_request(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; "
+                              f"got {self.reasoning_effort!r}", "reasoning_effort")
 
 
 @attrs.frozen(kw_only=True)
@@ -339,15 +348,14 @@ def structured_outputs(request: SamplingFields) -> tuple[StructuredOutputsParams
     if request.guided_decoding_backend not in (None, "xgrammar", "auto"):
         raise unsupported("guided_decoding_backend", f"guided_decoding_backend {request.guided_decoding_backend!r} "
                                                      f"(this server uses xgrammar)")
+    if request.guided_whitespace_pattern is not None:
+        raise unsupported("guided_whitespace_pattern", "guided_whitespace_pattern (xgrammar has none; "
+                                                       "structured_outputs' disable_any_whitespace gives compact JSON)")
     if not found:
-        if request.guided_whitespace_pattern is not None:
-            raise bad_request("guided_whitespace_pattern needs a guided_json constraint", "guided_whitespace_pattern")
         return None, None
     if len(found) > 1:
         raise bad_request(f"give one output constraint; got {', '.join(name for name, _ in found)}", found[1][0])
     source, fields = found[0]
-    if request.guided_whitespace_pattern is not None:
-        fields["whitespace_pattern"] = request.guided_whitespace_pattern
     try:
         return StructuredOutputsParams(**fields), source
     except (InvalidParameterError, TypeError) as exc:  # TypeError: an unknown or missing field
@@ -365,8 +373,8 @@ def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise bad_request("response_format of type 'json_schema' needs json_schema.schema, a JSON schema object",
                               "response_format")
-        if not isinstance(spec.get("name", ""), str) or not isinstance(spec.get("strict", False), (bool, type(None))):
-            raise bad_request("response_format.json_schema: name must be a string and strict a boolean",
+        if not isinstance(spec.get("name"), str) or not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise bad_request("response_format.json_schema needs a name (a string); strict must be a boolean",
                               "response_format")
         return {"json": spec["schema"]}  # strict or not, the schema is enforced
     raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema'; got {kind!r}",

@@ -30,16 +30,22 @@ import attrs
 import orjson
 
 from api.errors import APIError, bad_request, unsupported
-from api.protocol import ResponsesRequest
+from api.protocol import REASONING_EFFORTS, ResponsesRequest
 from api.serving import SplitDelta
 
 # Input item types this server reads (all text); anything else is a 400 naming it.
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 _ROLES = ("user", "assistant", "system", "developer")
+# OpenAI's IncludeEnum: the rest name output of tools this server does not run, so there is
+# nothing to add for them (as OpenAI answers a request without those tools).
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs")
 # Where a chat field's error is a Responses field's.
 _PARAM_NAMES = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
                 "response_format": "text", "max_tokens": "max_output_tokens", "reasoning_effort": "reasoning"}
+_MESSAGE_NAMES = {"response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 def _item_id(prefix: str) -> str:
@@ -59,8 +65,11 @@ def check_request(req: ResponsesRequest, store: ResponseStore | None, reasoning_
         raise unsupported("prompt", "stored prompt templates")
     if req.truncation not in (None, "disabled"):
         raise unsupported("truncation", f"truncation {req.truncation!r}")
-    if req.include and "message.output_text.logprobs" in req.include:
-        raise unsupported("include", "message.output_text.logprobs")
+    for value in req.include or ():
+        if value not in INCLUDABLE:
+            raise bad_request(f"include: unknown value {value!r} (OpenAI's are {', '.join(INCLUDABLE)})", "include")
+        if value == "message.output_text.logprobs":
+            raise unsupported("include", "message.output_text.logprobs")
     if req.top_logprobs:
         raise unsupported("top_logprobs", "top_logprobs in responses")
     if store is None:
@@ -71,7 +80,11 @@ def check_request(req: ResponsesRequest, store: ResponseStore | None, reasoning_
             raise bad_request("previous_response_id needs the responses store: start the server with "
                               "--enable-responses-store, or send the conversation as input items",
                               "previous_response_id")
-    if req.reasoning and req.reasoning.get("effort") not in (None, "none", "minimal") and not reasoning_parser_on:
+    effort = (req.reasoning or {}).get("effort")
+    if effort not in (None, *REASONING_EFFORTS):
+        raise bad_request(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
+                          "reasoning")
+    if effort not in (None, "none", "minimal") and not reasoning_parser_on:
         raise bad_request("reasoning needs a reasoning parser: start the server with --reasoning-parser",
                           "reasoning")
 
@@ -105,6 +118,13 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dic
 def chat_param(param: str | None) -> str | None:
     """The Responses field a chat field's error is about."""
     return _PARAM_NAMES.get(param, param) if param else param
+
+
+def in_responses_terms(message: str, param: str | None) -> str:
+    """An error message about a chat field, naming the Responses field instead (the field
+    within it where that is one: ``text.format``, ``reasoning.effort``)."""
+    name = _MESSAGE_NAMES.get(param, chat_param(param)) if param else param
+    return message.replace(param, name, 1) if param and name != param else message
 
 
 def input_messages(value: Any) -> list[dict[str, Any]]:
@@ -171,12 +191,13 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        key = "refusal" if kind == "refusal" else "text"  # (an assistant's refusal reads as its text)
+        if kind not in (*_TEXT_PARTS, "refusal") or not isinstance(part.get(key), str):
             if kind in ("input_image", "input_file", "input_audio"):
                 raise unsupported("input", f"{where}[{j}]: content of type {kind!r} (text only)")
             raise bad_request(f"{where}[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}}); "
                               f"got type {kind!r}", "input")
-        texts.append(part["text"])
+        texts.append(part[key])
     return "".join(texts)
 
 
@@ -204,6 +225,9 @@ def _chat_response_format(format_: Any) -> dict[str, Any]:
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
+        if not isinstance(format_.get("name"), str) or not isinstance(format_.get("schema"), dict):
+            raise bad_request("text.format of type 'json_schema' needs a name (a string) and a schema (a JSON "
+                              "schema object)", "text")
         spec = {k: format_[k] for k in ("name", "schema", "strict", "description") if k in format_}
         return {"type": "json_schema", "json_schema": spec}
     raise bad_request(f"text.format type must be 'text', 'json_object' or 'json_schema'; got {kind!r}", "text")
@@ -364,7 +388,8 @@ def response_head(req: ResponsesRequest, response_id: str, model: str, stored: b
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "parallel_tool_calls": req.parallel_tool_calls, "temperature": req.temperature, "top_p": req.top_p,
         "max_output_tokens": req.max_output_tokens, "previous_response_id": req.previous_response_id,
-        "reasoning": req.reasoning, "store": stored, "text": req.text or {"format": {"type": "text"}},
+        "reasoning": req.reasoning, "store": stored,
+        "text": {**(req.text or {}), "format": (req.text or {}).get("format") or {"type": "text"}},
         "truncation": "disabled", "background": False,
     }
     if req.user is not None:
@@ -415,6 +440,40 @@ def sse_event(event: dict[str, Any]) -> bytes:
 class StoredResponse:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]  # the chat messages it ends, its own output included
+    input_items: list[dict[str, Any]] = attrs.field(factory=list)  # its request's input, as items with ids
+
+
+_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_item_resources(value: Any) -> list[dict[str, Any]]:
+    """A request's input as the items ``GET /v1/responses/{id}/input_items`` lists: a string as
+    one user message, a message's string content as one text part, an item without an id
+    given one (the input was checked when it was read)."""
+    items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
+    resources = []
+    for given in items:
+        item = _copy(given)
+        kind = item.setdefault("type", "message")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        item.setdefault("id", _item_id(_ITEM_PREFIXES.get(kind, "item")))
+        resources.append(item)
+    return resources
+
+
+def item_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """One page of a list of items, as OpenAI's list endpoints give it (newest first for ``desc``)."""
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise bad_request(f"after: no input item with id {after!r} in this response", "after")
+        ordered = ordered[ids.index(after) + 1:]
+    page = ordered[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(ordered) > limit}
 
 
 class ResponseStore:

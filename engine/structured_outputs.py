@@ -198,7 +198,9 @@ class XGrammarBackend:
                 compiled = self._compiler.compile_grammar(params.grammar)
             else:
                 tag = parse_json_constraint(params.structural_tag, "structural_tag")
-                compiled = self._compiler.compile_structural_tag(json.dumps(tag))
+                # (built first as a grammar: xgrammar's own check names what is wrong with the tag,
+                # where compiling it at once fails an internal assertion)
+                compiled = self._compiler.compile_grammar(self._xgr.Grammar.from_structural_tag(json.dumps(tag)))
         except InvalidParameterError:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:

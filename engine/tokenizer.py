@@ -89,7 +89,7 @@ def template_switches(kwargs: Mapping[str, Any] | None, add_generation_prompt: b
 def content_text(content: Any, index: int) -> str:
     """Message ``index``'s content as text: a string as it is, None as "", a list of OpenAI's
     text parts (dicts, or objects with ``type`` and ``text``) joined, as vLLM does for a
-    template that takes strings.
+    template that takes strings; an assistant's ``refusal`` part reads as its ``refusal`` text.
 
     Raises:
         InvalidParameterError: naming ``messages``, for a part that is not text.
@@ -98,9 +98,12 @@ def content_text(content: Any, index: int) -> str:
         return content or ""
     texts = []
     for part in content:
-        kind, text = (part.get("type"), part.get("text")) if isinstance(part, Mapping) else \
-            (getattr(part, "type", type(part).__name__), getattr(part, "text", None))
-        if kind != "text":
+        fields = part if isinstance(part, Mapping) else {"type": getattr(part, "type", type(part).__name__),
+                                                          "text": getattr(part, "text", None),
+                                                          "refusal": getattr(part, "refusal", None)}
+        kind = fields.get("type")
+        text = fields.get("refusal" if kind == "refusal" else "text")
+        if kind not in ("text", "refusal"):
             raise InvalidParameterError("messages", f"messages[{index}]: content of type {kind!r} is not supported "
                                                     "by this server (text only)")
         texts.append(text or "")

@@ -385,6 +385,49 @@ async def test_accepted_means_honoured_else_400(tiny_vocab_core, tokenizer, path
         assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/v1/chat/completions", {**CHAT, "reasoning_effort": "bogus"}, "reasoning_effort",
+     "reasoning_effort must be one of none, minimal, low, medium, high"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format", "needs a name"),
+    ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "object"}, "guided_whitespace_pattern": " "},
+     "guided_whitespace_pattern", "guided_whitespace_pattern"),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"structural_tag": {
+        "type": "structural_tag", "format": {"type": "bogus"}}}}, "structured_outputs", "Format type not recognized"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be"),
+    ("/v1/responses", {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "n", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "("}}}}}}, "text", "invalid json"),
+])
+async def test_an_error_names_the_field_in_the_words_of_the_request(tiny_vocab_core, tokenizer, path, body, param,
+                                                                     words):
+    """The message names the field the request sent (a Responses request's, not the chat field it
+    is served by) and says what is wrong in words, not in a library's internals."""
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        response = await server.http.post(path, json=body)
+        assert response.status_code == 400, response.text
+        err = error(response.content)
+        assert err["param"] == param and words in err["message"], err
+        assert "Check failed" not in err["message"] and "max_completion_tokens" not in err["message"], err
+        assert path != "/v1/responses" or "response_format" not in err["message"], err
+
+
+async def test_an_assistants_refusal_part_reads_as_its_text(tiny_vocab_core, tokenizer):
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        def conversation(answer):
+            return {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer},
+                                 {"role": "user", "content": "why?"}]}
+
+        as_text = await server.http.post("/tokenize", json=conversation("I cannot help."))
+        as_part = await server.http.post("/tokenize", json=conversation([{"type": "refusal",
+                                                                         "refusal": "I cannot help."}]))
+        assert as_part.status_code == 200, as_part.text
+        assert as_part.json()["tokens"] == as_text.json()["tokens"]
+        chat = await server.http.post("/v1/chat/completions", json={**conversation([{"type": "refusal",
+                                                                                    "refusal": "No."}]),
+                                                                    "max_tokens": 2})
+        assert chat.status_code == 200, chat.text
+
+
 async def test_null_is_the_default_for_the_fields_openai_marks_nullable(tiny_vocab_core, tokenizer):
     """JS SDKs and proxies send every field, unset ones as null: OpenAI's schema marks n, stream,
     logprobs, echo, the penalties and parallel_tool_calls nullable, and a null means the default."""

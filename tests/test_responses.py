@@ -13,7 +13,15 @@ import openai
 import pytest
 
 from api.app import ServerState
-from api.responses import ResponseStore, StoredResponse, input_messages, responses_usage
+from api.errors import APIError
+from api.responses import (
+    ResponseStore,
+    StoredResponse,
+    input_item_resources,
+    input_messages,
+    item_page,
+    responses_usage,
+)
 from api.serving import usage
 from tests.conftest import ThreadedServer
 from tests.openapi_schemas import OpenAISchemas
@@ -185,10 +193,20 @@ def test_the_store_continues_a_conversation_and_forgets_the_oldest(llm, schemas)
     server = ThreadedServer(llm.engine, llm.tokenizer, responses=ResponseStore(2))
     client = _client(server)
     try:
-        first = client.responses.create(model="tiny", input="My name is Ada.", temperature=0, max_output_tokens=16)
-        assert first.store
+        first = client.responses.create(model="tiny", input="My name is Ada.", temperature=0, max_output_tokens=16,
+                                        text={"format": None})  # (null: the default)
+        assert first.store and first.text.format.type == "text"
         again = client.responses.retrieve(first.id)
         assert again.model_dump() == first.model_dump()
+        items = httpx.get(f"{server.base_url}/v1/responses/{first.id}/input_items", timeout=30).json()
+        schemas.validate("ResponseItemList", items)
+        assert [(i["type"], i["role"], i["content"]) for i in items["data"]] == [
+            ("message", "user", [{"type": "input_text", "text": "My name is Ada."}])]
+        assert items["first_id"] == items["last_id"] == items["data"][0]["id"] and not items["has_more"]
+        with pytest.raises(openai.BadRequestError, match="only background responses"):
+            client.responses.cancel(first.id)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.cancel("resp_unknown")
         second = client.responses.create(model="tiny", input="What is my name?", previous_response_id=first.id,
                                          temperature=0, max_output_tokens=16)
         # The same conversation sent whole gives the same prompt.
@@ -214,6 +232,26 @@ def test_the_store_continues_a_conversation_and_forgets_the_oldest(llm, schemas)
             client.responses.create(model="tiny", input="x", previous_response_id=second.id)
     finally:
         server.close()
+
+
+def test_input_items_are_listed_a_page_at_a_time_in_either_order():
+    items = input_item_resources([{"role": "system", "content": "Be brief."},
+                                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
+                                  {"role": "assistant", "content": "b", "id": "msg_given"},
+                                  {"type": "function_call_output", "call_id": "c1", "output": "x"}])
+    assert items[0]["content"] == [{"type": "input_text", "text": "Be brief."}]
+    assert items[2]["content"] == [{"type": "output_text", "text": "b"}] and items[2]["id"] == "msg_given"
+    assert items[3]["id"].startswith("fco_") and len({i["id"] for i in items}) == 4
+    ids = [i["id"] for i in items]
+    first = item_page(items, 3, "desc", None)
+    assert [i["id"] for i in first["data"]] == ids[::-1][:3] and first["has_more"]
+    rest = item_page(items, 3, "desc", first["last_id"])
+    assert [i["id"] for i in rest["data"]] == ids[:1] and not rest["has_more"] and rest["first_id"] == ids[0]
+    assert [i["id"] for i in item_page(items, 2, "asc", ids[1])["data"]] == ids[2:]
+    assert item_page(items, 5, "asc", ids[-1]) == {"object": "list", "data": [], "first_id": None,
+                                                   "last_id": None, "has_more": False}
+    with pytest.raises(APIError, match="after"):
+        item_page(items, 5, "asc", "msg_unknown")
 
 
 def test_a_store_keeps_at_most_its_capacity():
@@ -248,6 +286,11 @@ class _Client:
     ({"input": 5}, "input", "input"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "stored prompt templates"),
     ({}, "input", "input"),
+    ({"input": "x", "reasoning": {"effort": "bogus"}}, "reasoning", "reasoning.effort must be one of"),
+    ({"input": "x", "include": ["bogus"]}, "include", "unknown value 'bogus'"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "string"}}}}, "text",
+     "text.format of type 'json_schema' needs a name"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "p"}}}, "text", "and a schema"),
 ])
 async def test_bad_input_is_a_400_naming_the_field(body, param, words):
     status, data = await post(ServerState("m", client=_Client()), "/v1/responses", body)
@@ -259,6 +302,7 @@ async def test_bad_input_is_a_400_naming_the_field(body, param, words):
 def test_input_items_become_a_chat_conversation():
     messages = input_messages([
         {"role": "developer", "content": "Be brief."},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi "},
                                                         {"type": "input_text", "text": "there"}]},
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
@@ -270,6 +314,7 @@ def test_input_items_become_a_chat_conversation():
     ])
     assert messages == [
         {"role": "developer", "content": "Be brief."},
+        {"role": "assistant", "content": "I cannot."},  # (OpenAI's refusal part, read as its text)
         {"role": "user", "content": "Hi there"},
         {"role": "assistant", "content": "Let me look.", "reasoning_content": "hmm", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},

@@ -452,9 +452,11 @@ async def test_logprobs_of_masked_tokens_are_numbers_in_both_endpoints(server):
 @pytest.mark.parametrize("body, param, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", "type must be"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": 3}}}},
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object",
+                                                                                         "properties": 3}}}},
      "response_format", "properties must be an object"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}},
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
+                                                                                         "uniqueItems": True}}}},
      "response_format", "uniqueItems"),
     ({"guided_regex": "a(b"}, "guided_regex", "invalid regex"),
     ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs", "invalid grammar"),

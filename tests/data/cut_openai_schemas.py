@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 ROOTS = ("CreateChatCompletionResponse", "CreateChatCompletionStreamResponse", "CreateCompletionResponse",
-         "ListModelsResponse", "ErrorResponse", "Response", "ResponseStreamEvent")
+         "ListModelsResponse", "ErrorResponse", "Response", "ResponseStreamEvent", "ResponseItemList")
 
 
 def references(node, found: set[str]) -> None:
