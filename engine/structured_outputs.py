@@ -195,7 +195,7 @@ class XGrammarBackend:
                 alternatives = " | ".join(_ebnf_string(c) for c in params.choice)
                 compiled = self._compiler.compile_grammar(f"root ::= {alternatives}")
             elif kind == "grammar":
-                compiled = self._compiler.compile_grammar(params.grammar)
+                compiled = self._compile_grammar(params.grammar)
             else:
                 tag = parse_json_constraint(params.structural_tag, "structural_tag")
                 # (built first as a grammar: xgrammar's own check names what is wrong with the tag,
@@ -206,6 +206,16 @@ class XGrammarBackend:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidParameterError(PARAM, f"invalid {kind.replace('_', ' ')}: {_compiler_message(exc)}") from None
         return _XGrammarCompiled(self, compiled)
+
+    def _compile_grammar(self, grammar: str):
+        try:
+            return self._compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError) as exc:
+            if "::=" in grammar or not _LARK_RULE.search(grammar):
+                raise
+            raise InvalidParameterError(PARAM, f"invalid grammar: {_compiler_message(exc)}. It looks like Lark; "
+                                               "grammars here are EBNF as xgrammar reads it (GBNF, llama.cpp's: "
+                                               "'root ::= \"yes\" | \"no\"')") from None
 
     def _compile_json(self, schema: str, params: StructuredOutputsParams, strict: bool = True):
         if params.disable_any_whitespace:
@@ -221,6 +231,10 @@ class XGrammarBackend:
 def _ebnf_string(text: str) -> str:
     """``text`` as an EBNF string literal (the JSON escapes are the grammar's too)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+# A Lark rule or terminal definition ("?start: ...", "NAME: /.../"), where EBNF writes "::=".
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w.]*\s*(\.\d+)?\s*:(?!:)", re.MULTILINE)
 
 
 def _compiler_message(exc: Exception) -> str:

@@ -78,6 +78,7 @@ def manager(tokenizer):
     (StructuredOutputsParams(json={"type": "array", "contains": {"const": 1}}), "cannot enforce: /: contains"),
     (StructuredOutputsParams(regex="a(b"), "invalid regex: .*parenthesis"),
     (StructuredOutputsParams(grammar='root ::= "a" |'), "invalid grammar"),
+    (StructuredOutputsParams(grammar='?start: "yes" | "no"\n'), "invalid grammar: .*looks like Lark.*root ::="),
 ])
 def test_a_constraint_that_does_not_compile_is_an_invalid_parameter(manager, params, message):
     with pytest.raises(InvalidParameterError, match=message) as info:
