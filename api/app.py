@@ -19,6 +19,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from api.connections import close_connections_as_asked
 from api.errors import APIError, bad_request
 from api.frontend import Throughput, engine_stats_json, load_static
 from api.metrics import CONTENT_TYPE, Metrics
@@ -134,6 +135,7 @@ def json_response(data: Any, status: int = 200) -> Response:
 
 
 def create_app(state: ServerState) -> QuartTrio:
+    close_connections_as_asked()  # (served by hypercorn: see api/connections.py)
     app = QuartTrio(__name__, static_folder=None)  # the page's files are served from memory (api/frontend.py)
     app.config["MAX_CONTENT_LENGTH"] = state.limits.max_body_bytes
     app.config["BODY_TIMEOUT"] = state.limits.body_timeout

@@ -232,7 +232,7 @@ class LiveServer:
 
 
 @asynccontextmanager
-async def serve_http(core, tokenizer, **state_fields) -> AsyncIterator[LiveServer]:
+async def serve_http(core, tokenizer, keep_alive_timeout: float = 5, **state_fields) -> AsyncIterator[LiveServer]:
     """Serve ``create_app`` with hypercorn in this trio run (real sockets: disconnects are real)."""
     import httpx
     import trio
@@ -247,6 +247,7 @@ async def serve_http(core, tokenizer, **state_fields) -> AsyncIterator[LiveServe
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = None
+    config.keep_alive_timeout = keep_alive_timeout
     async with Engine(core, tokenizer).serve() as client, trio.open_nursery() as nursery:
         state.attach(client)
         binds = await nursery.start(serve, app, config)

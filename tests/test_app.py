@@ -428,6 +428,33 @@ async def test_an_assistants_refusal_part_reads_as_its_text(tiny_vocab_core, tok
         assert chat.status_code == 200, chat.text
 
 
+async def test_connections_close_when_asked_and_when_idle(tiny_vocab_core, tokenizer):
+    """hypercorn under quart-trio left every connection open (api/connections.py): an HTTP/1.0
+    stream, which ends only at the close, hung after [DONE]; ``Connection: close`` was ignored;
+    idle keep-alive connections were never timed out."""
+    async with serve_http(tiny_vocab_core, tokenizer, keep_alive_timeout=1) as server:
+        host, port = str(server.http.base_url.host), server.http.base_url.port
+
+        async def exchange(request: bytes) -> tuple[bytes, float]:
+            """The whole answer up to the server's close, and the seconds that took."""
+            start, answer = time.monotonic(), b""
+            with trio.fail_after(5):
+                stream = await trio.open_tcp_stream(host, port)
+                await stream.send_all(request)
+                while chunk := await stream.receive_some():
+                    answer += chunk
+            return answer, time.monotonic() - start
+
+        body = b'{"prompt": "hi", "max_tokens": 3, "stream": true}'
+        streamed, _ = await exchange(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert streamed.startswith(b"HTTP/1.1 200") and streamed.rstrip().endswith(b"data: [DONE]"), streamed
+        closed, _ = await exchange(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert closed.startswith(b"HTTP/1.1 200"), closed
+        idle, seconds = await exchange(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert idle.startswith(b"HTTP/1.1 200") and 0.9 < seconds < 4, (idle, seconds)
+
+
 async def test_null_is_the_default_for_the_fields_openai_marks_nullable(tiny_vocab_core, tokenizer):
     """JS SDKs and proxies send every field, unset ones as null: OpenAI's schema marks n, stream,
     logprobs, echo, the penalties and parallel_tool_calls nullable, and a null means the default."""
