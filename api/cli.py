@@ -111,6 +111,7 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
                         "engine process (which then runs apart from them); /metrics covers them all")
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # (a front of the launcher)
     p.add_argument("--engine-fd", type=int, action="append", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--launcher-fd", type=int, default=None, help=argparse.SUPPRESS)  # (its end closes: launcher gone)
     p.add_argument("--headless", action="store_true",
                    help="serve no HTTP: start --data-parallel-size-local engines that join the server at "
                         "--data-parallel-address:--data-parallel-rpc-port, and exit when it ends them; with "

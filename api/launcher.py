@@ -12,6 +12,9 @@ prometheus_client multiprocess directory, so any front's ``/metrics`` shows the 
 Shutdown: SIGTERM / SIGINT go to every front, which drain as one server does; the engines
 exit when their last front has ended its link; the launcher exits with the worst status.
 A front that exits on its own (its engine died: --on-engine-failure exit) stops the others.
+A launcher that dies without stopping them (SIGKILL) takes them along: each front holds the
+read end of a pipe only the launcher writes to, and shuts down when it closes (otherwise the
+fronts would serve on, and a new server's SO_REUSEPORT socket would share their port).
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ from engine.transport.processes import EXIT_TIMEOUT, reap, start_engines_for_fro
 log = logging.getLogger("api.launcher")
 
 
-def front_command(argv: list[str], index: int, listen_fd: int, engine_fds: list[int]) -> list[str]:
+def front_command(argv: list[str], index: int, listen_fd: int, engine_fds: list[int],
+                  launcher_fd: int | None = None) -> list[str]:
     """Front ``index``'s command line: the server's own flags, one front on the shared socket,
-    its links to the engines. Each front sees the engines' whole counters, so only the first
-    logs the activity line (N fronts would print N copies)."""
+    its links to the engines, the pipe that tells it the launcher is gone. Each front sees the
+    engines' whole counters, so only the first logs the activity line (N fronts would print N
+    copies)."""
     command = [sys.executable, "-m", "engine.api", *argv, "--api-server-count", "1", "--listen-fd", str(listen_fd)]
+    if launcher_fd is not None:
+        command += ["--launcher-fd", str(launcher_fd)]
     for fd in engine_fds:
         command += ["--engine-fd", str(fd)]
     return command + (["--disable-log-stats"] if index > 0 and "--disable-log-stats" not in argv else [])
@@ -50,14 +57,19 @@ async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
                          "(--data-parallel-size-local) yet")
     listener = socket.create_server((args.host, args.port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
     engines, per_front = await start_engines_for_fronts(config, config.data_parallel_size, args.api_server_count)
-    fronts = []
+    fronts, lifelines = [], []
     with tempfile.TemporaryDirectory(prefix="engine-metrics-") as metrics_dir:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
         try:
             for index, sockets in enumerate(per_front):
+                # A pipe whose write end only this process holds: when it dies, even of SIGKILL,
+                # the kernel closes it and the front shuts down (its engines follow it).
+                lifeline, held = os.pipe()
+                lifelines.append(held)
                 fronts.append(await trio.lowlevel.open_process(
-                    front_command(argv, index, listener.fileno(), [s.fileno() for s in sockets]),
-                    pass_fds=(listener.fileno(), *(s.fileno() for s in sockets)), env=env))
+                    front_command(argv, index, listener.fileno(), [s.fileno() for s in sockets], lifeline),
+                    pass_fds=(listener.fileno(), lifeline, *(s.fileno() for s in sockets)), env=env))
+                os.close(lifeline)
                 for s in sockets:
                     s.close()
             listener.close()
@@ -74,6 +86,8 @@ async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
             with trio.CancelScope(shield=True):
                 for process in fronts + engines:
                     await reap(process, EXIT_TIMEOUT)
+            for fd in lifelines:
+                os.close(fd)
     codes = [p.returncode for p in fronts]
     log.info("API servers exited with %s; engine processes with %s", codes, [p.returncode for p in engines])
     return max((c if c >= 0 else 1) for c in codes) if codes else 1

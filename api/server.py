@@ -63,6 +63,8 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
     shutdown, stop_http = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, shutdown, args.shutdown_timeout)
+        if args.launcher_fd is not None:
+            nursery.start_soon(_stop_with_the_launcher, args.launcher_fd, shutdown)
 
         async def http() -> None:
             await serve(app, hc, shutdown_trigger=stop_http.wait)
@@ -149,6 +151,18 @@ async def _stop_on_signals(shutdown: trio.Event, grace: float) -> None:
             os._exit(130)
 
     await on_stop_signals(handle)
+
+
+async def _stop_with_the_launcher(fd: int, shutdown: trio.Event) -> None:
+    """A front of ``--api-server-count``: the launcher holds the write end of this pipe and never
+    writes; when it is gone, however it died, the read ends, and this front shuts down as on
+    SIGTERM (api/launcher.py)."""
+    async with trio.lowlevel.FdStream(fd) as pipe:
+        while await pipe.receive_some():
+            pass
+    if not shutdown.is_set():
+        log.warning("the launcher of the API servers is gone: shutting down")
+        shutdown.set()
 
 
 def main(argv: list[str] | None = None) -> None:
