@@ -103,6 +103,16 @@ class SamplingFields:
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's extras this server does not honour: accepted at their defaults, refused by name
+    # otherwise (never ignored: a client that sets one relies on it).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    logits_processors: list[Any] | None = None
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
 
     def check_common(self) -> None:
         """Rules between fields that both endpoints share (as vLLM words them)."""
@@ -110,9 +120,17 @@ class SamplingFields:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
         if self.stream and self.prompt_logprobs:
             raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+        for name, default in _NOT_HONOURED.items():
+            if getattr(self, name) not in (default, None):
+                raise unsupported(name, name)
         if not self.spaces_between_special_tokens:
             raise unsupported("spaces_between_special_tokens",
                               "spaces_between_special_tokens=false (this server's fast tokenizers never add them)")
+
+
+_NOT_HONOURED = {"use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": [],
+                 "truncate_prompt_tokens": None, "logits_processors": None, "return_tokens_as_token_ids": False,
+                 "return_token_ids": False}
 
 
 @attrs.frozen(kw_only=True)

@@ -375,6 +375,10 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
     ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "Hi", "stream": True, "stream_options": "yes"}, "stream_options"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": [True]}, "stream_options"),
+    ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": [5, 6]}, "allowed_token_ids"),  # (vLLM's extras
+    ("/v1/chat/completions", {**CHAT, "bad_words": ["Hello"]}, "bad_words"),                 # not honoured here:
+    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, "use_beam_search"),          # never ignored)
+    ("/v1/chat/completions", {**CHAT, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
 ])
 async def test_accepted_means_honoured_else_400(tiny_vocab_core, tokenizer, path, body, param):
     async with serve_http(tiny_vocab_core, tokenizer) as server:
