@@ -436,6 +436,10 @@ def test_sigkill_of_the_engine_process_ends_every_stream(policy):
                 assert policy == "exit" and events[-1].startswith("transport error")
         if policy == "refuse":
             assert httpx.get(base + "/health", timeout=5).status_code == 503
+            # the dead engine's gauges are zero, not its last step's (its counters stay)
+            for gauge in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+                assert metric((base,), gauge) == 0, gauge
+            assert metric((base,), "vllm:generation_tokens_total") > 0
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
         else:

@@ -116,6 +116,8 @@ class RemoteCoreActor:
         except trio.BrokenResourceError as exc:
             await trio.sleep(0.05)  # the process's exit status, if it is exiting
             raise core._died(exc) from None
+        finally:  # a gone engine runs nothing and holds no block (/metrics, the activity line)
+            core._stats = attrs.evolve(core._stats, num_running=0, num_waiting=0, kv_blocks_used=0)
         # Only the front ends the link in order; an engine that ends it has stopped.
         raise core._died(EngineDeadError("the engine process closed the link"))
 
