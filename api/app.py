@@ -480,8 +480,9 @@ class _Handlers:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
-        stream = _before(deadline, self.client.generate({"prompt_token_ids": ids}, params,
-                                                               request_id=request_id, priority=req.priority))
+        # queued now: a refusal (503) comes before a stream's status line, not as its first event
+        stream = _before(deadline, await self.client.add_request({"prompt_token_ids": ids}, params,
+                                                                 request_id=request_id, priority=req.priority))
         tools = plan is not None and plan.may_call
         if req.stream:
             return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan, reasoning))
@@ -535,7 +536,6 @@ class _Handlers:
         except InvalidParameterError as exc:
             raise in_request_terms(exc, req, chat=True) from None
         await self.compile_constraint(req, params, plan)
-        self.check_prompts(1, req.n)  # again, after the awaits: a stream's 503 must come before its 200
         return PreparedChat(rendered.ids, params, plan, reasoning)
 
     @classmethod
@@ -609,8 +609,8 @@ class _Handlers:
         stored = store is not None and req.store is not False
         builder = ResponseBuilder(response_head(req, response_id, self.state.model_name, stored))
         tracker = UsageTracker(len(chat.ids))
-        stream = _before(deadline, self.client.generate({"prompt_token_ids": chat.ids}, chat.params,
-                                                               request_id=response_id, priority=req.priority))
+        stream = _before(deadline, await self.client.add_request({"prompt_token_ids": chat.ids}, chat.params,
+                                                                 request_id=response_id, priority=req.priority))
         items = input_item_resources(req.input) if stored else []
         remember = (lambda response: store.put(StoredResponse(response, conversation + output_messages(
             response["output"]), items))) if stored else None
@@ -704,10 +704,9 @@ class _Handlers:
         for _, ids in inputs:  # every prompt is checked before any is queued
             self.validate(ids, params, req.priority)
         await self.compile_constraint(req, params)
-        self.check_prompts(len(prompts), req.n)  # again, after the awaits (as for chat)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(sum(len(ids) for _, ids in inputs))
-        outputs = _before(deadline, self.client.generate_many(
+        outputs = _before(deadline, await self.client.add_requests(
             [{"prompt": text, "prompt_token_ids": ids} for text, ids in inputs], params,
             [f"{request_id}-{i}" for i in range(len(inputs))], req.priority))
         prompt_texts = [text if text is not None else self.client.tokenizer.decode(ids) for text, ids in inputs]

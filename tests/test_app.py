@@ -10,7 +10,7 @@ import orjson
 import pytest
 import trio
 
-from api.app import Limits, ServerState, create_app
+from api.app import Limits, ServerState, _Handlers, create_app
 from engine.errors import InvalidParameterError
 from engine.sampling_params import SamplingParams
 from tests.conftest import fail_logits_processing, serve_http, tiny_engine_core, until
@@ -520,6 +520,47 @@ async def test_overload_is_a_503_with_retry_after_at_once(tiny_vocab_model, toke
         assert error(refused.content)["code"] == "overloaded"
         assert client.num_unfinished == 4  # refused before anything was queued, while the four still run
         nursery.cancel_scope.cancel()
+
+
+async def test_a_burst_of_streams_past_the_limit_gets_503s_not_200s_that_fail(tiny_vocab_model, tokenizer,
+                                                                               monkeypatch):
+    """Streams arriving together, past the waiting limit: each is queued, or refused with a 503,
+    before its status line. (The check and the queueing were apart: every stream passed the
+    check before any was queued, and most got a 200 whose only event was 'overloaded'.)"""
+    core = tiny_engine_core(tiny_vocab_model, max_num_seqs=1, max_waiting_requests=3)
+    slow_steps(core, monkeypatch)
+    answers = []
+    # Whether each stream's requests were in the engine when its response (status line) was made:
+    # the order of events that makes the 503 certain, however the tasks interleave.
+    queued_before_the_status_line = []
+    real_sse_response = _Handlers.sse_response
+
+    def sse_response(chunks, error_event=None):
+        queued_before_the_status_line.append(server.client.num_unfinished > 0)
+        return real_sse_response(chunks, error_event)
+
+    monkeypatch.setattr(_Handlers, "sse_response", staticmethod(sse_response))
+
+    async def one(path: str, body: dict) -> None:
+        async with server.http.stream("POST", path, json={**body, "max_tokens": 200, "ignore_eos": True,
+                                                          "stream": True}) as response:
+            first = None
+            if response.status_code == 200:
+                first = await response.aiter_lines().__anext__()
+            answers.append((response.status_code, response.headers.get("Retry-After"), first))
+
+    async with serve_http(core, tokenizer) as server:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(12):
+                    path, body = [("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions", CHAT),
+                                  ("/v1/completions", {"prompt": ["a", "b"]})][i % 3]
+                    nursery.start_soon(one, path, body)
+    statuses = [status for status, _, _ in answers]
+    assert 1 <= statuses.count(200) <= 4 and statuses.count(503) >= 8, answers  # 4 sequences: 1 runs, 3 wait
+    for status, retry_after, first in answers:
+        assert (status, retry_after) == (503, "1") or (status == 200 and "error" not in first), answers
+    assert set(queued_before_the_status_line) == {True}, queued_before_the_status_line
 
 
 async def test_every_sequence_counts_against_the_waiting_limit_all_or_none(tiny_vocab_model, tokenizer, monkeypatch):

@@ -115,6 +115,31 @@ async def test_break_out_of_the_loop_aborts(tiny_core, tokenizer):
         assert client.stats().kv_blocks_used == 0
 
 
+async def test_requests_queued_then_dropped_unread_or_closed_are_aborted(tiny_core, tokenizer):
+    """``add_request(s)`` queue at once (a server's 503 comes before its status line); a caller
+    that fails before reading them, or closes them, leaks no request."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        one = await client.add_request(prompt(5), params)
+        many = await client.add_requests([prompt(4), prompt(6)], params)
+        assert client.num_unfinished == 3 and len(many.channels) == 2
+        output = await one.__anext__()
+        assert output.request_id == one.channels[0].state.request_id
+        del one  # dropped unread (what a handler that fails after queueing leaves behind)
+        await wait_until_idle_but(client, 2)
+        async with many:
+            index, output = await many.__anext__()
+            assert index in (0, 1) and output.outputs[0].token_ids
+        await wait_until_idle(client)
+        assert client.num_unfinished == 0 and client.stats().kv_blocks_used == 0
+
+
+async def wait_until_idle_but(client, left: int, timeout: float = 10) -> None:
+    with trio.fail_after(timeout):
+        while client.num_unfinished != left:
+            await trio.sleep(0.001)
+
+
 async def wait_until_idle(client, timeout: float = 10) -> None:
     with trio.fail_after(timeout):
         while client.stats().num_running or client.stats().num_waiting:

@@ -8,6 +8,7 @@ finishes first (one step is the shutdown deadline).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -150,6 +151,53 @@ class Engine:
                 nursery.cancel_scope.cancel()
 
 
+class QueuedRequests:
+    """Requests an ``EngineClient`` has queued (``add_request``, ``add_requests``) and their
+    outputs as an async iterator: ``RequestOutput`` for one request, ``(index, output)`` for
+    several. ``close`` (or ``aclose``, ``async with``) aborts those not finished, and so does
+    dropping it unread: a caller that fails before it reads them leaks no request."""
+
+    def __init__(self, client: EngineClient, channels: list[RequestOutputChannel],
+                 source: RequestOutputChannel | MergedOutputs | None) -> None:
+        self.channels = channels
+        self.source = source
+        self._client = client
+
+    async def receive(self) -> Any:
+        """The next output. Raises: ``trio.EndOfChannel`` after the last; whatever a request raises."""
+        return await self.source.receive()
+
+    def __aiter__(self) -> QueuedRequests:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.source.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    def close(self) -> None:
+        """Abort the requests that have not finished (``abort`` needs no await)."""
+        channels, self.channels = self.channels, []
+        for channel in channels:
+            if not channel.state.finished:
+                self._client.abort(channel.state.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> QueuedRequests:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if self.channels:
+            with contextlib.suppress(Exception):  # (the engine may be gone: nothing to abort then)
+                self.close()
+
+
 class EngineClient:
     """What callers use: submit requests and read their outputs, abort, read stats.
 
@@ -268,20 +316,17 @@ class EngineClient:
             EngineDeadError: the engine failed or shut down.
             RequestFailedError: this request failed inside the engine (the engine goes on).
         """
-        grammar = await self.compile(sampling_params)
-        self.check_room((sampling_params or SamplingParams()).n)  # (no await between it and the submit)
-        channel = self.submit(prompt, sampling_params, request_id, priority, grammar=grammar)
-        request_id, receive = channel.state.request_id, channel.receive
+        queued = await self.add_request(prompt, sampling_params, request_id, priority)
+        receive = queued.source.receive
         try:
-            while True:  # (``async for`` over the channel adds a call of its ``__anext__`` per output)
+            while True:  # (``async for`` over the queue adds a call of its ``__anext__`` per output)
                 try:
                     output = await receive()
                 except trio.EndOfChannel:
                     return
                 yield output
         finally:
-            if not channel.state.finished:
-                self.abort(request_id)
+            queued.close()
 
     async def generate_many(self, prompts: Sequence[str | list[int] | dict[str, Any]],
                             sampling_params: SamplingParams | None = None, request_ids: Sequence[str] | None = None,
@@ -298,6 +343,32 @@ class EngineClient:
             EngineOverloadedError: no room in the waiting queue for all of them (``check_room``).
             EngineDeadError, RequestFailedError: the engine, or one of the requests, failed.
         """
+        queued = await self.add_requests(prompts, sampling_params, request_ids, priority)
+        try:
+            async for item in queued:
+                yield item
+        finally:
+            queued.close()
+
+    async def add_request(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0) -> QueuedRequests:
+        """Queue a request now and return its outputs, to read (vLLM's ``AsyncLLM.add_request``):
+        what ``generate`` does before its first output, for a caller that must know the request
+        is queued, or refused, before it answers anything (a server, before a stream's status
+        line). Closing the result, or dropping it unread, aborts the request.
+
+        Raises: as ``generate``, here rather than at the first output.
+        """
+        grammar = await self.compile(sampling_params)
+        self.check_room((sampling_params or SamplingParams()).n)  # (no await between it and the submit)
+        channel = self.submit(prompt, sampling_params, request_id, priority, grammar=grammar)
+        return QueuedRequests(self, [channel], channel)
+
+    async def add_requests(self, prompts: Sequence[str | list[int] | dict[str, Any]],
+                           sampling_params: SamplingParams | None = None, request_ids: Sequence[str] | None = None,
+                           priority: int = 0) -> QueuedRequests:
+        """``add_request`` for several prompts (``generate_many``'s queueing): every prompt checked,
+        then all queued or none; the outputs come as ``(prompt index, output)``."""
         params = sampling_params or SamplingParams()
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         inputs = [self.prepare(p) for p in prompts]
@@ -306,17 +377,15 @@ class EngineClient:
         grammar = await self.compile(params)
         self.check_room(len(inputs) * params.n)  # all or none: no await from here to the last submit
         wakeup = Wakeup()
-        channels = []
+        channels: list[RequestOutputChannel] = []
         try:
             for request_id, (text, token_ids) in zip(ids, inputs):
                 channels.append(self.submit({"prompt": text, "prompt_token_ids": token_ids}, params, request_id,
                                             priority, wakeup, grammar))
-            async for item in MergedOutputs(channels, wakeup):
-                yield item
-        finally:
-            for channel in channels:
-                if not channel.state.finished:
-                    self.abort(channel.state.request_id)
+        except BaseException:
+            QueuedRequests(self, channels, None).close()
+            raise
+        return QueuedRequests(self, channels, MergedOutputs(channels, wakeup))
 
     async def compile(self, sampling_params: SamplingParams | None) -> CompiledGrammar | None:
         """The request's structured-output constraint compiled (in a worker thread, cached), or
