@@ -872,8 +872,8 @@ async def _off_loop(num_chars: int, fn, *args):
 
 
 def _deadline_passed() -> APIError:
-    return APIError(504, "the request did not finish before its deadline (X-Request-Timeout)",
-                    code="request_timeout")
+    return APIError(504, "the request did not finish before its deadline (its X-Request-Timeout, or the "
+                         "server's --request-timeout)", code="request_timeout")
 
 
 @contextmanager
