@@ -134,6 +134,30 @@ async def test_a_killed_engine_process_fails_every_stream_and_nothing_is_left():
     assert not os.path.exists(f"/proc/{pid}")  # reaped
 
 
+async def test_an_engine_process_that_stops_answering_is_declared_dead(monkeypatch):
+    """A stopped engine process (SIGSTOP; a wedged interpreter) can report nothing: its
+    heartbeats stop, and the front declares it dead after the silence limit (requests waited
+    for ever, /health said 200)."""
+    import signal
+
+    from engine.transport import protocol
+
+    monkeypatch.setattr(protocol, "SILENCE_LIMIT_S", 3.0)
+    async with open_engine(**CONFIG, engine_process=True) as client:
+        pid = client._engine.core.pid
+        await trio.sleep(4.0)  # past the limit: heartbeats alone keep an idle engine alive
+        assert not client.errored
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with trio.fail_after(20), pytest.raises(EngineDeadError, match=r"stopped answering: no word from it"):
+                async for _ in client.generate("Hi", SamplingParams(max_tokens=50)):
+                    pass
+            assert client.errored
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    assert not os.path.exists(f"/proc/{pid}")  # reaped
+
+
 async def test_two_data_parallel_engines_share_the_requests_and_give_the_same_tokens():
     dp, dp_stats = await greedy(data_parallel_size=2)
     local, _ = await greedy()

@@ -33,7 +33,7 @@ from engine.core.engine_core import EngineCore
 from engine.errors import InvalidParameterError, RequestFailedError
 from engine.messages import AbortRequest, AddRequest, RequestRejected, StopRequest
 from engine.models.loader import resolve_model
-from engine.transport.protocol import CODEC, EngineFailed, EngineReady, RequestOwners
+from engine.transport.protocol import CODEC, HEARTBEAT_S, EngineFailed, EngineReady, Heartbeat, RequestOwners
 from engine.transport.wire import open_link
 
 log = logging.getLogger("engine.transport.engine_process")
@@ -72,6 +72,7 @@ async def serve(fds: list[int], config: EngineConfig) -> int:
             inbox_send.close()  # the core's inbox ends when every front's inlet has
             sent = trio.Event()
             nursery.start_soon(fronts.outlet, steps_recv, sent)
+            nursery.start_soon(fronts.heartbeats)
             try:
                 await actor.run()
             except Exception as exc:
@@ -154,6 +155,17 @@ class Fronts:
             if self._structured is None:
                 self._structured = await trio.to_thread.run_sync(_structured_outputs, self._core)
         return self._structured
+
+    async def heartbeats(self) -> None:
+        """A ``Heartbeat`` to every front every ``HEARTBEAT_S``, until cancelled."""
+        while True:
+            await trio.sleep(HEARTBEAT_S)
+            for front, send in enumerate(self._sends):
+                if self._live[front]:
+                    try:
+                        await send.send(Heartbeat())
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        self.gone(front)
 
     async def outlet(self, steps: trio.MemoryReceiveChannel, sent: trio.Event) -> None:
         """Each step output up the links: to every front its own requests' deltas and

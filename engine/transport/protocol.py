@@ -29,7 +29,20 @@ class EngineFailed:
     error: Exception
 
 
-CODEC = Codec([*WIRE_MESSAGES, EngineReady, EngineFailed])
+@attrs.frozen
+class Heartbeat:
+    """Sent by the engine process to each front every ``HEARTBEAT_S``, whatever it is doing: a
+    front that hears nothing for ``SILENCE_LIMIT_S`` knows the process has stopped (SIGSTOP, a
+    wedged interpreter), which no watchdog inside it could report."""
+
+
+# Seconds between an engine process's heartbeats, and of silence after which a front declares
+# it dead. A long step is no silence: the heartbeats come from the event loop, the step runs
+# on the device thread (the engine's own watchdog bounds steps: step_timeout).
+HEARTBEAT_S = 1.0
+SILENCE_LIMIT_S = 30.0
+
+CODEC = Codec([*WIRE_MESSAGES, EngineReady, EngineFailed, Heartbeat])
 
 class RequestOwners:
     """Which of several places (an engine of a data-parallel group, a front of an engine) each

@@ -35,7 +35,8 @@ from engine.core.engine_core import validate_request
 from engine.errors import EngineDeadError, ungrouped
 from engine.messages import AbortRequest, AddRequest, EngineStats
 from engine.sampling_params import SamplingParams
-from engine.transport.protocol import EngineFailed, EngineReady, RequestOwners
+from engine.transport import protocol
+from engine.transport.protocol import EngineFailed, EngineReady, Heartbeat, RequestOwners
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,18 @@ class RemoteCoreActor:
     async def _receive(self) -> None:
         core = self._core
         try:
-            async for message in core._receive:
+            while True:
+                limit = protocol.SILENCE_LIMIT_S
+                with trio.move_on_after(limit) as silence:  # (only the wait for the engine: not a full outbox)
+                    try:
+                        message = await core._receive.receive()
+                    except trio.EndOfChannel:
+                        break
+                if silence.cancelled_caught:
+                    raise core._died(EngineDeadError(f"no word from it for {limit:g} s (it sends one every "
+                                                     f"{protocol.HEARTBEAT_S:g} s)"))
+                if isinstance(message, Heartbeat):
+                    continue
                 if isinstance(message, EngineFailed):
                     raise EngineDeadError(f"the engine failed: {message.error!r}") from message.error
                 core._stats = message.stats
