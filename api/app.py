@@ -8,7 +8,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import aclosing, contextmanager
+from contextlib import aclosing, contextmanager, nullcontext
 from typing import Any
 
 import attrs
@@ -481,11 +481,12 @@ class _Handlers:
         tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
         # queued now: a refusal (503) comes before a stream's status line, not as its first event
-        stream = _before(deadline, await self.client.add_request({"prompt_token_ids": ids}, params,
+        stream = _Before(deadline, await self.client.add_request({"prompt_token_ids": ids}, params,
                                                                  request_id=request_id, priority=req.priority))
         tools = plan is not None and plan.may_call
         if req.stream:
-            return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan, reasoning))
+            return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan, reasoning),
+                                     closes=stream)
         final = await self._final(stream, tracker)
         choices, splitters = [], []
         for c in final.outputs:
@@ -609,7 +610,7 @@ class _Handlers:
         stored = store is not None and req.store is not False
         builder = ResponseBuilder(response_head(req, response_id, self.state.model_name, stored))
         tracker = UsageTracker(len(chat.ids))
-        stream = _before(deadline, await self.client.add_request({"prompt_token_ids": chat.ids}, chat.params,
+        stream = _Before(deadline, await self.client.add_request({"prompt_token_ids": chat.ids}, chat.params,
                                                                  request_id=response_id, priority=req.priority))
         items = input_item_resources(req.input) if stored else []
         remember = (lambda response: store.put(StoredResponse(response, conversation + output_messages(
@@ -618,7 +619,8 @@ class _Handlers:
             def failed(error: Exception) -> bytes:
                 return b"".join(sse_event(event) for event in builder.fail(_stream_error(error)))
 
-            return self.sse_response(self._response_events(chat, stream, tracker, builder, remember), failed)
+            return self.sse_response(self._response_events(chat, stream, tracker, builder, remember), failed,
+                                     closes=stream)
         final = await self._final(stream, tracker)
         (c,) = final.outputs
         splitter = OutputSplitter(chat.reasoning, chat.may_call, chat.calls_only)
@@ -706,12 +708,13 @@ class _Handlers:
         await self.compile_constraint(req, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(sum(len(ids) for _, ids in inputs))
-        outputs = _before(deadline, await self.client.add_requests(
+        outputs = _Before(deadline, await self.client.add_requests(
             [{"prompt": text, "prompt_token_ids": ids} for text, ids in inputs], params,
             [f"{request_id}-{i}" for i in range(len(inputs))], req.priority))
         prompt_texts = [text if text is not None else self.client.tokenizer.decode(ids) for text, ids in inputs]
         if req.stream:
-            return self.sse_response(self._completion_chunks(req, request_id, outputs, tracker, prompt_texts))
+            return self.sse_response(self._completion_chunks(req, request_id, outputs, tracker, prompt_texts),
+                                     closes=outputs)
         finals: list[RequestOutput | None] = [None] * len(inputs)
         async with aclosing(outputs):  # (cancelled, as by a disconnect: its requests abort now)
             async for index, output in outputs:
@@ -775,10 +778,12 @@ class _Handlers:
         return final
 
     @staticmethod
-    def sse_response(chunks, error_event=None) -> Response:
+    def sse_response(chunks, error_event=None, closes=None) -> Response:
         """An event stream of ``chunks``; a failure once it has begun ends it with
-        ``error_event(error)`` (a chat-shaped error and [DONE] by default)."""
-        response = Response(_guard(chunks, error_event), content_type="text/event-stream")
+        ``error_event(error)`` (a chat-shaped error and [DONE] by default). ``closes``: the
+        queued requests the chunks are made of, closed with the stream (their requests abort
+        if it ends early, even before the chunks first read them)."""
+        response = Response(_guard(chunks, error_event, closes), content_type="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # a long generation is not a stalled response
         return response
@@ -821,12 +826,12 @@ def _template_message(message, content: str) -> dict[str, Any]:
     return converted
 
 
-async def _guard(events, error_event=None):
+async def _guard(events, error_event=None, closes=None):
     """A response's SSE events; whatever fails once the status line has been sent (the engine,
     the request, its deadline, a rejection from the engine core, a bug), the stream ends with
     an error event (and [DONE]) rather than a cut connection."""
-    try:
-        async with aclosing(events):  # (closed now, not at garbage collection: its requests abort)
+    try:  # (both closed now, not at garbage collection: their requests abort)
+        async with aclosing(closes) if closes is not None else nullcontext(), aclosing(events):
             async for event in events:
                 yield event
     except Exception as error:
@@ -857,7 +862,6 @@ def _response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-_TIMED_OUT = object()
 # Text longer than this (characters) is tokenized or templated in a worker thread: 16k
 # characters take ~7 ms to tokenize, and a whole 8 MB body several seconds.
 _OFF_LOOP_CHARS = 16_384
@@ -888,25 +892,28 @@ def _within(deadline: float | None) -> Iterator[None]:
         raise _deadline_passed()
 
 
-async def _before(deadline: float | None, stream):
+class _Before:
     """The items of ``stream`` until ``deadline`` (trio time). Past it the stream is closed,
-    which aborts its requests, and a 504 is raised. No cancel scope spans a yield. However
-    this ends, ``stream`` is closed."""
-    async with aclosing(stream):
-        if deadline is None:
-            async for item in stream:
-                yield item
-            return
-        while True:
-            item = _TIMED_OUT
-            with trio.move_on_at(deadline):
-                try:
-                    item = await stream.__anext__()
-                except StopAsyncIteration:
-                    return
-            if item is _TIMED_OUT:
-                raise _deadline_passed()
-            yield item
+    which aborts its requests, and a 504 is raised. Closing this closes ``stream``, whether or
+    not it was read (queued requests abort even if their response never began)."""
+
+    def __init__(self, deadline: float | None, stream) -> None:
+        self._deadline = deadline
+        self._stream = stream
+
+    def __aiter__(self) -> _Before:
+        return self
+
+    async def __anext__(self):
+        if self._deadline is None:
+            return await self._stream.__anext__()
+        with trio.move_on_at(self._deadline):
+            return await self._stream.__anext__()
+        await self.aclose()
+        raise _deadline_passed()
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
 
 
 def _nested_deeper_than(data: Any, limit: int) -> bool:

@@ -83,11 +83,11 @@ async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
                         watchers.start_soon(stopping.when_exits, front)
                 nursery.cancel_scope.cancel()
         finally:
+            for fd in lifelines:  # (however this ends, the fronts shut down as on SIGTERM)
+                os.close(fd)
             with trio.CancelScope(shield=True):
                 for process in fronts + engines:
                     await reap(process, EXIT_TIMEOUT)
-            for fd in lifelines:
-                os.close(fd)
     codes = [p.returncode for p in fronts]
     log.info("API servers exited with %s; engine processes with %s", codes, [p.returncode for p in engines])
     return max((c if c >= 0 else 1) for c in codes) if codes else 1

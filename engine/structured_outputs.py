@@ -198,9 +198,7 @@ class XGrammarBackend:
                 compiled = self._compile_grammar(params.grammar)
             else:
                 tag = parse_json_constraint(params.structural_tag, "structural_tag")
-                # (built first as a grammar: xgrammar's own check names what is wrong with the tag,
-                # where compiling it at once fails an internal assertion)
-                compiled = self._compiler.compile_grammar(self._xgr.Grammar.from_structural_tag(json.dumps(tag)))
+                compiled = self._compiler.compile_structural_tag(json.dumps(tag))
         except InvalidParameterError:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -238,8 +236,10 @@ _LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w.]*\s*(\.\d+)?\s*:(?!:)", re.MULT
 
 
 def _compiler_message(exc: Exception) -> str:
-    """xgrammar's message without its log prefix (``[time] source.cc:line: ``)."""
+    """xgrammar's message without its log prefix (``[time] source.cc:line: ``) or the words of the
+    assertion that raised it (an invalid structural tag fails one, which then says what is wrong)."""
     message = re.sub(r"^\[[0-9:]+\] \S+:[0-9]+: ", "", str(exc).strip())
+    message = re.sub(r"^Check failed: \(.*?\) is false: ", "", message)  # (an internal assertion's words)
     return message.splitlines()[0][:500] if message else type(exc).__name__
 
 

@@ -232,8 +232,10 @@ class LiveServer:
 
 
 @asynccontextmanager
-async def serve_http(core, tokenizer, keep_alive_timeout: float = 5, **state_fields) -> AsyncIterator[LiveServer]:
-    """Serve ``create_app`` with hypercorn in this trio run (real sockets: disconnects are real)."""
+async def serve_http(core, tokenizer, keep_alive_timeout: float = 60, **state_fields) -> AsyncIterator[LiveServer]:
+    """Serve ``create_app`` with hypercorn in this trio run (real sockets: disconnects are real).
+    Idle connections close after ``keep_alive_timeout`` (longer than httpx keeps them: a client
+    never reuses one the server is closing)."""
     import httpx
     import trio
     from hypercorn.config import Config

@@ -535,11 +535,13 @@ async def test_a_burst_of_streams_past_the_limit_gets_503s_not_200s_that_fail(ti
     queued_before_the_status_line = []
     real_sse_response = _Handlers.sse_response
 
-    def sse_response(chunks, error_event=None):
+    def sse_response(chunks, error_event=None, closes=None):
         queued_before_the_status_line.append(server.client.num_unfinished > 0)
-        return real_sse_response(chunks, error_event)
+        return real_sse_response(chunks, error_event, closes)
 
     monkeypatch.setattr(_Handlers, "sse_response", staticmethod(sse_response))
+
+    all_answered = trio.Event()
 
     async def one(path: str, body: dict) -> None:
         async with server.http.stream("POST", path, json={**body, "max_tokens": 200, "ignore_eos": True,
@@ -548,6 +550,9 @@ async def test_a_burst_of_streams_past_the_limit_gets_503s_not_200s_that_fail(ti
             if response.status_code == 200:
                 first = await response.aiter_lines().__anext__()
             answers.append((response.status_code, response.headers.get("Retry-After"), first))
+            if len(answers) == 12:
+                all_answered.set()
+            await all_answered.wait()  # (a stream that ended early would make room for another)
 
     async with serve_http(core, tokenizer) as server:
         with trio.fail_after(60):

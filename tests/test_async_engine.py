@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from contextlib import aclosing
 
 import attrs
@@ -115,9 +116,17 @@ async def test_break_out_of_the_loop_aborts(tiny_core, tokenizer):
         assert client.stats().kv_blocks_used == 0
 
 
-async def test_requests_queued_then_dropped_unread_or_closed_are_aborted(tiny_core, tokenizer):
+async def test_requests_queued_then_dropped_unread_or_closed_are_aborted(tiny_core, tokenizer, monkeypatch):
     """``add_request(s)`` queue at once (a server's 503 comes before its status line); a caller
-    that fails before reading them, or closes them, leaks no request."""
+    that fails before reading them, or closes them, leaks no request (each would take 200
+    steps of 50 ms, past the waits' 10 s, if it were not aborted)."""
+    execute = tiny_core.runner.execute
+
+    def slow(*args):
+        time.sleep(0.05)
+        return execute(*args)
+
+    monkeypatch.setattr(tiny_core.runner, "execute", slow)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     async with Engine(tiny_core, tokenizer).serve() as client:
         one = await client.add_request(prompt(5), params)

@@ -162,6 +162,7 @@ class QueuedRequests:
         self.channels = channels
         self.source = source
         self._client = client
+        self._loop = trio.lowlevel.current_trio_token()
 
     async def receive(self) -> Any:
         """The next output. Raises: ``trio.EndOfChannel`` after the last; whatever a request raises."""
@@ -193,9 +194,11 @@ class QueuedRequests:
         self.close()
 
     def __del__(self) -> None:
+        # The collector may run this on any thread, and in the middle of the engine's own loops:
+        # the aborts are made in the event loop, at its next turn. (A stopped loop: nothing runs.)
         if self.channels:
-            with contextlib.suppress(Exception):  # (the engine may be gone: nothing to abort then)
-                self.close()
+            with contextlib.suppress(trio.RunFinishedError):
+                self._loop.run_sync_soon(self.close)
 
 
 class EngineClient:

@@ -157,13 +157,17 @@ class Fronts:
         return self._structured
 
     async def heartbeats(self) -> None:
-        """A ``Heartbeat`` to every front every ``HEARTBEAT_S``, until cancelled."""
+        """A ``Heartbeat`` to every front every ``HEARTBEAT_S``, until cancelled. Never waiting on
+        one: a front whose link is full has not stopped hearing from this process, and one front
+        that stopped reading must not silence the others."""
         while True:
             await trio.sleep(HEARTBEAT_S)
             for front, send in enumerate(self._sends):
                 if self._live[front]:
                     try:
-                        await send.send(Heartbeat())
+                        send.send_nowait(Heartbeat())
+                    except trio.WouldBlock:
+                        pass
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         self.gone(front)
 

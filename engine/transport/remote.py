@@ -110,15 +110,9 @@ class RemoteCoreActor:
         core = self._core
         try:
             while True:
-                limit = protocol.SILENCE_LIMIT_S
-                with trio.move_on_after(limit) as silence:  # (only the wait for the engine: not a full outbox)
-                    try:
-                        message = await core._receive.receive()
-                    except trio.EndOfChannel:
-                        break
-                if silence.cancelled_caught:
-                    raise core._died(EngineDeadError(f"no word from it for {limit:g} s (it sends one every "
-                                                     f"{protocol.HEARTBEAT_S:g} s)"))
+                message = await self._next_message()
+                if message is None:
+                    break
                 if isinstance(message, Heartbeat):
                     continue
                 if isinstance(message, EngineFailed):
@@ -132,6 +126,23 @@ class RemoteCoreActor:
             core._stats = attrs.evolve(core._stats, num_running=0, num_waiting=0, kv_blocks_used=0)
         # Only the front ends the link in order; an engine that ends it has stopped.
         raise core._died(EngineDeadError("the engine process closed the link"))
+
+    async def _next_message(self):
+        """The engine's next message, or None at the end of the link.
+
+        Raises:
+            EngineDeadError: nothing came for ``SILENCE_LIMIT_S`` and a short grace after it
+                (a front that was itself paused finds the heartbeats waiting in its socket).
+        """
+        receive = self._core._receive.receive
+        for limit in (protocol.SILENCE_LIMIT_S, 3 * protocol.HEARTBEAT_S):
+            with trio.move_on_after(limit):  # (only the wait for the engine: not a full outbox)
+                try:
+                    return await receive()
+                except trio.EndOfChannel:
+                    return None
+        raise self._core._died(EngineDeadError(f"no word from it for {protocol.SILENCE_LIMIT_S:g} s (it sends one "
+                                               f"every {protocol.HEARTBEAT_S:g} s)"))
 
     async def _forward(self) -> None:
         async for message in self._inbox:
