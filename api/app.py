@@ -8,7 +8,7 @@ import math
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import aclosing, contextmanager, nullcontext
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 import attrs
@@ -174,6 +174,11 @@ def create_app(state: ServerState) -> QuartTrio:
 
     _register_error_handlers(app, state.limits)
 
+    _add_routes(app, api, state.frontend)
+    return app
+
+
+def _add_routes(app: QuartTrio, api: _Handlers, frontend: bool) -> None:
     app.add_url_rule("/openapi.json", "openapi", api.openapi, methods=["GET"])
     app.add_url_rule("/docs", "docs", api.docs, methods=["GET"])
     app.add_url_rule("/health", "health", api.health, methods=["GET"])
@@ -192,10 +197,9 @@ def create_app(state: ServerState) -> QuartTrio:
     app.add_url_rule("/v1/responses/<response_id>/input_items", "response_input_items", api.responses_input_items,
                      methods=["GET"])
     app.add_url_rule("/v1/engine/stats", "engine_stats", api.engine_stats, methods=["GET"])
-    if state.frontend:
+    if frontend:
         app.add_url_rule("/", "page", api.page, methods=["GET"])
         app.add_url_rule("/static/<name>", "page_file", api.page_file, methods=["GET"])
-    return app
 
 
 def _register_error_handlers(app: QuartTrio, limits: Limits) -> None:
@@ -486,7 +490,7 @@ class _Handlers:
         tools = plan is not None and plan.may_call
         if req.stream:
             return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan, reasoning),
-                                     closes=stream)
+                                     stream)
         final = await self._final(stream, tracker)
         choices, splitters = [], []
         for c in final.outputs:
@@ -553,7 +557,7 @@ class _Handlers:
         splitters = [OutputSplitter(reasoning, tools, plan is not None and plan.calls_only) for _ in range(req.n)]
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                       "finish_reason": None} for i in range(req.n)])
-        async for output in _closing(stream):
+        async for output in stream:  # (closed with the response)
             tracker.observe(output)
             choices = []
             for c in output.outputs:
@@ -619,8 +623,8 @@ class _Handlers:
             def failed(error: Exception) -> bytes:
                 return b"".join(sse_event(event) for event in builder.fail(_stream_error(error)))
 
-            return self.sse_response(self._response_events(chat, stream, tracker, builder, remember), failed,
-                                     closes=stream)
+            return self.sse_response(self._response_events(chat, stream, tracker, builder, remember), stream,
+                                     failed)
         final = await self._final(stream, tracker)
         (c,) = final.outputs
         splitter = OutputSplitter(chat.reasoning, chat.may_call, chat.calls_only)
@@ -637,7 +641,7 @@ class _Handlers:
         for event in builder.start():
             yield sse_event(event)
         finish_reason = None
-        async for output in _closing(stream):
+        async for output in stream:  # (closed with the response)
             tracker.observe(output)
             (c,) = output.outputs
             for event in builder.feed(splitter.feed(c.text, c.token_ids, final=c.finish_reason is not None)):
@@ -714,7 +718,7 @@ class _Handlers:
         prompt_texts = [text if text is not None else self.client.tokenizer.decode(ids) for text, ids in inputs]
         if req.stream:
             return self.sse_response(self._completion_chunks(req, request_id, outputs, tracker, prompt_texts),
-                                     closes=outputs)
+                                     outputs)
         finals: list[RequestOutput | None] = [None] * len(inputs)
         async with aclosing(outputs):  # (cancelled, as by a disconnect: its requests abort now)
             async for index, output in outputs:
@@ -749,7 +753,7 @@ class _Handlers:
         if req.echo:
             yield chunk([{"index": p * req.n + i, "text": text, "logprobs": None, "finish_reason": None}
                          for p, text in enumerate(prompt_texts) for i in range(req.n)])
-        async for p, output in _closing(outputs):
+        async for p, output in outputs:  # (closed with the response)
             tracker.observe(output, p)
             choices = []
             for c in output.outputs:
@@ -778,12 +782,12 @@ class _Handlers:
         return final
 
     @staticmethod
-    def sse_response(chunks, error_event=None, closes=None) -> Response:
-        """An event stream of ``chunks``; a failure once it has begun ends it with
-        ``error_event(error)`` (a chat-shaped error and [DONE] by default). ``closes``: the
-        queued requests the chunks are made of, closed with the stream (their requests abort
-        if it ends early, even before the chunks first read them)."""
-        response = Response(_guard(chunks, error_event, closes), content_type="text/event-stream")
+    def sse_response(chunks, closes, error_event=None) -> Response:
+        """An event stream of ``chunks``, made of the queued requests ``closes``, which are closed
+        with it however it ends (their requests abort now, even before the chunks first read
+        them, not when the garbage collector finds them); a failure once it has begun ends it
+        with ``error_event(error)`` (a chat-shaped error and [DONE] by default)."""
+        response = Response(_guard(chunks, closes, error_event), content_type="text/event-stream")
         response.headers["Cache-Control"] = "no-cache"
         response.timeout = None  # a long generation is not a stalled response
         return response
@@ -826,24 +830,16 @@ def _template_message(message, content: str) -> dict[str, Any]:
     return converted
 
 
-async def _guard(events, error_event=None, closes=None):
+async def _guard(events, closes, error_event=None):
     """A response's SSE events; whatever fails once the status line has been sent (the engine,
     the request, its deadline, a rejection from the engine core, a bug), the stream ends with
     an error event (and [DONE]) rather than a cut connection."""
     try:  # (both closed now, not at garbage collection: their requests abort)
-        async with aclosing(closes) if closes is not None else nullcontext(), aclosing(events):
+        async with aclosing(closes), aclosing(events):
             async for event in events:
                 yield event
     except Exception as error:
         yield error_event(error) if error_event is not None else sse(_stream_error(error).body()) + SSE_DONE
-
-
-async def _closing(stream):
-    """The items of ``stream``, which is closed however this ends (its requests abort now,
-    not when the garbage collector finds it)."""
-    async with aclosing(stream):
-        async for item in stream:
-            yield item
 
 
 def _stream_error(error: Exception) -> APIError:

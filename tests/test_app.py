@@ -535,9 +535,9 @@ async def test_a_burst_of_streams_past_the_limit_gets_503s_not_200s_that_fail(ti
     queued_before_the_status_line = []
     real_sse_response = _Handlers.sse_response
 
-    def sse_response(chunks, error_event=None, closes=None):
+    def sse_response(chunks, closes, error_event=None):
         queued_before_the_status_line.append(server.client.num_unfinished > 0)
-        return real_sse_response(chunks, error_event, closes)
+        return real_sse_response(chunks, closes, error_event)
 
     monkeypatch.setattr(_Handlers, "sse_response", staticmethod(sse_response))
 

@@ -164,10 +164,6 @@ class QueuedRequests:
         self._client = client
         self._loop = trio.lowlevel.current_trio_token()
 
-    async def receive(self) -> Any:
-        """The next output. Raises: ``trio.EndOfChannel`` after the last; whatever a request raises."""
-        return await self.source.receive()
-
     def __aiter__(self) -> QueuedRequests:
         return self
 
