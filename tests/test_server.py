@@ -454,10 +454,15 @@ def test_a_dead_front_takes_its_engine_process_with_it():
     (engine,) = child_pids(proc.pid)
     proc.kill()
     proc.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while not exited(engine) and time.monotonic() < deadline:
+    assert all_exit([engine], 15)  # (reaping it is now the job of whatever adopted it)
+
+
+def all_exit(pids: list[int], timeout: float) -> bool:
+    """Whether every process of ``pids`` exits within ``timeout`` seconds (reaped or a zombie)."""
+    deadline = time.monotonic() + timeout
+    while not all(exited(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert exited(engine)  # (reaping it is now the job of whatever adopted it)
+    return all(exited(pid) for pid in pids)
 
 
 def exited(pid: int) -> bool:
@@ -596,10 +601,7 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
             killed = layout == "two API servers"
             proc.send_signal(signal.SIGKILL if killed else signal.SIGTERM)
             assert proc.wait(timeout=60) == (-signal.SIGKILL if killed else 0)
-        deadline = time.monotonic() + 30
-        while not all(exited(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert all(exited(pid) for pid in children), layout
+        assert all_exit(children, 30), layout
     assert outputs["data parallel"] == outputs["two API servers"]
     assert outputs["data parallel, constrained"] == outputs["two API servers, constrained"]
 
