@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -20,6 +21,9 @@ MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 MAX_N = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 256
+# bad_words: each word is banned as two token sequences (with and without a leading space),
+# matched against the output after every token.
+MAX_BAD_WORDS = 128
 
 
 class RequestOutputKind(enum.Enum):
@@ -51,6 +55,14 @@ def _to_str_list(value: str | list[str] | None) -> list[str]:
 
 def _to_list(value: Any) -> list:
     return [] if value is None else list(value)
+
+
+def _to_optional_list(value: Any) -> list | None:
+    return None if value is None else list(value)
+
+
+def _to_sequences(value: Any) -> list[list[int]] | None:
+    return None if value is None else [list(ids) for ids in value]
 
 
 def _to_bias(value: dict | None) -> dict[int, float]:
@@ -167,6 +179,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = attrs.field(factory=dict, converter=_to_bias)
+    # vLLM's token restrictions: only ``allowed_token_ids`` may be sampled; no ``bad_words``
+    # may appear in the output. The engine tokenizes each bad word into
+    # ``bad_words_token_ids`` (``with_bad_words_tokenized``): callers leave that None.
+    allowed_token_ids: list[int] | None = attrs.field(default=None, converter=_to_optional_list)
+    bad_words: list[str] = attrs.field(factory=list, converter=_to_str_list)
+    bad_words_token_ids: list[list[int]] | None = attrs.field(default=None, converter=_to_sequences)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -180,6 +198,7 @@ class SamplingParams:
         self._check_counts()
         self._check_probabilities()
         self._check_stops()
+        self._check_restrictions()
         self._check_salt()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidParameterError(PARAM_STRUCTURED, "structured_outputs must be a StructuredOutputsParams")
@@ -232,6 +251,55 @@ class SamplingParams:
                    f"must be non-empty strings of at most {MAX_STOP_LENGTH} characters")
         for t in self.stop_token_ids:
             _check("stop_token_ids", _is_int(t) and t >= 0, f"must be non-negative integers; got {t!r}")
+
+    def _check_restrictions(self) -> None:
+        if self.allowed_token_ids is not None:
+            _check("allowed_token_ids", len(self.allowed_token_ids) > 0, "must not be empty")
+            for t in self.allowed_token_ids:
+                _check("allowed_token_ids", _is_int(t) and t >= 0, f"must be non-negative integers; got {t!r}")
+        _check("bad_words", len(self.bad_words) <= MAX_BAD_WORDS,
+               f"may hold at most {MAX_BAD_WORDS} words; got {len(self.bad_words)}")
+        for word in self.bad_words:
+            _check("bad_words", isinstance(word, str) and 0 < len(word) <= MAX_STOP_LENGTH,
+                   f"must be non-empty strings of at most {MAX_STOP_LENGTH} characters")
+        for ids in self.bad_words_token_ids or ():
+            _check("bad_words_token_ids", 0 < len(ids) <= MAX_STOP_LENGTH and all(_is_int(t) and t >= 0 for t in ids),
+                   f"must be non-empty lists of at most {MAX_STOP_LENGTH} non-negative token ids")
+        if self.allowed_token_ids is not None:
+            banned = {ids[0] for ids in self.bad_words_token_ids or () if len(ids) == 1}
+            _check("allowed_token_ids", not set(self.allowed_token_ids) <= banned,
+                   "leaves no token to sample: bad_words ban every one of them")
+            if self.min_tokens:
+                _check("allowed_token_ids", not set(self.allowed_token_ids) <= banned | set(self.stop_token_ids),
+                       "leaves no token to sample before min_tokens: bad_words and stop_token_ids exclude them all")
+
+    def with_bad_words_tokenized(self, encode: Callable[[str], list[int]]) -> SamplingParams:
+        """These parameters with ``bad_words_token_ids`` filled in from ``bad_words`` (a no-op
+        without bad words, or where they are filled in already). ``encode``: text to token ids,
+        no special tokens. Each word is banned as written at the start of a text and after a
+        space (two token sequences where they differ), as vLLM does."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return self
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = encode(text) if text else []
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return attrs.evolve(self, bad_words_token_ids=sequences)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything but ``min_tokens`` changes the logits before sampling (bias,
+        restrictions, penalties)."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids
+                    or self.needs_penalties)
+
+    @property
+    def reads_output(self) -> bool:
+        """Whether sampling reads the tokens generated so far (penalties, bad words of several
+        tokens)."""
+        return self.needs_penalties or any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
 
     @property
     def greedy(self) -> bool:

@@ -87,6 +87,22 @@ def test_stop_strings_and_stop_tokens(llm):
     assert decode([eos], skip_special_tokens=False) not in out.text
 
 
+def test_bad_words_and_allowed_token_ids_restrict_the_output(llm):
+    prompt, greedy = "The capital of France is", dict(temperature=0, max_tokens=20)
+    full = llm.generate(prompt, SamplingParams(**greedy))[0].outputs[0]
+    assert full.text.startswith(" Paris.\n\nThe answer is:")
+    answer, is_ = full.token_ids[5:7]  # ' answer', ' is'
+    # A word of two tokens bans its second after its first: ' answer' stays, ' is' does not follow it.
+    out = llm.generate(prompt, SamplingParams(**greedy, bad_words=["answer is"]))[0].outputs[0]
+    assert out.token_ids[:6] == full.token_ids[:6] and out.token_ids[6] != is_
+    assert is_ in out.token_ids and "answer is" not in out.text
+    out = llm.generate(prompt, SamplingParams(**greedy, bad_words=["  answer"]))[0].outputs[0]  # (space or not)
+    assert out.token_ids[:5] == full.token_ids[:5] and "answer" not in out.text
+    allowed = full.token_ids[4:8]  # 'The', ' answer', ' is', ':'
+    out = llm.generate(prompt, SamplingParams(**greedy, allowed_token_ids=allowed))[0].outputs[0]
+    assert set(out.token_ids) <= set(allowed) and len(out.token_ids) == 20
+
+
 def test_min_tokens_holds_back_eos(llm):
     eos = llm.engine.eos_token_id
     forced = SamplingParams(temperature=0, max_tokens=10, logit_bias={eos: 100})
@@ -158,6 +174,7 @@ def test_chat_reads_text_parts_and_template_switches_as_vllm_does(llm):
     ([1, 2, 10**6], SamplingParams(), "prompt", "vocabulary"),
     ("hi", SamplingParams(max_tokens=10**6), "max_tokens", "8192"),
     ("hi", SamplingParams(stop_token_ids=[-5 + 10**7]), "stop_token_ids", "vocabulary"),
+    ("hi", SamplingParams(allowed_token_ids=[3, 10**7]), "allowed_token_ids", "vocabulary"),
     (None, SamplingParams(), "prompts", "NoneType"),  # (they were TypeErrors)
     ([True, 5], SamplingParams(), "prompt", "bool"),
 ])
@@ -197,12 +214,27 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(llm, monkeypatch):
     ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5), ("n", 0),
     ("max_tokens", 0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 21),
     ("min_tokens", 100), ("stop", [""]), ("logit_bias", {1: 500}), ("top_k", 1.5), ("n", True),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("bad_words", [""]), ("bad_words", ["w"] * 129),
+    ("bad_words_token_ids", [[]]),
 ])
 def test_sampling_params_reject_bad_values(field, value):
     with pytest.raises(InvalidParameterError) as exc:
         SamplingParams(**{field: value})
     assert exc.value.param == field and field in str(exc.value)
     assert isinstance(exc.value, ValueError)
+
+
+@pytest.mark.parametrize("refused, fine", [
+    (dict(allowed_token_ids=[5], bad_words_token_ids=[[5], [6, 5]]),
+     dict(allowed_token_ids=[5], bad_words_token_ids=[[6, 5]])),  # (5 is banned only after 6)
+    (dict(allowed_token_ids=[5, 6], stop_token_ids=[6], min_tokens=1, bad_words_token_ids=[[5]]),
+     dict(allowed_token_ids=[5, 6], stop_token_ids=[6], min_tokens=0, bad_words_token_ids=[[5]])),
+])
+def test_restrictions_that_leave_no_token_are_refused(refused, fine):
+    SamplingParams(**fine)
+    with pytest.raises(InvalidParameterError, match="allowed_token_ids leaves no token to sample") as exc:
+        SamplingParams(**refused)
+    assert exc.value.param == "allowed_token_ids"
 
 
 def test_unknown_engine_option_is_named():

@@ -375,9 +375,12 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
     ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "Hi", "stream": True, "stream_options": "yes"}, "stream_options"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": [True]}, "stream_options"),
-    ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": [5, 6]}, "allowed_token_ids"),  # (vLLM's extras
-    ("/v1/chat/completions", {**CHAT, "bad_words": ["Hello"]}, "bad_words"),                 # not honoured here:
-    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, "use_beam_search"),          # never ignored)
+    ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),  # (vLLM's extras
+    ("/v1/chat/completions", {**CHAT, "logits_processors": ["x"]}, "logits_processors"),   # not honoured here:
+    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, "use_beam_search"),      # never ignored)
+    ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "allowed_token_ids": [10**7]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "bad_words": ["w"] * 129}, "bad_words"),
     ("/v1/chat/completions", {**CHAT, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
 ])
 async def test_accepted_means_honoured_else_400(tiny_vocab_core, tokenizer, path, body, param):
@@ -413,6 +416,21 @@ async def test_an_error_names_the_field_in_the_words_of_the_request(tiny_vocab_c
         assert err["param"] == param and words in err["message"], err
         assert "Check failed" not in err["message"] and "max_completion_tokens" not in err["message"], err
         assert path != "/v1/responses" or "response_format" not in err["message"], err
+
+
+async def test_allowed_token_ids_and_bad_words_reach_the_sampler(tiny_vocab_core, tokenizer):
+    """vLLM's two restrictions, whatever the (random) model would write: only the allowed ids
+    come out, and a bad word's token never does."""
+    x, y = tokenizer.encode(" yes no", add_special_tokens=False)
+    body = {"prompt": "Hi", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        only_x = await server.http.post("/v1/completions", json={**body, "allowed_token_ids": [x]})
+        assert only_x.status_code == 200, only_x.text
+        assert only_x.json()["choices"][0]["text"] == " yes" * 4
+        chat = await server.http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "ignore_eos": True,
+                                                                    "allowed_token_ids": [x, y], "bad_words": ["yes"]})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["choices"][0]["message"]["content"] == " no" * 4
 
 
 async def test_an_assistants_refusal_part_reads_as_its_text(tiny_vocab_core, tokenizer):

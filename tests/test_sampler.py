@@ -127,6 +127,29 @@ def test_logit_bias_and_min_tokens():
     assert s(logits_of(ROW), [req(min_tokens=1, output=(1,), **biased_to_eos)]).token_ids == [7]
 
 
+def test_allowed_token_ids_leave_only_those_tokens():
+    s = Sampler(0)
+    assert s(logits_of(ROW), [req(temperature=0, allowed_token_ids=[0, 4, 5])]).token_ids == [4]
+    rows = [req(f"r{i}", temperature=5.0, allowed_token_ids=[1, 5]) for i in range(64)]
+    assert set(s(logits_of(*[ROW] * 64), rows).token_ids) == {1, 5}  # (p = 0.6 / 0.4: both drawn)
+
+
+def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest():
+    s = Sampler(0)
+    greedy = dict(temperature=0, bad_words_token_ids=[[2], [4, 7], [1, 4, 3]])  # (ROW's order: 2, 7, 3, 1, 4)
+    assert s(logits_of(ROW), [req(**greedy)]).token_ids == [7]  # a one-token word: always banned
+    assert s(logits_of(ROW), [req(output=(4,), **greedy)]).token_ids == [3]
+    assert s(logits_of(ROW), [req(output=(1, 4), **greedy)]).token_ids == [1]
+    assert s(logits_of(ROW), [req(prompt=(1, 4), **greedy)]).token_ids == [7]  # (the output's words only, as vLLM)
+
+
+def test_restrictions_that_leave_no_token_fail_that_row_only():
+    rows = [req("none", temperature=0, allowed_token_ids=[7], min_tokens=2), req("fine", temperature=0)]
+    out = Sampler(0)(logits_of(ROW, ROW), rows)
+    assert list(out.errors) == [0] and "no token is left to sample" in str(out.errors[0])
+    assert out.token_ids[1] == 2
+
+
 def test_penalties_match_their_definitions():
     s = Sampler(0)
     logits = logits_of(ROW)

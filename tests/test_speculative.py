@@ -370,13 +370,15 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path):
 @pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
 def test_seeded_sampling_with_every_parameter_is_the_same_with_proposals(model, tokenizer, proposer):
     """Each position is sampled as without proposals, from the request's own draws in the same
-    order: with a seed, penalties, logit bias, min_tokens, top-k/p, min-p and logprobs, the
-    tokens and logprobs are those of the engine without proposals."""
+    order: with a seed, penalties, logit bias, min_tokens, bad words (of one token and of two:
+    the ban depends on the drafts before the position), top-k/p, min-p and logprobs, the tokens
+    and logprobs are those of the engine without proposals."""
     prompts = _prompts(tokenizer)[-12:]
     comma = tokenizer.encode(",", add_special_tokens=False)[0]
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.02, seed=1234, max_tokens=32,
                             repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1,
-                            logit_bias={comma: -2.0}, min_tokens=8, logprobs=1)
+                            logit_bias={comma: -2.0}, min_tokens=8, logprobs=1, bad_words=["the stairs", "result"])
+    params = params.with_bad_words_tokenized(lambda word: tokenizer.encode(word, add_special_tokens=False))
     plain = _run(_core(model, "cpu", None), prompts, params)
     if proposer == "ngram":
         spec = {**NGRAM, "disable_by_batch_size": 64}

@@ -534,6 +534,9 @@ def validate_request(prompt: list[int], params: SamplingParams, priority: int, *
     _check_token_ids("prompt", prompt, vocab_size)
     _check_token_ids("stop_token_ids", params.stop_token_ids, vocab_size)
     _check_token_ids("logit_bias", params.logit_bias, vocab_size)
+    _check_token_ids("allowed_token_ids", params.allowed_token_ids or (), vocab_size)
+    for ids in params.bad_words_token_ids or ():
+        _check_token_ids("bad_words", ids, vocab_size)
     room = max_model_len - len(prompt)
     if params.max_tokens is not None and params.max_tokens > room:
         raise InvalidParameterError(

@@ -421,6 +421,7 @@ class EngineClient:
         if request_id in engine.registry:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt)
+        params = params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
         self.validate(ids, params, priority)
         if params.structured_outputs is not None and grammar is None:
             grammar = engine.structured_outputs.compile(params.structured_outputs)

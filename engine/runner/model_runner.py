@@ -23,7 +23,7 @@ def _plain_greedy(request: RunnerRequest) -> bool:
     """Whether the sampler's token for ``request`` is the argmax of its raw logits (and it
     wants no logprobs), at any position of this step."""
     params = request.params
-    return (params.greedy and params.logprobs is None and not params.logit_bias and not params.needs_penalties
+    return (params.greedy and params.logprobs is None and not params.processes_logits
             and request.num_output_tokens >= params.min_tokens)
 
 
@@ -237,8 +237,8 @@ class ModelRunner:
         """Sample the positions after each drafted row's first, in turn, while the drafts equal
         what is sampled (engine/speculative.py); ``logits`` are those positions' (``index``).
         ``sampled`` and ``logprobs`` (of the first positions) become each row's last sampled
-        token; returns the drafts kept before it and their logprobs. A request with penalties
-        keeps in its history only the tokens kept."""
+        token; returns the drafts kept before it and their logprobs. A request that reads its
+        output (penalties, bad words) keeps in its history only the tokens kept."""
         drafts = plan.num_draft_tokens
         spec = [(i, row) for i, row in enumerate(plan.sample_rows)
                 if drafts[row] and plan.request_ids[row] not in failed]
@@ -306,7 +306,7 @@ class ModelRunner:
                             kept: dict[str, list[int]]) -> None:
         for i, row in spec:
             history = rows[i].token_ids
-            if history is not None:  # (the drafts that were not kept leave the penalties' history)
+            if history is not None:  # (the drafts that were not kept leave the history)
                 del history[plan.starts[row] + 1 + len(kept.get(rows[i].request_id, ())):]
 
     def _take_in(self, plan: StepPlan) -> None:
@@ -323,7 +323,7 @@ class ModelRunner:
         for new in plan.new_requests:
             for tables in self.block_tables:  # (a plan names a new request's old state gone first)
                 tables.release((new.request_id,))
-            history = list(new.token_ids) if new.params.needs_penalties else None
+            history = list(new.token_ids) if new.params.reads_output else None
             self.requests[new.request_id] = RunnerRequest(
                 new.request_id, list(new.token_ids[:new.num_prompt_tokens]), new.params, new.eos_token_id,
                 new.num_prompt_logprobs, history)
@@ -356,7 +356,7 @@ class ModelRunner:
                 positions += range(start, end)
                 slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             history = requests[request_id].token_ids
-            if history is not None and end > len(history):  # a request with penalties: keep its tokens
+            if history is not None and end > len(history):  # a request that reads its output: keep its tokens
                 history += plan.token_ids[offset + len(history) - start:offset + n]
             offset += n
             starts.append(offset)

@@ -11,14 +11,14 @@ from engine.sampling_params import SamplingParams
 class RunnerRequest:
     """The runner's own state of one request, built from the plans (``NewRequest`` and the
     rows since): what the sampler and prompt logprobs read. ``token_ids`` is kept complete only
-    for requests with penalties (the only readers of past output tokens)."""
+    for requests whose sampling reads past output tokens (``SamplingParams.reads_output``)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_id: int | None
     num_prompt_logprobs: int
-    token_ids: list[int] | None  # prompt + output (None: not kept, no penalties)
+    token_ids: list[int] | None  # prompt + output (None: not kept, not read)
     num_tokens: int = 0  # tokens known at this step's sampling position (set per step)
 
     @property
@@ -31,5 +31,5 @@ class RunnerRequest:
 
     @property
     def output_token_ids(self) -> list[int]:
-        assert self.token_ids is not None, "output tokens are kept only for requests with penalties"
+        assert self.token_ids is not None, "output tokens are kept only for requests that read them"
         return self.token_ids[len(self.prompt_token_ids):self.num_tokens]

@@ -1,7 +1,9 @@
 """Batched token sampling with per-request parameters.
 
 Order, as in vLLM: raw logprobs are taken first (what ``logprobs`` reports); then
-logit_bias, min_tokens (stop tokens masked), repetition/frequency/presence penalties;
+allowed_token_ids and bad_words (other tokens, and each bad word's last token where the output
+ends with the rest of it, masked), logit_bias, min_tokens (stop tokens masked),
+repetition/frequency/presence penalties;
 then greedy rows take the argmax, and the others apply temperature, top-k, top-p and min-p
 and draw by inverting the row's cumulative distribution (float64) at one uniform number.
 That samples exactly from p with one random number per row, where the exponential race
@@ -115,8 +117,7 @@ class Sampler:
 
     def _process(self, logits: torch.Tensor, requests: Sequence[Request], errors: dict[int, Exception],
                  constrained: frozenset[int] = frozenset()) -> torch.Tensor:
-        needs = [r.params.logit_bias or r.num_output_tokens < r.params.min_tokens or r.params.needs_penalties
-                 for r in requests]
+        needs = [r.params.processes_logits or r.num_output_tokens < r.params.min_tokens for r in requests]
         if not any(needs):
             return logits
         logits = logits.clone()
@@ -194,8 +195,19 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
 
 def process_row(logits: torch.Tensor, request: Request, constrained: bool = False) -> None:
     """Apply one request's logit bias, min_tokens mask and penalties to its logits row, in place
-    (``constrained``: its grammar mask is already applied)."""
+    (``constrained``: its grammar mask is already applied).
+
+    Raises:
+        NoTokenLeftError: the restrictions (with the grammar's mask) leave no token to sample.
+    """
     params = request.params
+    if params.allowed_token_ids is not None:
+        ids = torch.tensor(params.allowed_token_ids, device=logits.device)
+        kept = logits[ids]
+        logits.fill_(float("-inf"))
+        logits[ids] = kept
+    if params.bad_words_token_ids:
+        logits[_bad_words_due(params.bad_words_token_ids, request)] = float("-inf")
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), device=logits.device)
         biases = torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
@@ -212,6 +224,25 @@ def process_row(logits: torch.Tensor, request: Request, constrained: bool = Fals
                 logits[ids] = kept  # the grammar allows nothing but to stop: min_tokens cannot hold
     if params.needs_penalties:
         _apply_penalties(logits, request)
+    if (params.allowed_token_ids is not None or params.bad_words_token_ids) and not torch.isfinite(logits).any():
+        raise NoTokenLeftError("no token is left to sample: allowed_token_ids and bad_words" +
+                               (" (with the structured output's grammar)" if constrained else "") +
+                               " exclude every token the model may write next")
+
+
+class NoTokenLeftError(ValueError):
+    """A request's restrictions exclude every token at a position."""
+
+
+def _bad_words_due(sequences: list[list[int]], request: Request) -> list[int]:
+    """The last token of each bad word whose other tokens end the output so far."""
+    output = request.output_token_ids if request.params.reads_output else []
+    due = []
+    for ids in sequences:
+        k = len(ids) - 1
+        if k == 0 or (len(output) >= k and output[-k:] == ids[:-1]):
+            due.append(ids[-1])
+    return due
 
 
 def _apply_penalties(logits: torch.Tensor, request: Request) -> None:
