@@ -537,11 +537,12 @@ class _Handlers:
             params = plan.constrain(params)
         reasoning, params = self.reasoning(rendered, params, req.thinking_token_budget)
         try:
-            self.validate(rendered.ids, params, req.priority)
+            ids = self.client.truncate(rendered.ids, params)
+            self.validate(ids, params, req.priority)
         except InvalidParameterError as exc:
             raise in_request_terms(exc, req, chat=True) from None
         await self.compile_constraint(req, params, plan)
-        return PreparedChat(rendered.ids, params, plan, reasoning)
+        return PreparedChat(ids, params, plan, reasoning)
 
     @classmethod
     def _chat_echo(cls, req: ChatCompletionRequest) -> str:
@@ -701,6 +702,8 @@ class _Handlers:
         self.check_prompts(len(prompts), req.n)  # before tokenizing any of them
         inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p) for p in prompts]
         params = sampling_params(req, chat=False, defaults=self.state.client.default_sampling)
+        if params.truncate_prompt_tokens is not None:  # (an echo shows the prompt the model read)
+            inputs = [(None, self.client.truncate(ids, params)) for _, ids in inputs]
         # echo with logprobs: the prompt's tokens have logprobs too (OpenAI's legacy completions,
         # vLLM; lm-evaluation-harness scores continuations so), at once only: prompt logprobs do
         # not stream

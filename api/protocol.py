@@ -105,11 +105,11 @@ class SamplingFields:
     guided_decoding_backend: str | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # vLLM's extras this server does not honour: accepted at their defaults, refused by name
     # otherwise (never ignored: a client that sets one relies on it).
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    truncate_prompt_tokens: int | None = None
     logits_processors: list[Any] | None = None
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
@@ -128,8 +128,8 @@ class SamplingFields:
                               "spaces_between_special_tokens=false (this server's fast tokenizers never add them)")
 
 
-_NOT_HONOURED = {"use_beam_search": False, "length_penalty": 1.0, "truncate_prompt_tokens": None,
-                 "logits_processors": None, "return_tokens_as_token_ids": False, "return_token_ids": False}
+_NOT_HONOURED = {"use_beam_search": False, "length_penalty": 1.0, "logits_processors": None,
+                 "return_tokens_as_token_ids": False, "return_token_ids": False}
 
 
 @attrs.frozen(kw_only=True)
@@ -440,7 +440,7 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat:
         ignore_eos=request.ignore_eos, max_tokens=max_tokens,
         min_tokens=request.min_tokens, logprobs=logprobs, prompt_logprobs=request.prompt_logprobs,
         logit_bias=request.logit_bias, allowed_token_ids=request.allowed_token_ids, bad_words=request.bad_words,
-        skip_special_tokens=request.skip_special_tokens,
+        truncate_prompt_tokens=request.truncate_prompt_tokens, skip_special_tokens=request.skip_special_tokens,
         spaces_between_special_tokens=request.spaces_between_special_tokens, cache_salt=request.cache_salt,
         output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         structured_outputs=structured_outputs(request)[0],

@@ -185,6 +185,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = attrs.field(default=None, converter=_to_optional_list)
     bad_words: list[str] = attrs.field(factory=list, converter=_to_str_list)
     bad_words_token_ids: list[list[int]] | None = attrs.field(default=None, converter=_to_sequences)
+    # Keep only the prompt's last this many tokens (-1: as many as max_model_len), as vLLM.
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -199,6 +201,7 @@ class SamplingParams:
         self._check_probabilities()
         self._check_stops()
         self._check_restrictions()
+        self._check_truncation()
         self._check_salt()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidParameterError(PARAM_STRUCTURED, "structured_outputs must be a StructuredOutputsParams")
@@ -237,6 +240,12 @@ class SamplingParams:
         for token_id, bias in self.logit_bias.items():
             _check("logit_bias", _is_number(bias) and -100 <= bias <= 100,
                    f"values must be in [-100, 100]; got {bias!r} for token {token_id}")
+
+    def _check_truncation(self) -> None:
+        if self.truncate_prompt_tokens is not None:
+            _check("truncate_prompt_tokens", _is_int(self.truncate_prompt_tokens)
+                   and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1),
+                   f"must be an integer >= 1, or -1 (max_model_len); got {self.truncate_prompt_tokens!r}")
 
     def _check_salt(self) -> None:
         if self.cache_salt is not None:

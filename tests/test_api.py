@@ -103,6 +103,19 @@ def test_bad_words_and_allowed_token_ids_restrict_the_output(llm):
     assert set(out.token_ids) <= set(allowed) and len(out.token_ids) == 20
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    prompt = "The capital of France is"
+    ids = llm.get_tokenizer().encode(prompt)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=2))[0]
+    assert out.prompt == prompt and out.prompt_token_ids == ids[-2:]  # (the text given, as vLLM)
+    alone = llm.generate(ids[-2:], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert llm.generate(ids, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))[0].prompt_token_ids == ids
+    with pytest.raises(InvalidParameterError, match="greater than this model's maximum context length") as exc:
+        llm.generate(prompt, SamplingParams(truncate_prompt_tokens=10**6))
+    assert exc.value.param == "truncate_prompt_tokens"
+
+
 def test_min_tokens_holds_back_eos(llm):
     eos = llm.engine.eos_token_id
     forced = SamplingParams(temperature=0, max_tokens=10, logit_bias={eos: 100})
@@ -215,7 +228,7 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(llm, monkeypatch):
     ("max_tokens", 0), ("presence_penalty", 3.0), ("repetition_penalty", 0.0), ("logprobs", 21),
     ("min_tokens", 100), ("stop", [""]), ("logit_bias", {1: 500}), ("top_k", 1.5), ("n", True),
     ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("bad_words", [""]), ("bad_words", ["w"] * 129),
-    ("bad_words_token_ids", [[]]),
+    ("bad_words_token_ids", [[]]), ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
 ])
 def test_sampling_params_reject_bad_values(field, value):
     with pytest.raises(InvalidParameterError) as exc:

@@ -375,12 +375,14 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
     ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "Hi", "stream": True, "stream_options": "yes"}, "stream_options"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": [True]}, "stream_options"),
-    ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),  # (vLLM's extras
+    ("/v1/completions", {"prompt": "Hi", "length_penalty": 0.5}, "length_penalty"),        # (vLLM's extras
     ("/v1/chat/completions", {**CHAT, "logits_processors": ["x"]}, "logits_processors"),   # not honoured here:
     ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, "use_beam_search"),      # never ignored)
     ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/chat/completions", {**CHAT, "allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ("/v1/chat/completions", {**CHAT, "bad_words": ["w"] * 129}, "bad_words"),
+    ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ("/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {**CHAT, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
 ])
 async def test_accepted_means_honoured_else_400(tiny_vocab_core, tokenizer, path, body, param):
@@ -431,6 +433,22 @@ async def test_allowed_token_ids_and_bad_words_reach_the_sampler(tiny_vocab_core
                                                                     "allowed_token_ids": [x, y], "bad_words": ["yes"]})
         assert chat.status_code == 200, chat.text
         assert chat.json()["choices"][0]["message"]["content"] == " no" * 4
+
+
+async def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_vocab_core, tokenizer):
+    prompt = "one two three four five six seven eight"
+    ids = tokenizer.encode(prompt)
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        text = await server.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "echo": True,
+                                                               "truncate_prompt_tokens": 3})
+        assert text.status_code == 200, text.text
+        assert text.json()["usage"]["prompt_tokens"] == 3
+        assert text.json()["choices"][0]["text"].startswith(" six seven eight")  # (the echo: what the model read)
+        chat = await server.http.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1, "truncate_prompt_tokens": 2})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["prompt_tokens"] == 2
+        whole = await server.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": -1})
+        assert whole.json()["usage"]["prompt_tokens"] == len(ids)
 
 
 async def test_an_assistants_refusal_part_reads_as_its_text(tiny_vocab_core, tokenizer):

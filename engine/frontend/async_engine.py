@@ -274,6 +274,23 @@ class EngineClient:
             raise InvalidParameterError(param, f"{param} has {num_chars} characters: more than this model's maximum "
                                                f"context length of {self.max_model_len} tokens can hold")
 
+    def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last ``params.truncate_prompt_tokens`` tokens (all without it).
+
+        Raises:
+            InvalidParameterError: more tokens to keep than ``max_model_len``.
+        """
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep > self.max_model_len:
+            raise InvalidParameterError("truncate_prompt_tokens",
+                                        f"truncate_prompt_tokens ({keep}) is greater than this model's maximum "
+                                        f"context length ({self.max_model_len})")
+        return prompt_token_ids[-keep:]
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (after ``check_text_length``)."""
         self.check_text_length(len(text))
@@ -421,6 +438,7 @@ class EngineClient:
         if request_id in engine.registry:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt)
+        ids = self.truncate(ids, params)  # (``prompt`` stays the text given, as vLLM's)
         params = params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
         self.validate(ids, params, priority)
         if params.structured_outputs is not None and grammar is None:
