@@ -489,8 +489,8 @@ class _Handlers:
                                                                  request_id=request_id, priority=req.priority))
         tools = plan is not None and plan.may_call
         if req.stream:
-            return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan, reasoning),
-                                     stream)
+            return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan, reasoning,
+                                                       ids), stream)
         final = await self._final(stream, tracker)
         choices, splitters = [], []
         for c in final.outputs:
@@ -508,12 +508,18 @@ class _Handlers:
             if reasoning is not None:
                 text = split.reasoning if splitter.has_reasoning and req.include_reasoning else None
                 message["reasoning_content"] = message["reasoning"] = text
-            choices.append({"index": c.index, "message": message, "finish_reason": finish_reason,
-                            "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
-                            if req.logprobs else None, "stop_reason": c.stop_reason})
+            choice = {"index": c.index, "message": message, "finish_reason": finish_reason,
+                      "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0,
+                                                req.return_tokens_as_token_ids) if req.logprobs else None,
+                      "stop_reason": c.stop_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         tracker.count_reasoning(splitters)
         body = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": self.state.model_name, "choices": choices, "usage": tracker.usage()}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = ids
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
         return json_response(body)
@@ -552,12 +558,13 @@ class _Handlers:
         return ""
 
     async def _chat_chunks(self, req, request_id: str, stream, tracker: UsageTracker, echo: str,
-                           plan: ToolPlan | None, reasoning: ReasoningPlan | None):
+                           plan: ToolPlan | None, reasoning: ReasoningPlan | None, prompt_token_ids: list[int]):
         chunk = ChunkWriter(request_id, "chat.completion.chunk", self.state.model_name, req.stream_options, tracker)
         tools = plan is not None and plan.may_call
         splitters = [OutputSplitter(reasoning, tools, plan is not None and plan.calls_only) for _ in range(req.n)]
+        first = {"prompt_token_ids": prompt_token_ids} if req.return_token_ids else {}
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
-                      "finish_reason": None} for i in range(req.n)])
+                      "finish_reason": None} for i in range(req.n)], **first)
         async for output in stream:  # (closed with the response)
             tracker.observe(output)
             choices = []
@@ -575,11 +582,14 @@ class _Handlers:
                 if tools:
                     finish_reason = plan.finish_reason(finish_reason, splitter.tools.num_complete)
                 choice = {"index": c.index, "delta": delta,
-                          "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0)
-                          if req.logprobs else None, "finish_reason": finish_reason}
+                          "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0,
+                                                    req.return_tokens_as_token_ids) if req.logprobs else None,
+                          "finish_reason": finish_reason}
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
                 if c.finish_reason:
                     choice["stop_reason"] = c.stop_reason
-                elif not delta and choice["logprobs"] is None:
+                elif not delta and choice["logprobs"] is None and not choice.get("token_ids"):
                     continue  # (text held back: a call or a stop string may be starting; vLLM sends nothing)
                 choices.append(choice)
             if choices:
@@ -732,14 +742,17 @@ class _Handlers:
             for c in final.outputs:
                 prefix = prompt_texts[p] if req.echo else ""
                 logprobs = None
+                as_ids = req.return_tokens_as_token_ids
                 if echo_logprobs:
                     logprobs = completion_logprobs(final.prompt_logprobs + c.logprobs,
                                                    final.prompt_token_ids + c.token_ids, req.logprobs, 0,
-                                                   self.client.tokenizer.decode)
+                                                   self.client.tokenizer.decode, as_ids)
                 elif req.logprobs is not None:
-                    logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, len(prefix))
+                    logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, len(prefix), as_ids=as_ids)
                 choice = {"index": p * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    choice |= {"prompt_token_ids": final.prompt_token_ids, "token_ids": c.token_ids}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
                 choices.append(choice)
@@ -753,6 +766,7 @@ class _Handlers:
         offsets = {p * req.n + i: len(text) if req.echo else 0 for p, text in enumerate(prompt_texts)
                    for i in range(req.n)}
 
+        unsent = set(offsets) if req.return_token_ids else set()  # (choices whose prompt_token_ids are due)
         if req.echo:
             yield chunk([{"index": p * req.n + i, "text": text, "logprobs": None, "finish_reason": None}
                          for p, text in enumerate(prompt_texts) for i in range(req.n)])
@@ -763,11 +777,19 @@ class _Handlers:
                 index = p * req.n + c.index
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, offsets[index])
+                    logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, offsets[index],
+                                                   as_ids=req.return_tokens_as_token_ids)
                     if logprobs["tokens"]:
-                        offsets[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1] or "")
-                choices.append({"index": index, "text": c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                        last = c.logprobs[-1][c.token_ids[-1]]
+                        offsets[index] = logprobs["text_offset"][-1] + len(last.decoded_token or "")
+                choice = {"index": index, "text": c.text, "logprobs": logprobs,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    choice["token_ids"] = c.token_ids
+                    if index in unsent:
+                        unsent.discard(index)
+                        choice["prompt_token_ids"] = output.prompt_token_ids
+                choices.append(choice)
             yield chunk(choices)
         if chunk.include_usage:
             yield chunk([], tracker.usage())

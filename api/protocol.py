@@ -106,13 +106,13 @@ class SamplingFields:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
+    return_token_ids: bool = False  # choices carry token_ids, the response (or its first chunk) prompt_token_ids
     # vLLM's extras this server does not honour: accepted at their defaults, refused by name
     # otherwise (never ignored: a client that sets one relies on it).
     use_beam_search: bool = False
     length_penalty: float = 1.0
     logits_processors: list[Any] | None = None
-    return_tokens_as_token_ids: bool = False
-    return_token_ids: bool = False
 
     def check_common(self) -> None:
         """Rules between fields that both endpoints share (as vLLM words them)."""
@@ -128,8 +128,7 @@ class SamplingFields:
                               "spaces_between_special_tokens=false (this server's fast tokenizers never add them)")
 
 
-_NOT_HONOURED = {"use_beam_search": False, "length_penalty": 1.0, "logits_processors": None,
-                 "return_tokens_as_token_ids": False, "return_token_ids": False}
+_NOT_HONOURED = {"use_beam_search": False, "length_penalty": 1.0, "logits_processors": None}
 
 
 @attrs.frozen(kw_only=True)

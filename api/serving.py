@@ -44,43 +44,50 @@ def _logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: int) -> dict:
-    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``."""
+def _token(token_id: int, text: str | None, as_ids: bool) -> str | None:
+    """A token as a logprobs entry names it: its text, or vLLM's ``token_id:N`` (which tells
+    apart tokens of the same text, and tokens that are not whole characters)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: int, as_ids: bool = False) -> dict:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``
+    (``as_ids``: tokens named ``token_id:N``)."""
     content = []
     for token_id, position in zip(token_ids, positions):
-        chosen = position[token_id]
-        alternatives = sorted((lp for lp in position.values()), key=lambda lp: lp.rank)[:top]
+        chosen = _token(token_id, position[token_id].decoded_token, as_ids)
+        alternatives = sorted(position.items(), key=lambda item: item[1].rank)[:top]
         content.append({
-            "token": chosen.decoded_token, "logprob": _logprob(chosen.logprob),
-            "bytes": _token_bytes(chosen.decoded_token or ""),
-            "top_logprobs": [{"token": lp.decoded_token, "logprob": _logprob(lp.logprob),
-                              "bytes": _token_bytes(lp.decoded_token or "")} for lp in alternatives],
+            "token": chosen, "logprob": _logprob(position[token_id].logprob), "bytes": _token_bytes(chosen or ""),
+            "top_logprobs": [{"token": (name := _token(t, lp.decoded_token, as_ids)), "logprob": _logprob(lp.logprob),
+                              "bytes": _token_bytes(name or "")} for t, lp in alternatives],
         })
     return {"content": content, "refusal": None}
 
 
 def completion_logprobs(positions: list[PositionLogprobs | None], token_ids: list[int], top: int, offset: int,
-                        decode=None) -> dict:
+                        decode=None, as_ids: bool = False) -> dict:
     """The legacy completions ``logprobs``: tokens, token_logprobs, top_logprobs, text_offset.
     Each ``top_logprobs`` entry holds the ``top`` most likely tokens and the sampled one (OpenAI:
     "up to logprobs+1 elements"; with ``top`` 0 the sampled one alone). A None position (a
-    prompt's first token, echoed) has its text (by ``decode``) and null logprobs."""
+    prompt's first token, echoed) has its text (by ``decode``) and null logprobs. ``as_ids``:
+    tokens named ``token_id:N`` (offsets still count the text)."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
     for token_id, position in zip(token_ids, positions):
         if position is None:
             text = decode([token_id])
-            tokens.append(text)
+            tokens.append(_token(token_id, text, as_ids))
             token_logprobs.append(None)
             top_logprobs.append(None)
             text_offset.append(offset)
             offset += len(text)
             continue
         chosen = position[token_id]
-        tokens.append(chosen.decoded_token)
+        tokens.append(_token(token_id, chosen.decoded_token, as_ids))
         token_logprobs.append(_logprob(chosen.logprob))
-        best = sorted(position.values(), key=lambda lp: lp.rank)[:top]  # (a position may hold more)
-        shown = best if any(lp is chosen for lp in best) else [*best, chosen]
-        top_logprobs.append({lp.decoded_token: _logprob(lp.logprob) for lp in shown})
+        best = sorted(position.items(), key=lambda item: item[1].rank)[:top]  # (a position may hold more)
+        shown = best if any(t == token_id for t, _ in best) else [*best, (token_id, chosen)]
+        top_logprobs.append({_token(t, lp.decoded_token, as_ids): _logprob(lp.logprob) for t, lp in shown})
         text_offset.append(offset)
         offset += len(chosen.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
@@ -107,8 +114,8 @@ class ChunkWriter:
         self.continuous = self.include_usage and options.continuous_usage_stats
         self.tracker = tracker
 
-    def __call__(self, choices: list[dict], usage: dict | None = None) -> bytes:
-        data = {**self.head, "choices": choices}
+    def __call__(self, choices: list[dict], usage: dict | None = None, **fields: Any) -> bytes:
+        data = {**self.head, **fields, "choices": choices}
         if self.include_usage:
             data["usage"] = usage if usage is not None else (self.tracker.usage() if self.continuous else None)
         return sse(data)

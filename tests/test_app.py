@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import random
+import re
 import time
 
 import orjson
+
 import pytest
 import trio
 
@@ -383,7 +385,7 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
     ("/v1/chat/completions", {**CHAT, "bad_words": ["w"] * 129}, "bad_words"),
     ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
-    ("/v1/chat/completions", {**CHAT, "return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "return_tokens_as_token_ids": 3}, "return_tokens_as_token_ids"),
 ])
 async def test_accepted_means_honoured_else_400(tiny_vocab_core, tokenizer, path, body, param):
     async with serve_http(tiny_vocab_core, tokenizer) as server:
@@ -449,6 +451,37 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_vocab_core, tok
         assert chat.json()["usage"]["prompt_tokens"] == 2
         whole = await server.http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": -1})
         assert whole.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_token_ids_come_back_when_asked(tiny_vocab_core, tokenizer, path):
+    """vLLM's return_token_ids (the prompt's ids once, each choice's output ids) and
+    return_tokens_as_token_ids (logprobs name tokens "token_id:N"), whole and streamed."""
+    chat = path.endswith("chat/completions")
+    body = {**(CHAT if chat else {"prompt": "Hi there"}), "max_tokens": 6, "ignore_eos": True, "temperature": 0,
+            "return_token_ids": True, "return_tokens_as_token_ids": True, "logprobs": True if chat else 2}
+    body |= {"top_logprobs": 2} if chat else {}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        prompt_ids = (await server.http.post("/tokenize", json=CHAT if chat else {"prompt": "Hi there"})).json()
+        whole = (await server.http.post(path, json=body)).json()
+        async with server.http.stream("POST", path, json={**body, "stream": True}) as response:
+            events = sse_data([line async for line in response.aiter_lines()])[:-1]
+    (choice,) = whole["choices"]
+    ids = choice["token_ids"]
+    assert len(ids) == 6 and (whole if chat else choice)["prompt_token_ids"] == prompt_ids["tokens"]
+    if chat:
+        named = [entry["token"] for entry in choice["logprobs"]["content"]]
+        alternatives = [t["token"] for entry in choice["logprobs"]["content"] for t in entry["top_logprobs"]]
+    else:
+        named = choice["logprobs"]["tokens"]
+        alternatives = [t for top in choice["logprobs"]["top_logprobs"] for t in top]
+    assert named == [f"token_id:{t}" for t in ids]
+    assert alternatives and all(re.fullmatch(r"token_id:\d+", t) for t in alternatives)
+    streamed = [c for e in events for c in e["choices"]]
+    assert [t for c in streamed for t in c.get("token_ids", [])] == ids
+    prompts = [e["prompt_token_ids"] for e in events if "prompt_token_ids" in e] + \
+              [c["prompt_token_ids"] for c in streamed if "prompt_token_ids" in c]
+    assert prompts == [prompt_ids["tokens"]]  # (once: the first chunk)
 
 
 async def test_an_assistants_refusal_part_reads_as_its_text(tiny_vocab_core, tokenizer):
