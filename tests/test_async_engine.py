@@ -594,3 +594,16 @@ async def test_a_final_only_stream_is_woken_once_at_the_end(tiny_core, tokenizer
         outputs = [o async for o in channel]
     assert len(outputs) == 1 and len(outputs[0].outputs[0].token_ids) == 12
     assert len(sets) == 1  # not once per step: there is nothing to read before the end
+
+
+async def test_a_prompt_past_the_context_is_served_truncated_by_every_entry(tiny_core, tokenizer):
+    """truncate_prompt_tokens applies before the length check, whether one prompt is queued or
+    several (the tiny engine's max_model_len is 256)."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, truncate_prompt_tokens=100,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    long = prompt(1, length=400)
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        (one,) = [o async for o in client.generate(long, params)]
+        many = [o async for _, o in client.generate_many([long, long], params)]
+    assert one.prompt_token_ids == long[-100:] and len(one.outputs[0].token_ids) == 2
+    assert [o.prompt_token_ids for o in many] == [long[-100:]] * 2

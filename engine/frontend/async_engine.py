@@ -387,7 +387,7 @@ class EngineClient:
         then all queued or none; the outputs come as ``(prompt index, output)``."""
         params = sampling_params or SamplingParams()
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
-        inputs = [self.prepare(p) for p in prompts]
+        inputs = [(text, self.truncate(token_ids, params)) for text, token_ids in map(self.prepare, prompts)]
         for _, token_ids in inputs:
             self.validate(token_ids, params, priority)
         grammar = await self.compile(params)
