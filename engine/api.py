@@ -79,6 +79,7 @@ class LLM:
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         engine = Engine(self.engine, self.tokenizer, self.structured_outputs)
         inputs = [engine.client.prepare(p) for p in prompt_list]
+        inputs = [(text, engine.client.truncate(ids, params)) for (text, ids), params in zip(inputs, params_list)]
         for (_, ids), params in zip(inputs, params_list):
             self.engine.validate(ids, params)
             if params.structured_outputs is not None:  # a bad constraint fails before anything runs

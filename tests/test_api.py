@@ -111,6 +111,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     alone = llm.generate(ids[-2:], SamplingParams(temperature=0, max_tokens=3))[0]
     assert out.outputs[0].token_ids == alone.outputs[0].token_ids
     assert llm.generate(ids, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1))[0].prompt_token_ids == ids
+    past_the_context = ids * 2000  # (10k tokens: the prompt is cut before the length check)
+    assert llm.generate(past_the_context, SamplingParams(max_tokens=1, truncate_prompt_tokens=5))[0].prompt_token_ids == \
+        past_the_context[-5:]
     with pytest.raises(InvalidParameterError, match="greater than this model's maximum context length") as exc:
         llm.generate(prompt, SamplingParams(truncate_prompt_tokens=10**6))
     assert exc.value.param == "truncate_prompt_tokens"
