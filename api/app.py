@@ -45,6 +45,7 @@ from api.protocol import (
     DetokenizeRequest,
     ResponsesRequest,
     TokenizeRequest,
+    beam_search_params,
     in_request_terms,
     parse,
     sampling_params,
@@ -67,8 +68,10 @@ from engine.errors import (
     EngineShutdownError,
     InvalidParameterError,
     RequestFailedError,
+    ungrouped,
 )
 from engine.frontend.async_engine import EngineClient
+from engine.frontend.beam_search import BeamSearchParams
 from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -484,14 +487,18 @@ class _Handlers:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
-        # queued now: a refusal (503) comes before a stream's status line, not as its first event
-        stream = _Before(deadline, await self.client.add_request({"prompt_token_ids": ids}, params,
-                                                                 request_id=request_id, priority=req.priority))
         tools = plan is not None and plan.may_call
-        if req.stream:
-            return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan, reasoning,
-                                                       ids), stream)
-        final = await self._final(stream, tracker)
+        beam = beam_search_params(req, params.max_tokens or self.client.max_model_len - len(ids))
+        if beam is not None:
+            (final,) = await self._beam_search([ids], [beam], request_id, req.priority, tracker)
+        else:
+            # queued now: a refusal (503) comes before a stream's status line, not as its first event
+            stream = _Before(deadline, await self.client.add_request({"prompt_token_ids": ids}, params,
+                                                                     request_id=request_id, priority=req.priority))
+            if req.stream:
+                return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan, reasoning,
+                                                           ids), stream)
+            final = await self._final(stream, tracker)
         choices, splitters = [], []
         for c in final.outputs:
             splitter = OutputSplitter(reasoning, tools, chat.calls_only)
@@ -725,18 +732,23 @@ class _Handlers:
         await self.compile_constraint(req, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tracker = UsageTracker(sum(len(ids) for _, ids in inputs))
-        outputs = _Before(deadline, await self.client.add_requests(
-            [{"prompt": text, "prompt_token_ids": ids} for text, ids in inputs], params,
-            [f"{request_id}-{i}" for i in range(len(inputs))], req.priority))
         prompt_texts = [text if text is not None else self.client.tokenizer.decode(ids) for text, ids in inputs]
-        if req.stream:
-            return self.sse_response(self._completion_chunks(req, request_id, outputs, tracker, prompt_texts),
-                                     outputs)
-        finals: list[RequestOutput | None] = [None] * len(inputs)
-        async with aclosing(outputs):  # (cancelled, as by a disconnect: its requests abort now)
-            async for index, output in outputs:
-                tracker.observe(output, index)
-                finals[index] = output
+        beam = beam_search_params(req, params.max_tokens)
+        if beam is not None:
+            finals = await self._beam_search([ids for _, ids in inputs], [beam] * len(inputs), request_id,
+                                             req.priority, tracker)
+        else:
+            outputs = _Before(deadline, await self.client.add_requests(
+                [{"prompt": text, "prompt_token_ids": ids} for text, ids in inputs], params,
+                [f"{request_id}-{i}" for i in range(len(inputs))], req.priority))
+            if req.stream:
+                return self.sse_response(self._completion_chunks(req, request_id, outputs, tracker, prompt_texts),
+                                         outputs)
+            finals: list[RequestOutput | None] = [None] * len(inputs)
+            async with aclosing(outputs):  # (cancelled, as by a disconnect: its requests abort now)
+                async for index, output in outputs:
+                    tracker.observe(output, index)
+                    finals[index] = output
         choices = []
         for p, final in enumerate(finals):
             for c in final.outputs:
@@ -796,6 +808,23 @@ class _Handlers:
         yield SSE_DONE
 
     # ---- shared ----
+
+    async def _beam_search(self, prompts: list[list[int]], params: list[BeamSearchParams], request_id: str,
+                           priority: int, tracker: UsageTracker) -> list[RequestOutput]:
+        """Each prompt's beams (``use_beam_search``), the searches side by side; an exit (an error,
+        a deadline, a disconnect) aborts what they have queued."""
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+
+        async def search(i: int) -> None:
+            finals[i] = await self.client.beam_search({"prompt_token_ids": prompts[i]}, params[i],
+                                                      f"{request_id}-{i}", priority)
+            tracker.observe(finals[i], i)
+
+        with ungrouped():
+            async with trio.open_nursery() as nursery:
+                for i in range(len(prompts)):
+                    nursery.start_soon(search, i)
+        return finals
 
     @staticmethod
     async def _final(stream, tracker: UsageTracker) -> RequestOutput:

@@ -18,6 +18,7 @@ from cattrs.gen import make_dict_structure_fn
 
 from api.errors import APIError, bad_request, unsupported
 from engine.errors import InvalidParameterError
+from engine.frontend.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 StrOrList = Union[str, list[str], None]
@@ -108,10 +109,10 @@ class SamplingFields:
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     return_token_ids: bool = False  # choices carry token_ids, the response (or its first chunk) prompt_token_ids
+    use_beam_search: bool = False  # n beams (engine/frontend/beam_search.py); see beam_search_params
+    length_penalty: float = 1.0
     # vLLM's extras this server does not honour: accepted at their defaults, refused by name
     # otherwise (never ignored: a client that sets one relies on it).
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
     logits_processors: list[Any] | None = None
 
     def check_common(self) -> None:
@@ -128,7 +129,44 @@ class SamplingFields:
                               "spaces_between_special_tokens=false (this server's fast tokenizers never add them)")
 
 
-_NOT_HONOURED = {"use_beam_search": False, "length_penalty": 1.0, "logits_processors": None}
+_NOT_HONOURED = {"logits_processors": None}
+
+# What beam search leaves at its neutral values (it scores raw log-probabilities and returns whole
+# beams): each field, and the values that mean "not used".
+_NOT_WITH_BEAM_SEARCH = {
+    "stream": (False,), "stop": (None, [], ""), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (None, 1), "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0),
+    "logit_bias": (None, {}), "min_tokens": (0,), "prompt_logprobs": (None,), "logprobs": (None, False),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "tools": (None, []),
+}
+
+
+def beam_search_params(request: SamplingFields, max_tokens: int) -> BeamSearchParams | None:
+    """The beam search a request asks for (``use_beam_search``: ``n`` beams, as vLLM), or None.
+    ``max_tokens``: the request's, resolved.
+
+    Raises:
+        APIError: 400, a field beam search does not use (or ``length_penalty`` without it).
+    """
+    if not request.use_beam_search:
+        if request.length_penalty != 1.0:
+            raise bad_request("length_penalty applies only with use_beam_search", "length_penalty")
+        return None
+    for name, neutral in _NOT_WITH_BEAM_SEARCH.items():
+        if getattr(request, name, None) not in neutral:
+            raise bad_request(f"{name} is not available with use_beam_search", name)
+    if not 1 <= request.n <= MAX_BEAM_WIDTH:
+        raise bad_request(f"n (the number of beams) must be in [1, {MAX_BEAM_WIDTH}] with use_beam_search; "
+                          f"got {request.n}", "n")
+    try:
+        return BeamSearchParams(beam_width=request.n, max_tokens=max_tokens, ignore_eos=request.ignore_eos,
+                                temperature=1.0 if request.temperature is None else request.temperature,
+                                length_penalty=request.length_penalty, stop_token_ids=request.stop_token_ids or [],
+                                cache_salt=request.cache_salt)
+    except InvalidParameterError as exc:
+        raise APIError(400, str(exc), exc.param) from None
 
 
 @attrs.frozen(kw_only=True)

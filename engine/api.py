@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.errors import EngineDeadError, InvalidParameterError, ungrouped
 from engine.frontend.async_engine import Engine, EngineClient, open_engine
+from engine.frontend.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.messages import EngineStats, StepOutput
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -26,7 +27,8 @@ from engine.tokenizer import apply_chat_template, template_switches, text_messag
 from engine.tools import plan_tools, render_inputs
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
-           "EngineConfig", "Engine", "EngineClient", "EngineDeadError", "EngineStats", "StepOutput", "open_engine"]
+           "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "EngineConfig", "Engine", "EngineClient",
+           "EngineDeadError", "EngineStats", "StepOutput", "open_engine"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,43 @@ class LLM:
                 self.structured_outputs.compile(params.structured_outputs)
         final = [attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
         return trio.run(self._generate_all, engine, inputs, final, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best continuations of each prompt, best first
+        (engine/frontend/beam_search.py): vLLM's ``LLM.beam_search``. The prompts' searches run
+        side by side, their steps batched together.
+
+        Raises:
+            InvalidParameterError: a bad prompt or parameter (checked before anything is queued).
+        """
+        prompt_list = _as_prompt_list(prompts)
+        engine = Engine(self.engine, self.tokenizer, self.structured_outputs)
+        inputs = [engine.client.prepare(p) for p in prompt_list]
+        for _, ids in inputs:
+            self.engine.validate(ids, SamplingParams(max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids))
+        results: list[BeamSearchOutput | None] = [None] * len(inputs)
+        progress = _Progress(len(inputs)) if use_tqdm else None
+
+        async def search(client: EngineClient, i: int) -> None:
+            output = await client.beam_search({"prompt_token_ids": inputs[i][1]}, params, request_id=f"beam-{i}")
+            results[i] = BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.logprobs,
+                                                              c.cumulative_logprob, c.text, c.finish_reason,
+                                                              c.stop_reason) for c in output.outputs])
+            if progress is not None:
+                progress.done(output)
+
+        async def run_all() -> None:
+            with ungrouped():
+                async with engine.serve() as client, trio.open_nursery() as nursery:
+                    for i in range(len(inputs)):
+                        nursery.start_soon(search, client, i)
+        try:
+            trio.run(run_all)
+        finally:
+            if progress is not None:
+                progress.close()
+        return results
 
     def chat(self, messages: list[Message] | list[list[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

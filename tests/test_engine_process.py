@@ -13,6 +13,7 @@ import trio.testing
 
 from engine.errors import ConfigError, EngineDeadError, EngineOverloadedError, InvalidParameterError
 from engine.frontend.async_engine import open_engine
+from engine.frontend.beam_search import BeamSearchParams
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tests.conftest import gated_manager, until
 
@@ -56,11 +57,15 @@ async def test_the_split_engine_gives_the_tokens_and_logprobs_of_one_process():
 
 @pytest.mark.parametrize("engine_process", [False, True])
 async def test_an_error_of_the_callers_block_leaves_open_engine_as_itself(engine_process):
-    """Not inside the engine nursery's ExceptionGroup: ``except KeyError`` around the block works."""
+    """Not inside the engine nursery's ExceptionGroup: ``except KeyError`` around the block works.
+    (A beam search on the way: the front knows the model's end tokens in either layout.)"""
     with pytest.raises(KeyError, match="mine"):
         async with open_engine(**CONFIG, engine_process=engine_process) as client:
             async for _ in client.generate("Hi", SamplingParams(max_tokens=2)):
                 pass
+            assert client.eos_token_ids == (client.tokenizer.eos_token_id,)
+            beams = await client.beam_search("Hi", BeamSearchParams(beam_width=2, max_tokens=3))
+            assert len(beams.outputs) == 2 and beams.outputs[0].token_ids != beams.outputs[1].token_ids
             raise KeyError("mine")
 
 

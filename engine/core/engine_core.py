@@ -292,6 +292,12 @@ class EngineCore:
         return self.backend.name
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's end tokens: its EOS, then generation_config's others."""
+        eos = () if self.eos_token_id is None else (self.eos_token_id,)
+        return eos + tuple(t for t in self.model.config.extra_eos_token_ids if t != self.eos_token_id)
+
+    @property
     def sampling_defaults(self) -> dict[str, float]:
         """The sampling values a request gets where it sets none (``--generation-config auto``:
         the model's generation_config.json; ``vllm``: none)."""

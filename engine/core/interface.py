@@ -26,6 +26,7 @@ class Core(Protocol):
     vocab_size: int
     backend_name: str
     sampling_defaults: dict[str, float]
+    eos_token_ids: tuple[int, ...]  # the model's end tokens (its EOS, then generation_config's others)
     fault: BaseException | None  # set once a step failed: the core must not run again
 
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:

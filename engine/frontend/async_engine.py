@@ -24,6 +24,7 @@ from engine.core.engine_core import EngineCore
 from engine.core.interface import Core, CoreActorLike
 from engine.errors import (EngineDeadError, EngineOverloadedError, EngineShutdownError, InvalidParameterError,
                            ungrouped)
+from engine.frontend.beam_search import BeamSearchParams, beam_search
 from engine.frontend.output_actor import OutputActor
 from engine.frontend.output_channel import MergedOutputs, RequestOutputChannel, Wakeup
 from engine.frontend.request_state import RequestState
@@ -382,16 +383,18 @@ class EngineClient:
 
     async def add_requests(self, prompts: Sequence[str | list[int] | dict[str, Any]],
                            sampling_params: SamplingParams | None = None, request_ids: Sequence[str] | None = None,
-                           priority: int = 0) -> QueuedRequests:
+                           priority: int = 0, admitted: bool = False) -> QueuedRequests:
         """``add_request`` for several prompts (``generate_many``'s queueing): every prompt checked,
-        then all queued or none; the outputs come as ``(prompt index, output)``."""
+        then all queued or none; the outputs come as ``(prompt index, output)``. ``admitted``: the
+        caller checked the room for them already (a beam search's later steps)."""
         params = sampling_params or SamplingParams()
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         inputs = [(text, self.truncate(token_ids, params)) for text, token_ids in map(self.prepare, prompts)]
         for _, token_ids in inputs:
             self.validate(token_ids, params, priority)
         grammar = await self.compile(params)
-        self.check_room(len(inputs) * params.n)  # all or none: no await from here to the last submit
+        if not admitted:
+            self.check_room(len(inputs) * params.n)  # all or none: no await from here to the last submit
         wakeup = Wakeup()
         channels: list[RequestOutputChannel] = []
         try:
@@ -448,6 +451,17 @@ class EngineClient:
         engine.send(AddRequest(request_id, tuple(ids), params, priority, grammar))
         engine.registry[request_id] = channel
         return channel
+
+    async def beam_search(self, prompt: str | list[int] | dict[str, Any], params: BeamSearchParams,
+                          request_id: str | None = None, priority: int = 0) -> RequestOutput:
+        """The ``params.beam_width`` best continuations of ``prompt`` (engine/frontend/beam_search.py),
+        best first, as one finished output (vLLM's ``beam_search``)."""
+        return await beam_search(self, prompt, params, request_id, priority)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's end tokens: its EOS, then generation_config's others."""
+        return self._engine.core.eos_token_ids
 
     def check_room(self, num_sequences: int, param: str = "n") -> None:
         """Refuse at once a request of ``num_sequences`` sequences (prompts x ``n``) that would

@@ -18,6 +18,7 @@ class EngineReady:
     vocab_size: int
     backend_name: str
     sampling_defaults: dict[str, float]
+    eos_token_ids: tuple[int, ...]
     stats: EngineStats
     pid: int
 

@@ -52,6 +52,7 @@ class RemoteCore:
         self.vocab_size = ready.vocab_size
         self.backend_name = ready.backend_name
         self.sampling_defaults = dict(ready.sampling_defaults)
+        self.eos_token_ids = tuple(ready.eos_token_ids)
         self.pid = ready.pid
         self.fault: BaseException | None = None
         self._stats = ready.stats
@@ -170,6 +171,7 @@ class DataParallelCore:
         self.vocab_size = first.vocab_size
         self.backend_name = first.backend_name
         self.sampling_defaults = first.sampling_defaults
+        self.eos_token_ids = first.eos_token_ids
         self.fault: BaseException | None = None
 
     validate = RemoteCore.validate  # (the group's limits: the smallest max_model_len)
