@@ -377,9 +377,10 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
     ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "Hi", "stream": True, "stream_options": "yes"}, "stream_options"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": [True]}, "stream_options"),
-    ("/v1/completions", {"prompt": "Hi", "length_penalty": 0.5}, "length_penalty"),        # (vLLM's extras
-    ("/v1/chat/completions", {**CHAT, "logits_processors": ["x"]}, "logits_processors"),   # not honoured here:
-    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, "use_beam_search"),      # never ignored)
+    ("/v1/completions", {"prompt": "Hi", "length_penalty": 0.5}, "length_penalty"),  # (without use_beam_search)
+    ("/v1/chat/completions", {**CHAT, "logits_processors": ["x"]}, "logits_processors"),  # (not honoured: never ignored)
+    ("/v1/chat/completions", {**CHAT, "use_beam_search": True, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}]}, "tools"),
     ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/chat/completions", {**CHAT, "allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ("/v1/chat/completions", {**CHAT, "bad_words": ["w"] * 129}, "bad_words"),
