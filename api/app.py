@@ -722,9 +722,9 @@ class _Handlers:
         if params.truncate_prompt_tokens is not None:  # (an echo shows the prompt the model read)
             inputs = [(None, self.client.truncate(ids, params)) for _, ids in inputs]
         # echo with logprobs: the prompt's tokens have logprobs too (OpenAI's legacy completions,
-        # vLLM; lm-evaluation-harness scores continuations so), at once only: prompt logprobs do
-        # not stream
-        echo_logprobs = req.echo and req.logprobs is not None and not req.stream
+        # vLLM; lm-evaluation-harness scores continuations so); a stream sends them with the echo,
+        # in each choice's first chunk
+        echo_logprobs = req.echo and req.logprobs is not None
         if echo_logprobs and params.prompt_logprobs is None:  # (as vLLM: the caller's own prompt_logprobs stand)
             params = attrs.evolve(params, prompt_logprobs=req.logprobs)
         for _, ids in inputs:  # every prompt is checked before any is queued
@@ -779,22 +779,32 @@ class _Handlers:
                    for i in range(req.n)}
 
         unsent = set(offsets) if req.return_token_ids else set()  # (choices whose prompt_token_ids are due)
-        if req.echo:
+        unechoed = set(offsets) if req.echo and req.logprobs is not None else set()  # (echoed with their logprobs)
+        prompt_logprobs: dict[int, list] = {}  # per prompt: they come once, in its first output
+        if req.echo and not unechoed:
             yield chunk([{"index": p * req.n + i, "text": text, "logprobs": None, "finish_reason": None}
                          for p, text in enumerate(prompt_texts) for i in range(req.n)])
         async for p, output in outputs:  # (closed with the response)
             tracker.observe(output, p)
+            if output.prompt_logprobs is not None:
+                prompt_logprobs[p] = output.prompt_logprobs
             choices = []
             for c in output.outputs:
                 index = p * req.n + c.index
-                logprobs = None
-                if req.logprobs is not None:
+                text, logprobs = c.text, None
+                if index in unechoed:
+                    unechoed.discard(index)
+                    text = prompt_texts[p] + c.text
+                    logprobs = completion_logprobs(prompt_logprobs[p] + c.logprobs, output.prompt_token_ids + c.token_ids,
+                                                   req.logprobs, 0, self.client.tokenizer.decode,
+                                                   req.return_tokens_as_token_ids)
+                elif req.logprobs is not None:
                     logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, offsets[index],
                                                    as_ids=req.return_tokens_as_token_ids)
-                    if logprobs["tokens"]:
-                        last = c.logprobs[-1][c.token_ids[-1]]
-                        offsets[index] = logprobs["text_offset"][-1] + len(last.decoded_token or "")
-                choice = {"index": index, "text": c.text, "logprobs": logprobs,
+                if logprobs is not None and c.token_ids:
+                    last = c.logprobs[-1][c.token_ids[-1]]
+                    offsets[index] = logprobs["text_offset"][-1] + len(last.decoded_token or "")
+                choice = {"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.return_token_ids:
                     choice["token_ids"] = c.token_ids

@@ -228,8 +228,8 @@ async def test_completion_top_logprobs_hold_the_sampled_token(tiny_vocab_core, t
 
 @pytest.mark.parametrize("echo", [False, True])
 async def test_streamed_text_offsets_are_the_whole_responses(tiny_vocab_core, tokenizer, echo):
-    """text_offset: where each token's text starts in the choice's text (after the echoed
-    prompt), the same streamed as at once."""
+    """text_offset: where each token's text starts in the choice's text (echoed, the prompt's
+    tokens are scored too), the same streamed as at once: the tokens, their logprobs, offsets."""
     body = {"prompt": ["Hi there", "One two"], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
             "logprobs": 1, "echo": echo}
     async with serve_http(tiny_vocab_core, tokenizer) as server:
@@ -243,8 +243,13 @@ async def test_streamed_text_offsets_are_the_whole_responses(tiny_vocab_core, to
         streamed = [c for e in events if e != "[DONE]" for c in e["choices"] if c["index"] == choice["index"]]
         assert "".join(c["text"] for c in streamed) == text
         pieces = [c["logprobs"] for c in streamed if c["logprobs"]]
-        offsets = [o for lp in pieces for o in lp["text_offset"]]  # (a stream scores no prompt tokens)
-        assert len(offsets) == 6 and offsets == logprobs["text_offset"][-6:]
+        def joined(field):
+            return [v for lp in pieces for v in lp[field]]
+
+        assert joined("tokens") == logprobs["tokens"] and joined("text_offset") == logprobs["text_offset"]
+        assert joined("token_logprobs") == pytest.approx(logprobs["token_logprobs"], abs=1e-4)
+        assert [top and list(top) for top in joined("top_logprobs")] == [top and list(top) for top in logprobs["top_logprobs"]]
+        assert len(logprobs["tokens"]) == 6 + (len(tokenizer.encode(body["prompt"][choice["index"]])) if echo else 0)
 
 
 async def test_echo_with_logprobs_scores_the_prompt_too(tiny_vocab_core, tokenizer):
