@@ -19,7 +19,7 @@ from engine.frontend.async_engine import Engine
 from engine.frontend.output_channel import Wakeup
 from engine.messages import AddRequest
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from tests.conftest import fail_logits_processing, tiny_engine_core
+from tests.conftest import fail_logits_processing, tiny_engine_core, until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -75,6 +75,30 @@ async def test_client_abort_finishes_the_stream_as_abort(tiny_core, tokenizer):
                 client.abort("victim")
         assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
         assert client.stats().kv_blocks_used == 0
+
+
+async def test_abort_takes_vllms_forms_and_a_wrong_one_harms_nothing(tiny_core, tokenizer):
+    """vLLM's ``abort`` takes an id or several, and is awaited; an id that is not a string is a
+    TypeError at the call (it once reached the core, whose failure ended every request)."""
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        ends = {}
+
+        async def run(request_id: str) -> None:
+            async for output in client.generate(prompt(3), params, request_id=request_id):
+                ends[request_id] = output.outputs[0].finish_reason
+
+        async with trio.open_nursery() as nursery:
+            for request_id in ("a", "b", "c", "d"):
+                nursery.start_soon(run, request_id)
+            await until(lambda: len(ends) == 4)
+            with pytest.raises(TypeError, match="request ids are strings"):
+                client.abort([["a"]])
+            client.abort(["a", "b"])
+            await client.abort(("c",))
+            await client.abort("d")
+        assert ends == {"a": "abort", "b": "abort", "c": "abort", "d": "abort"}
+        assert not client.errored and client.stats().kv_blocks_used == 0
 
 
 async def test_cancelled_consumer_frees_its_blocks_within_a_step(tiny_core, tokenizer):

@@ -13,7 +13,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -196,6 +196,16 @@ class QueuedRequests:
         if self.channels:
             with contextlib.suppress(trio.RunFinishedError):
                 self._loop.run_sync_soon(self.close)
+
+
+class _Done:
+    """What ``EngineClient.abort`` returns: nothing to wait for, yet awaitable."""
+
+    def __await__(self):
+        return iter(())
+
+
+_DONE = _Done()
 
 
 class EngineClient:
@@ -490,13 +500,24 @@ class EngineClient:
         """Sequences this client submitted that have not produced a token yet, nor ended."""
         return sum(channel.state.num_waiting for channel in self._engine.registry.values())
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request; a no-op for unknown or finished ones (or a stopped engine)."""
+    def abort(self, request_id: str | Iterable[str]) -> _Done:
+        """Abort a request, or several (vLLM's forms); a no-op for unknown or finished ones (or
+        a stopped engine). It needs no await, and may be awaited (vLLM's ``abort`` is async).
+
+        Raises:
+            TypeError: a request id that is not a string.
+        """
+        ids = (request_id,) if isinstance(request_id, str) else tuple(request_id)
+        for one in ids:
+            if not isinstance(one, str):
+                raise TypeError(f"request ids are strings; got {type(one).__name__}")
         engine = self._engine
-        if engine.running:
-            engine.send(AbortRequest((request_id,)))
-        else:
-            engine.registry.pop(request_id, None)
+        if engine.running and ids:
+            engine.send(AbortRequest(ids))
+        elif not engine.running:
+            for one in ids:
+                engine.registry.pop(one, None)
+        return _DONE
 
     async def steps(self) -> AsyncIterator[StepOutput]:
         """Every step's output, as it happens (for user actors: logging, metrics, tracing).
