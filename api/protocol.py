@@ -19,7 +19,7 @@ from cattrs.gen import make_dict_structure_fn
 from api.errors import APIError, bad_request, unsupported
 from engine.errors import InvalidParameterError
 from engine.frontend.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
-from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.sampling_params import MAX_N_API, RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 StrOrList = Union[str, list[str], None]
 # OpenAI's ReasoningEffort values; the chat template reads the one given ("none" turns thinking off).
@@ -117,6 +117,8 @@ class SamplingFields:
 
     def check_common(self) -> None:
         """Rules between fields that both endpoints share (as vLLM words them)."""
+        if isinstance(self.n, int) and self.n > MAX_N_API:
+            raise bad_request(f"n must be at most {MAX_N_API} (OpenAI's limit); got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
         if self.stream and self.prompt_logprobs:

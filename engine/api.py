@@ -7,6 +7,7 @@ same actor graph as ``open_engine``, inside ``trio.run``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any, Union
@@ -53,6 +54,7 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.tokenizer = tokenizer_for(self.config)
         self.structured_outputs = StructuredOutputManager.for_engine(self.tokenizer, self.engine.vocab_size, self.config)
+        self._request_counter = itertools.count()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -68,26 +70,34 @@ class LLM:
         self.engine.block_manager.reset_prefix_cache()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Complete every prompt; outputs come back in the order of ``prompts``. ``use_tqdm``
-        (as in vLLM) shows a progress bar: requests done, output tokens per second.
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, lora_request: None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of ``prompts`` (vLLM's
+        signature). Without ``sampling_params``, the model's defaults
+        (``get_default_sampling_params``). ``use_tqdm`` shows a progress bar: requests done,
+        output tokens per second. ``priority``: one per prompt, under the priority policy.
 
         Raises:
             InvalidParameterError: a bad prompt or parameter (checked before anything is queued).
             EngineDeadError: the forward pass failed.
         """
+        _no_lora(lora_request)
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise InvalidParameterError("priority", f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         engine = Engine(self.engine, self.tokenizer, self.structured_outputs)
         inputs = [engine.client.prepare(p) for p in prompt_list]
         inputs = [(text, engine.client.truncate(ids, params)) for (text, ids), params in zip(inputs, params_list)]
-        for (_, ids), params in zip(inputs, params_list):
-            self.engine.validate(ids, params)
+        for (_, ids), params, rank in zip(inputs, params_list, priorities):
+            self.engine.validate(ids, params, rank)
             if params.structured_outputs is not None:  # a bad constraint fails before anything runs
                 self.structured_outputs.compile(params.structured_outputs)
         final = [attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
-        return trio.run(self._generate_all, engine, inputs, final, use_tqdm)
+        ids = [str(next(self._request_counter)) for _ in inputs]  # (one count per LLM, as vLLM's)
+        return trio.run(self._generate_all, engine, inputs, final, ids, priorities, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -108,9 +118,10 @@ class LLM:
 
         async def search(client: EngineClient, i: int) -> None:
             output = await client.beam_search({"prompt_token_ids": inputs[i][1]}, params, request_id=f"beam-{i}")
-            results[i] = BeamSearchOutput([BeamSearchSequence(output.prompt_token_ids + c.token_ids, c.logprobs,
-                                                              c.cumulative_logprob, c.text, c.finish_reason,
-                                                              c.stop_reason) for c in output.outputs])
+            results[i] = BeamSearchOutput([  # (vLLM's: tokens and text hold the prompt's too)
+                BeamSearchSequence(tokens, c.logprobs, c.cumulative_logprob, self.tokenizer.decode(tokens),
+                                   c.finish_reason, c.stop_reason)
+                for c in output.outputs for tokens in [output.prompt_token_ids + c.token_ids]])
             if progress is not None:
                 progress.done(output)
 
@@ -127,17 +138,18 @@ class LLM:
         return results
 
     def chat(self, messages: list[Message] | list[list[Message]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, lora_request: None = None, *, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-             parallel_tool_calls: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+             parallel_tool_calls: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the chat template.
 
         With ``tools`` (OpenAI's function tools), the prompt lists them and calls come out in
         the Hermes format, shaped by a grammar as ``tool_choice`` and ``parallel_tool_calls``
         ask (as in the HTTP API); ``engine.tools.parse_tool_calls`` reads them from a text.
         """
+        _no_lora(lora_request)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         plan = plan_tools(tools, tool_choice, parallel_tool_calls)
         add_generation_prompt, continue_final_message, template_kwargs = template_switches(
@@ -156,7 +168,8 @@ class LLM:
 
     @staticmethod
     async def _generate_all(engine: Engine, inputs: list[tuple[str | None, list[int]]],
-                            params_list: list[SamplingParams], use_tqdm: bool = False) -> list[RequestOutput]:
+                            params_list: list[SamplingParams], request_ids: list[str], priorities: list[int],
+                            use_tqdm: bool = False) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * len(inputs)
         progress = _Progress(len(inputs)) if use_tqdm else None
 
@@ -171,8 +184,9 @@ class LLM:
                 async with engine.serve() as client:
                     # Queue everything before the first step, so batches do not depend on task timing.
                     # Requests left unfinished by an error die with the engine when serve() exits.
-                    channels = [client.submit({"prompt": text, "prompt_token_ids": ids}, params, request_id=str(i))
-                                for i, ((text, ids), params) in enumerate(zip(inputs, params_list))]
+                    channels = [client.submit({"prompt": text, "prompt_token_ids": ids}, params, request_id, rank)
+                                for (text, ids), params, request_id, rank in zip(inputs, params_list, request_ids,
+                                                                                 priorities)]
                     async with trio.open_nursery() as nursery:
                         for i, channel in enumerate(channels):
                             nursery.start_soon(collect, i, channel)
@@ -181,10 +195,9 @@ class LLM:
                 progress.close()
         return results
 
-    @staticmethod
-    def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
+    def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * num_prompts
+            return [self.get_default_sampling_params()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         params = list(sampling_params)
@@ -212,6 +225,11 @@ class _Progress:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise InvalidParameterError("lora_request", "LoRA adapters are not supported by this engine")
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -51,6 +51,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    lora_request: None = None  # (vLLM's; no LoRA here)
 
     def finished(self) -> bool:
         """A method, as vLLM's (``RequestOutput.finished`` is a field)."""
@@ -67,3 +68,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     first_scheduled_at: float | None = None  # time.monotonic() when the engine first scheduled it
+    # vLLM's fields this engine has no use for, there for code that reads them: no per-request
+    # metrics object (stat loggers see the timings), no LoRA, no encoder-decoder models.
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None

@@ -16,9 +16,11 @@ MAX_LOGPROBS = 20
 # Seeds are signed 64-bit integers, as in OpenAI's API description.
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # Bounds on what one request may ask for, so that no single request can flood the engine:
-# completions per request (OpenAI's own limit for n), and stop strings (each is searched for,
+# completions per request (vLLM's VLLM_MAX_N_SEQUENCES; the HTTP API holds n to OpenAI's 128,
+# and a server queues at most max_waiting_requests), and stop strings (each is searched for,
 # in the event loop, after every token of every completion).
-MAX_N = 128
+MAX_N = 16384
+MAX_N_API = 128
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 256
 # bad_words: each word is banned as two token sequences (with and without a leading space),
@@ -55,6 +57,14 @@ def _to_str_list(value: str | list[str] | None) -> list[str]:
 
 def _to_list(value: Any) -> list:
     return [] if value is None else list(value)
+
+
+def _to_seed(value: Any) -> Any:
+    return None if value == -1 and _is_int(value) else value  # (-1: no seed, as vLLM)
+
+
+def _to_count(value: Any) -> Any:
+    return 1 if value is True else value  # (logprobs=True: the sampled token's, as vLLM)
 
 
 def _to_optional_list(value: Any) -> list | None:
@@ -169,15 +179,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = attrs.field(default=None, converter=_to_seed)
     stop: list[str] = attrs.field(factory=list, converter=_to_str_list)
     stop_token_ids: list[int] = attrs.field(factory=list, converter=_to_list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    logprobs: int | None = attrs.field(default=None, converter=_to_count)
+    prompt_logprobs: int | None = attrs.field(default=None, converter=_to_count)
     logit_bias: dict[int, float] = attrs.field(factory=dict, converter=_to_bias)
     # vLLM's token restrictions: only ``allowed_token_ids`` may be sampled; no ``bad_words``
     # may appear in the output. The engine tokenizes each bad word into

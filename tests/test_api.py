@@ -155,6 +155,35 @@ def test_the_default_sampling_params_are_the_models_as_vllm_reads_them(llm, monk
     monkeypatch.setattr(type(llm.engine), "sampling_defaults", property(lambda self: {"temperature": 0.3, "top_k": 20}))
     defaults = llm.get_default_sampling_params()
     assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.3, 20, 1.0)
+    # generate and chat without parameters use them, as vLLM's (they used SamplingParams())
+    monkeypatch.setattr(type(llm.engine), "sampling_defaults", property(lambda self: {"temperature": 0.0}))
+    assert len({llm.generate("Once upon a time", use_tqdm=False)[0].outputs[0].text for _ in range(3)}) == 1
+    chats = [llm.chat([{"role": "user", "content": "Tell me a story."}], None, False)[0].outputs[0].text
+             for _ in range(3)]
+    assert len(set(chats)) == 1
+
+
+def test_vllm_call_forms_of_the_offline_api(llm):
+    """What scripts written for vLLM pass or read: the positional use_tqdm, lora_request=None,
+    per-prompt priority, numpy token ids, seed=-1 (no seed), logprobs=True, request ids that
+    go on counting across calls, and RequestOutput's fields this engine leaves None."""
+    import numpy as np
+
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    first = llm.generate([ids, {"prompt_token_ids": np.array(ids)}], SamplingParams(temperature=0, max_tokens=3),
+                         False, None, [0, 0])
+    assert first[0].outputs[0].token_ids == first[1].outputs[0].token_ids and first[1].prompt_token_ids == ids
+    second = llm.generate("Hi", SamplingParams(max_tokens=1), False)
+    assert len({o.request_id for o in first + second}) == 3  # (ids went 0, 1, then 0 again)
+    assert (first[0].metrics, first[0].lora_request, first[0].encoder_prompt, first[0].outputs[0].lora_request) == \
+        (None,) * 4
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(logprobs=True, prompt_logprobs=True).logprobs == 1
+    with pytest.raises(InvalidParameterError, match="LoRA") as exc:
+        llm.generate("Hi", SamplingParams(max_tokens=1), False, lora_request=object())
+    assert exc.value.param == "lora_request"
+    with pytest.raises(InvalidParameterError, match="not a token id") as exc:
+        llm.generate({"prompt_token_ids": [1.5]}, SamplingParams(max_tokens=1), False)
+    assert SamplingParams(n=200).n == 200  # (pass@k; vLLM's bound, where the HTTP API holds to OpenAI's 128)
 
 
 def test_chat_uses_the_template(llm):

@@ -554,6 +554,8 @@ def validate_request(prompt: list[int], params: SamplingParams, priority: int, *
 
 def _check_token_ids(param: str, token_ids, vocab_size: int) -> None:
     for t in token_ids:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise InvalidParameterError(param, f"{param} holds {t!r}, which is not a token id (an integer)")
+        if not 0 <= t < vocab_size:
             raise InvalidParameterError(param, f"{param} holds token id {t!r}, outside the vocabulary "
                                                f"[0, {vocab_size})")

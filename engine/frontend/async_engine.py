@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -198,6 +199,12 @@ class QueuedRequests:
                 self._loop.run_sync_soon(self.close)
 
 
+def _integers(token_ids) -> list:
+    """``token_ids`` as a list, integers of other types (numpy's) as ints: the rest stays for the
+    checks to name."""
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in token_ids]
+
+
 class _Done:
     """What ``EngineClient.abort`` returns: nothing to wait for, yet awaitable."""
 
@@ -317,11 +324,11 @@ class EngineClient:
                 raise InvalidParameterError("prompt", f"a dict prompt takes 'prompt' and 'prompt_token_ids'; "
                                                       f"got {', '.join(sorted(map(repr, unknown)))}")
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                return prompt.get("prompt"), _integers(prompt["prompt_token_ids"])
             if "prompt" in prompt:
                 return self.prepare(prompt["prompt"])
             raise InvalidParameterError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        ids = list(prompt) if isinstance(prompt, (list, tuple)) else None
+        ids = _integers(prompt) if isinstance(prompt, (list, tuple)) else None
         if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             several = ids is not None and any(isinstance(p, (str, dict, list)) for p in ids)
             why = "several prompts go to generate_many" if several else f"got {type(prompt).__name__}"
