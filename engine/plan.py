@@ -1,7 +1,7 @@
 """The values between the engine core and the model runner: a step's plan and its result.
 
 The scheduler decides a step; the core hands the runner a ``StepPlan``, made only of numbers,
-strings, tuples and ``SamplingParams`` (frozen, and encodable by the wire codec), and gets back
+strings, tuples and ``SamplingParams`` (the engine's own copies, and encodable by the wire codec), and gets back
 a ``RunnerOutput``. The runner keeps its own state per request id, built from the plans it has
 been given (``NewRequest`` the first time, then only what changed), as vLLM's workers do: it
 never reads the scheduler's ``Request`` objects or the block manager. So a runner in another

@@ -162,13 +162,24 @@ def parse_json_constraint(value: str | dict, name: str) -> Any:
         raise InvalidParameterError(PARAM_STRUCTURED, f"{name} is not valid JSON: {exc}") from None
 
 
-@attrs.frozen(kw_only=True)
+def _checked(instance: SamplingParams, attribute: attrs.Attribute, value: Any) -> Any:
+    """A field set after construction is checked with all the others first: a bad value is
+    refused and leaves the parameters as they were."""
+    attrs.evolve(instance, **{attribute.alias: value})
+    return value
+
+
+@attrs.define(kw_only=True, on_setattr=[attrs.setters.convert, _checked])
 class SamplingParams:
     """Sampling and stopping parameters of one request.
 
     ``temperature == 0`` means greedy. ``top_k`` of 0 or -1 means no top-k cut. Penalties and
     ``logit_bias`` apply before temperature; ``logprobs`` report the model's raw
     log-probabilities (before any of them), as vLLM does by default.
+
+    Mutable, as vLLM's (``params.max_tokens = 64`` is checked as the constructor checks); the
+    engine takes its own copy of a request's parameters when the request is queued, so a
+    change never reaches a request already queued. ``clone()`` copies.
     """
 
     n: int = 1
@@ -306,6 +317,10 @@ class SamplingParams:
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return attrs.evolve(self, bad_words_token_ids=sequences)
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's ``clone``): its lists and dicts are its own."""
+        return attrs.evolve(self)
 
     @property
     def processes_logits(self) -> bool:

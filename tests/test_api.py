@@ -269,6 +269,18 @@ def test_sampling_params_reject_bad_values(field, value):
     assert isinstance(exc.value, ValueError)
 
 
+def test_sampling_params_change_as_vllms_do_and_are_checked(llm):
+    params = llm.get_default_sampling_params()
+    params.max_tokens, params.temperature = 3, 0  # (vLLM's example sets fields so)
+    with pytest.raises(InvalidParameterError) as exc:
+        params.top_p = 1.5
+    assert exc.value.param == "top_p" and params.top_p == 1.0  # refused, and left as it was
+    copy = params.clone()
+    copy.stop.append("x")
+    assert params.stop == [] and copy.stop == ["x"]
+    assert len(llm.generate("Hi", params, use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
 @pytest.mark.parametrize("refused, fine", [
     (dict(allowed_token_ids=[5], bad_words_token_ids=[[5], [6, 5]]),
      dict(allowed_token_ids=[5], bad_words_token_ids=[[6, 5]])),  # (5 is banned only after 6)

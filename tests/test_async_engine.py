@@ -631,3 +631,19 @@ async def test_a_prompt_past_the_context_is_served_truncated_by_every_entry(tiny
         many = [o async for _, o in client.generate_many([long, long], params)]
     assert one.prompt_token_ids == long[-100:] and len(one.outputs[0].token_ids) == 2
     assert [o.prompt_token_ids for o in many] == [long[-100:]] * 2
+
+
+async def test_a_change_to_sampling_params_never_reaches_a_queued_request(tiny_core, tokenizer):
+    """SamplingParams are mutable, as vLLM's; the engine queues its own copy (vLLM clones too),
+    front and core alike: a caller that changes its object, even a list in place, changes no
+    request already queued."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        greedy = [t for o in await collect(client, prompt(4), params) for t in o.outputs[0].token_ids]
+        async with await client.add_request(prompt(4), params) as queued:
+            (channel,) = queued.channels
+            assert channel.state.params is not params and channel.state.params == params
+            params.temperature = 5.0  # (before the engine has read the request)
+            params.stop_token_ids.append(greedy[3])
+            changed_after = [t async for o in queued for t in o.outputs[0].token_ids]
+    assert changed_after == greedy

@@ -459,7 +459,8 @@ class EngineClient:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt)
         ids = self.truncate(ids, params)  # (``prompt`` stays the text given, as vLLM's)
-        params = params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
+        params = params.clone().with_bad_words_tokenized(  # (the engine's own copy: the caller's may change)
+            lambda word: self.tokenizer.encode(word, add_special_tokens=False))
         self.validate(ids, params, priority)
         if params.structured_outputs is not None and grammar is None:
             grammar = engine.structured_outputs.compile(params.structured_outputs)
