@@ -55,10 +55,11 @@ def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: 
     (``as_ids``: tokens named ``token_id:N``)."""
     content = []
     for token_id, position in zip(token_ids, positions):
-        chosen = _token(token_id, position[token_id].decoded_token, as_ids)
+        text = position[token_id].decoded_token
         alternatives = sorted(position.items(), key=lambda item: item[1].rank)[:top]
-        content.append({
-            "token": chosen, "logprob": _logprob(position[token_id].logprob), "bytes": _token_bytes(chosen or ""),
+        content.append({  # (the sampled token's bytes are its text's even when named by id, as vLLM's)
+            "token": _token(token_id, text, as_ids), "logprob": _logprob(position[token_id].logprob),
+            "bytes": _token_bytes(text or ""),
             "top_logprobs": [{"token": (name := _token(t, lp.decoded_token, as_ids)), "logprob": _logprob(lp.logprob),
                               "bytes": _token_bytes(name or "")} for t, lp in alternatives],
         })

@@ -388,6 +388,7 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
         "name": "f", "parameters": {"type": "object"}}}]}, "tools"),
     ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/chat/completions", {**CHAT, "allowed_token_ids": [10**7]}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": [2], "min_tokens": 2}, "allowed_token_ids"),  # (2: EOS)
     ("/v1/chat/completions", {**CHAT, "bad_words": ["w"] * 129}, "bad_words"),
     ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
@@ -477,6 +478,8 @@ async def test_token_ids_come_back_when_asked(tiny_vocab_core, tokenizer, path):
     assert len(ids) == 6 and (whole if chat else choice)["prompt_token_ids"] == prompt_ids["tokens"]
     if chat:
         named = [entry["token"] for entry in choice["logprobs"]["content"]]
+        assert [bytes(entry["bytes"]) for entry in choice["logprobs"]["content"]] == \
+            [tokenizer.decode([t]).encode() for t in ids]  # (the text's bytes, as vLLM)
         alternatives = [t["token"] for entry in choice["logprobs"]["content"] for t in entry["top_logprobs"]]
     else:
         named = choice["logprobs"]["tokens"]

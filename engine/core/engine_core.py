@@ -285,7 +285,8 @@ class EngineCore:
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
         """Check a prompt and its parameters against the model; return the resolved max_tokens."""
         return validate_request(prompt, params, priority, max_model_len=self.max_model_len,
-                                vocab_size=self.vocab_size, scheduling_policy=self.config.scheduling_policy)
+                                vocab_size=self.vocab_size, scheduling_policy=self.config.scheduling_policy,
+                                eos_token_ids=self.eos_token_ids)
 
     @property
     def backend_name(self) -> str:
@@ -526,7 +527,7 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 def validate_request(prompt: list[int], params: SamplingParams, priority: int, *, max_model_len: int,
-                     vocab_size: int, scheduling_policy: str) -> int:
+                     vocab_size: int, scheduling_policy: str, eos_token_ids: tuple[int, ...] = ()) -> int:
     """Check a prompt and its parameters against a model's limits; return the resolved max_tokens
     (an engine core and the front of an engine in another process both check with this)."""
     if not prompt:
@@ -543,6 +544,12 @@ def validate_request(prompt: list[int], params: SamplingParams, priority: int, *
     _check_token_ids("allowed_token_ids", params.allowed_token_ids or (), vocab_size)
     for ids in params.bad_words_token_ids or ():
         _check_token_ids("bad_words", ids, vocab_size)
+    if params.allowed_token_ids is not None and params.min_tokens and not params.ignore_eos:
+        ends = set(eos_token_ids) | set(params.stop_token_ids) | {ids[0] for ids in params.bad_words_token_ids or ()
+                                                                  if len(ids) == 1}
+        if set(params.allowed_token_ids) <= ends:
+            raise InvalidParameterError("allowed_token_ids", "allowed_token_ids leaves no token to sample before "
+                                                             "min_tokens: the end and stop tokens are all it allows")
     room = max_model_len - len(prompt)
     if params.max_tokens is not None and params.max_tokens > room:
         raise InvalidParameterError(

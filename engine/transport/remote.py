@@ -62,7 +62,8 @@ class RemoteCore:
 
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
         return validate_request(prompt, params, priority, max_model_len=self.max_model_len,
-                                vocab_size=self.vocab_size, scheduling_policy=self.config.scheduling_policy)
+                                vocab_size=self.vocab_size, scheduling_policy=self.config.scheduling_policy,
+                                eos_token_ids=self.eos_token_ids)
 
     def stats(self) -> EngineStats:
         """The engine's counters as of its latest step."""
