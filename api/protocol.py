@@ -141,7 +141,8 @@ _NOT_WITH_BEAM_SEARCH = {
     "logit_bias": (None, {}), "min_tokens": (0,), "prompt_logprobs": (None,), "logprobs": (None, False),
     "allowed_token_ids": (None,), "bad_words": (None, []), "response_format": (None, {"type": "text"}),
     "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "tools": (None, []),
+    "guided_grammar": (None,), "tools": (None, []), "thinking_token_budget": (None,),
+    "skip_special_tokens": (True,),
 }
 
 
@@ -166,6 +167,7 @@ def beam_search_params(request: SamplingFields, max_tokens: int) -> BeamSearchPa
         return BeamSearchParams(beam_width=request.n, max_tokens=max_tokens, ignore_eos=request.ignore_eos,
                                 temperature=1.0 if request.temperature is None else request.temperature,
                                 length_penalty=request.length_penalty, stop_token_ids=request.stop_token_ids or [],
+                                include_stop_str_in_output=request.include_stop_str_in_output,
                                 cache_salt=request.cache_salt)
     except InvalidParameterError as exc:
         raise APIError(400, str(exc), exc.param) from None

@@ -95,7 +95,9 @@ class LLM:
             self.engine.validate(ids, params, rank)
             if params.structured_outputs is not None:  # a bad constraint fails before anything runs
                 self.structured_outputs.compile(params.structured_outputs)
-        final = [attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list]
+        own = {id(p): engine.client.tokenize_bad_words(attrs.evolve(p, output_kind=RequestOutputKind.FINAL_ONLY))
+               for p in params_list}  # (each distinct parameters once: bad words are tokenized here)
+        final = [own[id(p)] for p in params_list]
         ids = [str(next(self._request_counter)) for _ in inputs]  # (one count per LLM, as vLLM's)
         return trio.run(self._generate_all, engine, inputs, final, ids, priorities, use_tqdm)
 
@@ -117,7 +119,8 @@ class LLM:
         progress = _Progress(len(inputs)) if use_tqdm else None
 
         async def search(client: EngineClient, i: int) -> None:
-            output = await client.beam_search({"prompt_token_ids": inputs[i][1]}, params, request_id=f"beam-{i}")
+            output = await client.beam_search({"prompt_token_ids": inputs[i][1]}, params, request_id=f"beam-{i}",
+                                              admitted=True)  # (all at once, as generate's requests)
             results[i] = BeamSearchOutput([  # (vLLM's: tokens and text hold the prompt's too)
                 BeamSearchSequence(tokens, c.logprobs, c.cumulative_logprob, self.tokenizer.decode(tokens),
                                    c.finish_reason, c.stop_reason)

@@ -7,9 +7,9 @@ import pytest
 import torch
 import trio
 
-from engine.api import BeamSearchParams, SamplingParams
-from engine.errors import InvalidParameterError
-from tests.conftest import serve_http
+from engine.api import BeamSearchParams, Engine, SamplingParams
+from engine.errors import EngineOverloadedError, InvalidParameterError
+from tests.conftest import serve_http, tiny_engine_core
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -105,14 +105,55 @@ async def test_what_beam_search_does_not_use_is_refused_by_name(tiny_vocab_core,
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
-async def test_a_client_that_leaves_mid_search_leaves_nothing_queued(tiny_vocab_core, tokenizer):
-    body = {"prompt": "Hi", "max_tokens": 200, "n": 4, "use_beam_search": True, "ignore_eos": True}
-    async with serve_http(tiny_vocab_core, tokenizer) as server:
-        with trio.move_on_after(1):
-            await server.http.post("/v1/completions", json=body)
-            pytest.fail("200 steps of 4 beams took less than a second")
+def _on_step(client, step: int, act) -> None:
+    """Call ``act()`` when the search queues its ``step``-th step (counted from 1), just after."""
+    real, calls = client.add_requests, 0
+
+    async def add_requests(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == step:
+            act("before")
+        queued = await real(*args, **kwargs)
+        if calls == step:
+            act("after")
+        return queued
+
+    client.add_requests = add_requests
+
+
+async def test_a_search_cancelled_mid_step_aborts_that_steps_requests(tiny_vocab_core, tokenizer):
+    """Leaving (a disconnect, a deadline) cancels the search: the step in flight is aborted, and
+    nothing is left queued or held."""
+    async with Engine(tiny_vocab_core, tokenizer).serve() as client:
+        aborted, real_abort = [], client.abort
+        client.abort = lambda ids: (aborted.append(ids), real_abort(ids))[1]
+        with trio.CancelScope() as scope:
+            _on_step(client, 3, lambda when: when == "after" and scope.cancel())
+            await client.beam_search("Hi", BeamSearchParams(beam_width=4, max_tokens=50, ignore_eos=True))
+        assert scope.cancelled_caught
+        assert sorted(aborted) == sorted(f"{r}-2-{i}" for r in {a.rsplit("-", 2)[0] for a in aborted} for i in range(4))
         with trio.fail_after(10):
-            while server.client.num_unfinished or server.client.stats().kv_blocks_used:
-                await trio.sleep(0.05)
-        ok = await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-        assert ok.status_code == 200
+            await client.wait_idle()
+        assert client.stats().kv_blocks_used == 0 and client.num_waiting_sequences == 0
+
+
+async def test_a_running_search_holds_room_for_its_beams_between_steps(tiny_vocab_model, tokenizer):
+    """max_waiting_requests counts a search's beams while it runs, not only while a step waits
+    (between steps nothing of it waits: searches admitted then went past the limit at once)."""
+    core = tiny_engine_core(tiny_vocab_model, max_waiting_requests=4)
+    async with Engine(core, tokenizer).serve() as client:
+        seen = []
+
+        def between_steps(when):
+            if when == "before":
+                seen.append(client.num_waiting_sequences)
+                with pytest.raises(EngineOverloadedError):
+                    client.check_room(2)
+
+        _on_step(client, 3, between_steps)
+        await client.beam_search("Hi", BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
+        assert seen == [3] and client.num_waiting_sequences == 0
+        with pytest.raises(InvalidParameterError) as exc:  # (more beams than the server ever queues)
+            await client.beam_search("Hi", BeamSearchParams(beam_width=5, max_tokens=2))
+        assert exc.value.param == "beam_width"

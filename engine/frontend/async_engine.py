@@ -14,7 +14,7 @@ import math
 import numbers
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -55,6 +55,7 @@ class Engine:
         self.client = EngineClient(self)
         self.error: EngineDeadError | None = None
         self.registry: dict[str, RequestOutputChannel] = {}
+        self.reserved = 0  # waiting room held by beam searches between their steps
         self.subscribers: set[trio.MemorySendChannel] = set()
         self.stat_loggers: list[StatLogger] = []
         self.num_dropped_steps = 0
@@ -200,9 +201,12 @@ class QueuedRequests:
 
 
 def _integers(token_ids) -> list:
-    """``token_ids`` as a list, integers of other types (numpy's) as ints: the rest stays for the
-    checks to name."""
-    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in token_ids]
+    """``token_ids`` as a list; integers of another type (numpy's: a sequence holds one type) as
+    ints. What is not an integer stays for the checks to name."""
+    ids = list(token_ids)
+    if ids and type(ids[0]) is not int:  # (one look: this runs in the event loop for every prompt)
+        ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
+    return ids
 
 
 class _Done:
@@ -291,6 +295,10 @@ class EngineClient:
         if num_chars > self.max_model_len * self._max_token_chars:
             raise InvalidParameterError(param, f"{param} has {num_chars} characters: more than this model's maximum "
                                                f"context length of {self.max_model_len} tokens can hold")
+
+    def tokenize_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its bad words as token ids (``with_bad_words_tokenized``)."""
+        return params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
 
     def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt's last ``params.truncate_prompt_tokens`` tokens (all without it).
@@ -404,7 +412,7 @@ class EngineClient:
         """``add_request`` for several prompts (``generate_many``'s queueing): every prompt checked,
         then all queued or none; the outputs come as ``(prompt index, output)``. ``admitted``: the
         caller checked the room for them already (a beam search's later steps)."""
-        params = sampling_params or SamplingParams()
+        params = self.tokenize_bad_words(sampling_params or SamplingParams())  # (once, not per prompt)
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         inputs = [(text, self.truncate(token_ids, params)) for text, token_ids in map(self.prepare, prompts)]
         for _, token_ids in inputs:
@@ -459,8 +467,7 @@ class EngineClient:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt)
         ids = self.truncate(ids, params)  # (``prompt`` stays the text given, as vLLM's)
-        params = params.clone().with_bad_words_tokenized(  # (the engine's own copy: the caller's may change)
-            lambda word: self.tokenizer.encode(word, add_special_tokens=False))
+        params = self.tokenize_bad_words(params.clone())  # (the engine's own copy: the caller's may change)
         self.validate(ids, params, priority)
         if params.structured_outputs is not None and grammar is None:
             grammar = engine.structured_outputs.compile(params.structured_outputs)
@@ -471,10 +478,12 @@ class EngineClient:
         return channel
 
     async def beam_search(self, prompt: str | list[int] | dict[str, Any], params: BeamSearchParams,
-                          request_id: str | None = None, priority: int = 0) -> RequestOutput:
+                          request_id: str | None = None, priority: int = 0, admitted: bool = False) -> RequestOutput:
         """The ``params.beam_width`` best continuations of ``prompt`` (engine/frontend/beam_search.py),
-        best first, as one finished output (vLLM's ``beam_search``)."""
-        return await beam_search(self, prompt, params, request_id, priority)
+        best first, as one finished output (vLLM's ``beam_search``). It holds waiting room for
+        its beams from start to end (``admitted``: the caller bounds its own queue, as the
+        offline ``LLM`` does)."""
+        return await beam_search(self, prompt, params, request_id, priority, admitted)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -505,8 +514,21 @@ class EngineClient:
 
     @property
     def num_waiting_sequences(self) -> int:
-        """Sequences this client submitted that have not produced a token yet, nor ended."""
-        return sum(channel.state.num_waiting for channel in self._engine.registry.values())
+        """Sequences this client submitted that have not produced a token yet, nor ended, and
+        those a running beam search holds room for."""
+        engine = self._engine
+        return sum(channel.state.num_waiting for channel in engine.registry.values()) + engine.reserved
+
+    @contextlib.contextmanager
+    def reserve(self, num_sequences: int) -> Iterator[None]:
+        """Hold waiting room for ``num_sequences`` for the block (a beam search's, whose steps
+        queue without a check of their own), after checking there is room (``check_room``)."""
+        self.check_room(num_sequences, "beam_width")
+        self._engine.reserved += num_sequences
+        try:
+            yield
+        finally:
+            self._engine.reserved -= num_sequences
 
     def abort(self, request_id: str | Iterable[str]) -> _Done:
         """Abort a request, or several (vLLM's forms); a no-op for unknown or finished ones (or

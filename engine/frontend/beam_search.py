@@ -19,6 +19,7 @@ step computes at most a block of tokens per beam.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -101,21 +102,26 @@ class _Beam:
 
 
 async def beam_search(client: EngineClient, prompt: str | list[int] | dict[str, Any], params: BeamSearchParams,
-                      request_id: str | None = None, priority: int = 0) -> RequestOutput:
+                      request_id: str | None = None, priority: int = 0, admitted: bool = False) -> RequestOutput:
     """The ``beam_width`` best continuations of ``prompt``, best first, as one finished output.
 
     Raises:
         InvalidParameterError: a bad prompt or parameter (nothing is queued).
-        EngineOverloadedError: no room for ``beam_width`` sequences now (checked once, before
-            the first step: a search that started runs to its end).
+        EngineOverloadedError: no room for ``beam_width`` sequences now. The room is held
+            until the search ends, so a search that started runs to its end (``admitted``: the
+            caller bounds its own queue, and nothing is held).
         EngineDeadError, RequestFailedError: the engine, or a step's request, failed.
     """
-    request_id = request_id or uuid.uuid4().hex
     text, prompt_ids = client.prepare(prompt)
-    width, penalty = params.beam_width, params.length_penalty
     client.validate(prompt_ids, SamplingParams(max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids),
                     priority)
-    client.check_room(width, "beam_width")
+    with contextlib.nullcontext() if admitted else client.reserve(params.beam_width):
+        return await _search(client, text, prompt_ids, params, request_id or uuid.uuid4().hex, priority)
+
+
+async def _search(client: EngineClient, text: str | None, prompt_ids: list[int], params: BeamSearchParams,
+                  request_id: str, priority: int) -> RequestOutput:
+    width, penalty = params.beam_width, params.length_penalty
     step = SamplingParams(max_tokens=1, temperature=0, logprobs=2 * width, ignore_eos=True,
                           cache_salt=params.cache_salt, output_kind=RequestOutputKind.FINAL_ONLY)
     ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(client.eos_token_ids))
