@@ -26,6 +26,7 @@ class TokenDelta:
     num_cached_tokens: int = 0
     first_scheduled_at: float | None = None
     error: str | None = None  # why this request failed alone (finish_reason 'error')
+    error_param: str | None = None  # the parameter at fault, where the caller's parameters were (a 400)
 
     @property
     def finished(self) -> bool:

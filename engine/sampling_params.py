@@ -330,6 +330,11 @@ class SamplingParams:
                     or self.needs_penalties)
 
     @property
+    def restricts(self) -> bool:
+        """Whether tokens are masked out by ``allowed_token_ids`` or ``bad_words``."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+    @property
     def reads_output(self) -> bool:
         """Whether sampling reads the tokens generated so far (penalties, bad words of several
         tokens)."""

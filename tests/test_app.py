@@ -444,6 +444,24 @@ async def test_allowed_token_ids_and_bad_words_reach_the_sampler(tiny_vocab_core
         assert chat.json()["choices"][0]["message"]["content"] == " no" * 4
 
 
+async def test_restrictions_a_grammar_leaves_nothing_to_sample_under_are_a_400(tiny_vocab_core, tokenizer):
+    """allowed_token_ids that a JSON grammar never allows: only sampling finds that out, and it
+    is still the request's parameters at fault: a 400 naming the field (an error event once
+    streaming), not a 500; the server goes on."""
+    (word,) = tokenizer.encode(" hello", add_special_tokens=False)
+    body = {**CHAT, "max_tokens": 4, "allowed_token_ids": [word], "response_format": {"type": "json_object"}}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        whole = await server.http.post("/v1/chat/completions", json=body)
+        assert whole.status_code == 400, whole.text
+        assert error(whole.content)["param"] == "allowed_token_ids"
+        assert "no token is left to sample" in error(whole.content)["message"]
+        streamed = await server.http.post("/v1/chat/completions", json={**body, "stream": True})
+        (event,) = [e for e in sse_data(streamed.text.splitlines()) if e != "[DONE]" and "error" in e]
+        assert event["error"]["type"] == "invalid_request_error" and event["error"]["param"] == "allowed_token_ids"
+        ok = await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200 and server.client.stats().kv_blocks_used == 0
+
+
 async def test_truncate_prompt_tokens_keeps_the_prompts_end(tiny_vocab_core, tokenizer):
     prompt = "one two three four five six seven eight"
     ids = tokenizer.encode(prompt)

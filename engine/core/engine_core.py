@@ -464,7 +464,10 @@ class EngineCore:
                 continue
             log.error("request %s failed in the engine (the engine goes on)", request.parent_id, exc_info=error)
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-            deltas.append(self._delta(request, (), error=f"{type(error).__name__}: {error}"))
+            if isinstance(error, InvalidParameterError):  # (the caller's parameters, found wrong only now)
+                deltas.append(self._delta(request, (), error=str(error), error_param=error.param))
+            else:
+                deltas.append(self._delta(request, (), error=f"{type(error).__name__}: {error}"))
             parents.add(request.parent_id)
         for parent_id in parents:
             deltas += self.abort_requests([parent_id])
@@ -475,12 +478,12 @@ class EngineCore:
             self._children.pop(parent_id, None)
 
     def _delta(self, request: Request, new_tokens: tuple[int, ...], new_logprobs=(), prompt_logprobs=(),
-               error: str | None = None) -> TokenDelta:
+               error: str | None = None, error_param: str | None = None) -> TokenDelta:
         if request.finished:
             self._forget_if_done(request.parent_id)
         return TokenDelta(request.parent_id, request.index, new_tokens, new_logprobs, prompt_logprobs,
                           request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
-                          request.first_scheduled_at, error)
+                          request.first_scheduled_at, error, error_param)
 
     def engine_stats(self) -> list[EngineStats]:
         return [self.stats()]

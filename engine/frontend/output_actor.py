@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import trio
 
-from engine.errors import RequestFailedError
+from engine.errors import InvalidParameterError, RequestFailedError
 from engine.frontend.output_channel import RequestOutputChannel
 from engine.frontend.request_state import StopStringHit
 from engine.frontend.stats import IterationStats
@@ -86,8 +86,10 @@ class OutputActor:
         request's stream, wake the stream."""
         if hit is not None:
             self._core_inbox.send_nowait(StopRequest(request_id, hit.index, hit.stop))
-        if channel.state.error is not None:
-            channel.fail(RequestFailedError(f"request {request_id} failed: {channel.state.error}"))
+        state = channel.state
+        if state.error is not None:
+            channel.fail(InvalidParameterError(state.error_param, state.error) if state.error_param else
+                         RequestFailedError(f"request {request_id} failed: {state.error}"))
         channel.notify()
 
     def _fail(self, channel: RequestOutputChannel, request_id: str, stats: IterationStats, exc: Exception) -> None:

@@ -55,6 +55,7 @@ class RequestState:
         self.num_cached_tokens = 0
         self.times = RequestTimes(time.monotonic() if arrival is None else arrival)
         self.error: str | None = None
+        self.error_param: str | None = None  # where the caller's parameters were at fault
         self._num_unfinished = params.n
         self.num_waiting = params.n  # completions with no token yet that have not ended
 
@@ -79,6 +80,7 @@ class RequestState:
             return None
         if delta.error is not None:
             self.fail(stats, delta.error)
+            self.error_param = self.error_param or delta.error_param
             return None
         if delta.new_prompt_logprobs and delta.index == 0:
             self.prompt_logprobs += delta.new_prompt_logprobs

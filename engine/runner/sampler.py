@@ -22,6 +22,7 @@ import attrs
 import numpy as np
 import torch
 
+from engine.errors import InvalidParameterError
 from engine.outputs import TokenLogprobs
 from engine.runner.requests import RunnerRequest as Request
 
@@ -125,6 +126,11 @@ class Sampler:
             if needs[row]:
                 with isolated(errors, row):
                     process_row(logits[row], request, row in constrained)
+        restricted = [row for row, r in enumerate(requests) if needs[row] and row not in errors and r.params.restricts]
+        if restricted:  # (one look at the rows the restrictions may have emptied: one device sync a step)
+            for row, left in zip(restricted, torch.isfinite(logits[restricted]).any(dim=-1).tolist()):
+                if not left:
+                    errors[row] = NoTokenLeftError.of(requests[row].params, row in constrained)
         return logits
 
     # ---- random sampling ----
@@ -195,11 +201,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
 
 def process_row(logits: torch.Tensor, request: Request, constrained: bool = False) -> None:
     """Apply one request's logit bias, min_tokens mask and penalties to its logits row, in place
-    (``constrained``: its grammar mask is already applied).
-
-    Raises:
-        NoTokenLeftError: the restrictions (with the grammar's mask) leave no token to sample.
-    """
+    (``constrained``: its grammar mask is already applied). Restrictions that leave no token
+    are the caller's to find (``Sampler`` looks at every row at once)."""
     params = request.params
     if params.allowed_token_ids is not None:
         ids = torch.tensor(params.allowed_token_ids, device=logits.device)
@@ -224,14 +227,18 @@ def process_row(logits: torch.Tensor, request: Request, constrained: bool = Fals
                 logits[ids] = kept  # the grammar allows nothing but to stop: min_tokens cannot hold
     if params.needs_penalties:
         _apply_penalties(logits, request)
-    if (params.allowed_token_ids is not None or params.bad_words_token_ids) and not torch.isfinite(logits).any():
-        raise NoTokenLeftError("no token is left to sample: allowed_token_ids and bad_words" +
-                               (" (with the structured output's grammar)" if constrained else "") +
-                               " exclude every token the model may write next")
 
 
-class NoTokenLeftError(ValueError):
-    """A request's restrictions exclude every token at a position."""
+class NoTokenLeftError(InvalidParameterError):
+    """A request's restrictions exclude every token at a position: the caller's parameters are
+    at fault (a 400), though only sampling could tell."""
+
+    @classmethod
+    def of(cls, params, constrained: bool) -> NoTokenLeftError:
+        return cls("allowed_token_ids" if params.allowed_token_ids is not None else "bad_words",
+                   "no token is left to sample: allowed_token_ids and bad_words" +
+                   (" (with the structured output's grammar)" if constrained else "") +
+                   " exclude every token the model may write next")
 
 
 def _bad_words_due(sequences: list[list[int]], request: Request) -> list[int]:
