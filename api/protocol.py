@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Union, get_origin
 
 import attrs
 import cattrs
+from cattrs.cols import list_structure_factory
 from cattrs.gen import make_dict_structure_fn
 
 from api.errors import APIError, bad_request, unsupported
@@ -319,6 +320,18 @@ def _prompt(value: Any, _type: Any) -> Any:
     raise TypeError("expected a string, a list of strings, a list of token ids or a list of token-id lists")
 
 
+def _lists_only(list_type: Any) -> Any:
+    """Structure a list field only from a JSON array: cattrs takes any iterable, so a string
+    given for a list of strings became its letters ("bad_words": "apple" banned a, p, l, e)."""
+    structure = list_structure_factory(list_type, converter)
+
+    def hook(value: Any, _type: Any) -> Any:
+        if not isinstance(value, list):
+            raise TypeError(f"expected a list, got {type(value).__name__}")
+        return structure(value, _type)
+    return hook
+
+
 def _objects_only(cls: type) -> Any:
     """Structure an attrs class only from a JSON object (cattrs would take any container,
     so a string or a list would silently become all defaults). A ``null`` for a field with a
@@ -338,6 +351,7 @@ def _objects_only(cls: type) -> Any:
 
 converter = cattrs.Converter(forbid_extra_keys=False)
 converter.register_structure_hook_factory(attrs.has, _objects_only)
+converter.register_structure_hook_factory(lambda t: get_origin(t) is list, _lists_only)
 converter.register_structure_hook(int, _strict(int, lambda v: isinstance(v, int) and not isinstance(v, bool)))
 converter.register_structure_hook(float, _strict(float, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)))
 converter.register_structure_hook(bool, _strict(bool, lambda v: isinstance(v, bool)))

@@ -390,6 +390,8 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
     ("/v1/chat/completions", {**CHAT, "allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": [2], "min_tokens": 2}, "allowed_token_ids"),  # (2: EOS)
     ("/v1/chat/completions", {**CHAT, "bad_words": ["w"] * 129}, "bad_words"),
+    ("/v1/chat/completions", {**CHAT, "bad_words": "apple"}, "bad_words"),  # (a string is not a list of
+    ("/v1/chat/completions", {**CHAT, "guided_choice": "yes"}, "guided_choice"),  # its letters)
     ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {**CHAT, "return_tokens_as_token_ids": 3}, "return_tokens_as_token_ids"),
