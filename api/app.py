@@ -113,7 +113,7 @@ class ServerState:
 
     model_name: str
     client: EngineClient | None = None
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # one key, or several (any of them opens /v1/*)
     allowed_origins: tuple[str, ...] = ()
     chat_template: str | None = None
     # --reasoning-parser; --default-chat-template-kwargs (a request's chat_template_kwargs override them)
@@ -151,8 +151,9 @@ def create_app(state: ServerState) -> QuartTrio:
         if request.method == "OPTIONS" and state.allowed_origins:
             return _cors(Response("", status=204))
         if state.api_key and request.path.startswith(_AUTHENTICATED):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            given = request.headers.get("Authorization", "").encode()
+            keys = (state.api_key,) if isinstance(state.api_key, str) else state.api_key
+            if not any([hmac.compare_digest(given, f"Bearer {key}".encode()) for key in keys]):  # (all compared)
                 raise APIError(401, "invalid or missing API key", code="invalid_api_key")
         return None
 
@@ -185,6 +186,8 @@ def _add_routes(app: QuartTrio, api: _Handlers, frontend: bool) -> None:
     app.add_url_rule("/openapi.json", "openapi", api.openapi, methods=["GET"])
     app.add_url_rule("/docs", "docs", api.docs, methods=["GET"])
     app.add_url_rule("/health", "health", api.health, methods=["GET"])
+    app.add_url_rule("/ping", "ping", api.health, methods=["GET", "POST"])  # (SageMaker's health check, as vLLM)
+    app.add_url_rule("/invocations", "invocations", api.invocations, methods=["POST"])
     app.add_url_rule("/version", "version", api.version, methods=["GET"])
     app.add_url_rule("/metrics", "metrics", api.metrics, methods=["GET"])
     app.add_url_rule("/v1/models", "models", api.models, methods=["GET"])
@@ -255,7 +258,7 @@ def engine_api_error(error: Exception) -> APIError:
 
 # Paths that need the API key (when one is set). /health, /metrics, /version and the API
 # description stay open, as in vLLM: probes and scrapers carry no key.
-_AUTHENTICATED = ("/v1/", "/tokenize", "/detokenize")
+_AUTHENTICATED = ("/v1/", "/tokenize", "/detokenize", "/invocations")  # (what generates or reads the model)
 _EMPTY_STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 # One request failed inside the engine (the engine goes on); the log has the details.
 REQUEST_FAILED = APIError(500, "the request failed inside the engine", type="server_error", code="request_failed")
@@ -328,6 +331,19 @@ class _Handlers:
         if self.state.client is None or self.state.client.errored or self.state.draining:
             return Response("", status=503)
         return Response("", status=200)
+
+    async def invocations(self) -> Response:
+        """SageMaker's inference route, as vLLM's: a chat completion where the body holds
+        ``messages``, a completion where it holds ``prompt``."""
+        try:
+            data = orjson.loads(await request.get_data())
+        except orjson.JSONDecodeError as exc:
+            raise bad_request(f"the body is not valid JSON: {exc}") from None
+        if isinstance(data, dict) and "messages" in data:
+            return await self.chat_completions()
+        if isinstance(data, dict) and "prompt" in data:
+            return await self.completions()
+        raise bad_request("an /invocations body holds messages (a chat completion) or a prompt (a completion)")
 
     async def openapi(self) -> Response:
         return json_response(self._openapi)

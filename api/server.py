@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -46,11 +47,12 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
     """
     config = engine_config(args)
     source = resolve_model(config.model)
-    template = Path(args.chat_template).read_text() if args.chat_template else None
-    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    template = chat_template(args.chat_template)
+    origins = allowed_origins(args.allowed_origins)
     limits = Limits(body_timeout=args.request_body_timeout, request_timeout=args.request_timeout,
                     max_prompts_per_request=args.max_prompts_per_request)
-    state = ServerState(args.served_model_name or source.name, api_key=args.api_key, allowed_origins=origins,
+    state = ServerState(args.served_model_name or source.name, api_key=tuple(args.api_key or ()) or None,
+                        allowed_origins=origins,
                         chat_template=template, reasoning_parser=reasoning_parser(args.reasoning_parser),
                         default_chat_template_kwargs=args.default_chat_template_kwargs, limits=limits,
                         responses=ResponseStore(args.max_stored_responses) if args.enable_responses_store else None,
@@ -165,6 +167,27 @@ async def _stop_with_the_launcher(fd: int, shutdown: trio.Event) -> None:
         shutdown.set()
 
 
+def chat_template(value: str | None) -> str | None:
+    """``--chat-template``: the template itself where the value holds {, } or a newline (vLLM's
+    rule), else the file it names."""
+    if value is None or any(c in value for c in "{}\n"):
+        return value
+    return Path(value).read_text()
+
+
+def allowed_origins(value: str) -> tuple[str, ...]:
+    """``--allowed-origins``: comma-separated, or vLLM's JSON list (``'["*"]'``)."""
+    if value.strip().startswith("["):
+        try:
+            origins = json.loads(value)
+        except ValueError:
+            origins = None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise InvalidParameterError("allowed_origins", f"--allowed-origins is not a JSON list of strings: {value}")
+        return tuple(o.strip() for o in origins if o.strip())
+    return tuple(o.strip() for o in value.split(",") if o.strip())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -172,6 +195,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(refusal)
     if args.max_stored_responses < 1:
         parser.error("--max-stored-responses must be at least 1")
+    try:
+        allowed_origins(args.allowed_origins)
+    except InvalidParameterError as exc:
+        parser.error(str(exc))
     if args.enable_responses_store and args.api_server_count > 1:
         parser.error("--enable-responses-store keeps responses in one server's memory: it needs --api-server-count 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -949,3 +949,45 @@ async def test_a_stream_interval_sends_fewer_larger_events_of_the_same_text(tiny
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     assert 2 <= len(chunks) <= 4  # the first token, then 4 at a time (not 13 events)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-2]["usage"]["completion_tokens"] == 13
+
+
+def test_a_vllm_serve_command_line_reads_as_vllm_reads_it(monkeypatch, tmp_path, capsys):
+    """What ports of `vllm serve` command lines and manifests pass: the model as the first
+    argument, underscore spellings, several API keys or $VLLM_API_KEY, CORS origins as a JSON
+    list, an inline chat template, and flags that change nothing here."""
+    from api.server import allowed_origins, build_parser, chat_template
+
+    args = build_parser().parse_args(["/models/m.gguf", "--max_model_len=2048", "--max_num_seqs", "4",
+                                      "--api-key", "a", "b", "--trust-remote-code", "--disable-log-requests"])
+    assert (args.model, args.max_model_len, args.max_num_seqs, args.api_key) == ("/models/m.gguf", 2048, 4, ["a", "b"])
+    with pytest.raises(SystemExit) as exit_code:
+        build_parser().parse_args(["/models/m.gguf", "--model", "/models/other.gguf"])
+    assert exit_code.value.code == 2 and "the model is given twice" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")  # (a Kubernetes secret is often given so)
+    assert build_parser().parse_args([]).api_key == ["from-env"]
+    assert build_parser().parse_args(["--api-key", "given"]).api_key == ["given"]
+    assert allowed_origins('["http://a.example", "*"]') == ("http://a.example", "*") == allowed_origins("http://a.example,*")
+    with pytest.raises(InvalidParameterError):
+        allowed_origins('["unclosed"')
+    assert chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}").startswith("{% for")
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    assert chat_template(str(tmp_path / "t.jinja")) == "{{ messages }}"
+
+
+async def test_sagemakers_routes_and_several_api_keys(tiny_vocab_core, tokenizer):
+    async with serve_http(tiny_vocab_core, tokenizer, api_key=("one", "two")) as server:
+        assert (await server.http.get("/ping")).status_code == 200
+        assert (await server.http.post("/ping")).status_code == 200
+        for key in ("one", "two"):
+            chat = await server.http.post("/invocations", json={**CHAT, "max_tokens": 2},
+                                          headers={"Authorization": f"Bearer {key}"})
+            assert chat.status_code == 200 and chat.json()["object"] == "chat.completion", chat.text
+        text = await server.http.post("/invocations", json={"prompt": "Hi", "max_tokens": 2},
+                                      headers={"Authorization": "Bearer two"})
+        assert text.status_code == 200 and text.json()["object"] == "text_completion"
+        refused = await server.http.post("/v1/completions", json={"prompt": "Hi"}, headers={"Authorization": "Bearer x"})
+        assert refused.status_code == 401
+        neither = await server.http.post("/invocations", json={"input": "Hi"}, headers={"Authorization": "Bearer one"})
+        assert neither.status_code == 400
+        unkeyed = await server.http.post("/invocations", json={"prompt": "Hi"})  # (it generates: keyed as /v1)
+        assert unkeyed.status_code == 401
