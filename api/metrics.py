@@ -21,8 +21,15 @@ from engine.sched.request import FINISH_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                    20.0, 40.0, 80.0, 160.0, 640.0)
+# vLLM's buckets, so that alert rules naming an ``le`` and fleets summed by ``le`` work alike.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Token counts: 1, 2, 5, 10, 20, 50... (vLLM's 1-2-5 series, up to the longest context it serves).
+_TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))
 
 
 class _EngineCollector(Collector):
@@ -57,7 +64,11 @@ _SERIES = (
     (GaugeMetricFamily, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
     (GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%).",
      lambda s: s.kv_cache_usage),
-    (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens computed.", lambda s: s.num_prompt_tokens),
+    (GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under its older name (deprecated "
+                                                      "in vLLM; its dashboard still reads it).", lambda s: s.kv_cache_usage),
+    (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens of the requests: computed, or found in the prefix "
+                                                "cache (as vLLM counts them; a recomputed preempted request again).",
+     lambda s: s.num_prompt_tokens + s.prefix_cache_hits),
     (CounterMetricFamily, "vllm:generation_tokens", "Tokens generated.", lambda s: s.num_generation_tokens),
     (CounterMetricFamily, "vllm:num_preemptions", "Requests preempted.", lambda s: s.num_preemptions),
     (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -94,13 +105,27 @@ class Metrics:
         success = Counter("vllm:request_success", "Requests finished, by reason.", labels + ["finished_reason"],
                           registry=self.registry)
         self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS.values()}
-        self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token.")
-        self.itl = self._histogram("vllm:inter_token_latency_seconds", "Time between output tokens.")
-        self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.")
-        self.queue = self._histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.")
+        self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = self._histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        self.tpot = self._histogram("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds under its "
+                                    "older name (deprecated in vLLM; its dashboard still reads it).", _ITL_BUCKETS)
+        self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                                   _REQUEST_BUCKETS)
+        self.queue = self._histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
+                                     _REQUEST_BUCKETS)
+        self.prefill = self._histogram("vllm:request_prefill_time_seconds", "Time from first scheduling to the first "
+                                       "token.", _REQUEST_BUCKETS)
+        self.decode = self._histogram("vllm:request_decode_time_seconds", "Time from the first token to the last.",
+                                      _REQUEST_BUCKETS)
+        self.inference = self._histogram("vllm:request_inference_time_seconds", "Time from first scheduling to the "
+                                         "last token.", _REQUEST_BUCKETS)
+        self.prompt_tokens = self._histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
+                                             _TOKEN_BUCKETS)
+        self.generation_tokens = self._histogram("vllm:request_generation_tokens", "Tokens generated for each "
+                                                 "finished request (all its completions).", _TOKEN_BUCKETS)
 
-    def _histogram(self, name: str, doc: str):
-        family = Histogram(name, doc, ["model_name"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
+        family = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
         return family.labels(self.model_name)
 
     def record(self, stats: IterationStats) -> None:
@@ -108,10 +133,17 @@ class Metrics:
             self.ttft.observe(ttft)
         for itl in stats.inter_token_latencies:
             self.itl.observe(itl)
+            self.tpot.observe(itl)
         for request in stats.finished:
             self.e2e.observe(request.e2e_latency)
             if request.queue_time is not None:
                 self.queue.observe(request.queue_time)
+            if request.prefill_time is not None:
+                self.prefill.observe(request.prefill_time)
+                self.decode.observe(request.decode_time)
+                self.inference.observe(request.prefill_time + request.decode_time)
+            self.prompt_tokens.observe(request.num_prompt_tokens)
+            self.generation_tokens.observe(request.num_generation_tokens)
             for reason in request.finish_reasons:
                 self.request_success[reason].inc()
 

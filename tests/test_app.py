@@ -356,17 +356,32 @@ async def test_cached_tokens_of_a_multi_prompt_completion_are_summed(tiny_vocab_
 async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(tiny_vocab_core, tokenizer):
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         before = (await server.http.get("/metrics")).text
-        for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
+        histograms = ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                      "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
+                      "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                      "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                      "vllm:request_prompt_tokens", "vllm:request_generation_tokens")  # (vLLM's dashboard's names)
+        for name in histograms:
             assert metric(before, f"{name}_count") == 0 and f"{name}_bucket{{" in before
         for reason in ("stop", "length", "abort", "error"):
             assert metric(before, "vllm:request_success_total", finished_reason=reason) == 0
-        await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "ignore_eos": True})
+        prompt = " ".join(["once upon a time"] * 12)  # (48 tokens: the second request finds 2 blocks cached)
+        response = await server.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "ignore_eos": True})
+        again = await server.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
         after = (await server.http.get("/metrics")).text
-    assert metric(after, "vllm:time_to_first_token_seconds_count") == 1
+    assert metric(after, "vllm:time_to_first_token_seconds_count") == 2
     assert metric(after, "vllm:inter_token_latency_seconds_count") == 7  # non-streamed, yet every gap
-    assert metric(after, "vllm:request_success_total", finished_reason="length") == 1
+    assert metric(after, "vllm:time_per_output_token_seconds_count") == 7
+    assert metric(after, "vllm:request_success_total", finished_reason="length") == 2
     assert metric(after, "vllm:time_to_first_token_seconds_sum") < metric(after, "vllm:e2e_request_latency_seconds_sum")
+    assert metric(after, "vllm:request_generation_tokens_sum") == 9
+    prompts = response.json()["usage"]["prompt_tokens"] + again.json()["usage"]["prompt_tokens"]
+    assert metric(after, "vllm:request_prompt_tokens_sum") == prompts
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert metric(after, "vllm:prompt_tokens_total") == prompts  # (cached or computed, as vLLM counts them)
+    assert metric(after, "vllm:request_inference_time_seconds_sum") == pytest.approx(
+        metric(after, "vllm:request_prefill_time_seconds_sum") + metric(after, "vllm:request_decode_time_seconds_sum"))
+    assert 'le="7680.0"' in after and 'le="2560.0"' in after  # (vLLM's buckets)
 
 
 @pytest.mark.parametrize("path, body, param", [

@@ -24,6 +24,8 @@ class FinishedRequestStats:
     queue_time: float | None  # seconds from arrival to first scheduling; None if never scheduled
     num_prompt_tokens: int
     num_generation_tokens: int
+    prefill_time: float | None = None  # first scheduling to first token (None: no token came)
+    decode_time: float | None = None  # first token to last token
 
 
 @attrs.define
@@ -65,8 +67,12 @@ class RequestTimes:
     def finished(self, stats: IterationStats, reasons: tuple[str, ...], num_prompt_tokens: int,
                  num_generation_tokens: int) -> None:
         queue = None if self.first_scheduled is None else max(0.0, self.first_scheduled - self.arrival)
+        prefill = decode = None
+        if self.first_token is not None and self.first_scheduled is not None:
+            prefill = max(0.0, self.first_token - self.first_scheduled)
+            decode = max(0.0, (self.last_token or self.first_token) - self.first_token)
         stats.finished.append(FinishedRequestStats(reasons, stats.now - self.arrival, queue, num_prompt_tokens,
-                                                   num_generation_tokens))
+                                                   num_generation_tokens, prefill, decode))
 
 
 def activity_line(before: EngineStats, now: EngineStats, seconds: float) -> str | None:
