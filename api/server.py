@@ -51,7 +51,8 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
     origins = allowed_origins(args.allowed_origins)
     limits = Limits(body_timeout=args.request_body_timeout, request_timeout=args.request_timeout,
                     max_prompts_per_request=args.max_prompts_per_request)
-    state = ServerState(args.served_model_name or source.name, api_key=tuple(args.api_key or ()) or None,
+    names = args.served_model_name or [args.model or source.name]  # (vLLM's: the --model given, as given)
+    state = ServerState(names[0], other_model_names=tuple(names[1:]), api_key=tuple(args.api_key or ()) or None,
                         allowed_origins=origins,
                         chat_template=template, reasoning_parser=reasoning_parser(args.reasoning_parser),
                         default_chat_template_kwargs=args.default_chat_template_kwargs, limits=limits,

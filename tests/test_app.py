@@ -975,6 +975,7 @@ def test_a_vllm_serve_command_line_reads_as_vllm_reads_it(monkeypatch, tmp_path,
     args = build_parser().parse_args(["/models/m.gguf", "--max_model_len=2048", "--max_num_seqs", "4",
                                       "--api-key", "a", "b", "--trust-remote-code", "--disable-log-requests"])
     assert (args.model, args.max_model_len, args.max_num_seqs, args.api_key) == ("/models/m.gguf", 2048, 4, ["a", "b"])
+    assert build_parser().parse_args(["--served-model-name", "x", "y"]).served_model_name == ["x", "y"]
     with pytest.raises(SystemExit) as exit_code:
         build_parser().parse_args(["/models/m.gguf", "--model", "/models/other.gguf"])
     assert exit_code.value.code == 2 and "the model is given twice" in capsys.readouterr().err
@@ -987,6 +988,18 @@ def test_a_vllm_serve_command_line_reads_as_vllm_reads_it(monkeypatch, tmp_path,
     assert chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}").startswith("{% for")
     (tmp_path / "t.jinja").write_text("{{ messages }}")
     assert chat_template(str(tmp_path / "t.jinja")) == "{{ messages }}"
+
+
+async def test_several_served_model_names_are_each_a_model(tiny_vocab_core, tokenizer):
+    """--served-model-name a b (vLLM's): requests may name either, answers carry the first."""
+    async with serve_http(tiny_vocab_core, tokenizer, other_model_names=("alias",)) as server:
+        listed = (await server.http.get("/v1/models")).json()["data"]
+        assert [m["id"] for m in listed] == ["tiny", "alias"] and {m["root"] for m in listed} == {"tiny"}
+        answer = await server.http.post("/v1/completions", json={"model": "alias", "prompt": "Hi", "max_tokens": 1})
+        assert answer.status_code == 200 and answer.json()["model"] == "tiny"
+        assert (await server.http.get("/v1/models/alias")).json()["id"] == "alias"
+        unknown = await server.http.post("/v1/completions", json={"model": "other", "prompt": "Hi"})
+        assert unknown.status_code == 404
 
 
 async def test_sagemakers_routes_and_several_api_keys(tiny_vocab_core, tokenizer):
