@@ -187,7 +187,7 @@ def _add_routes(app: QuartTrio, api: _Handlers, frontend: bool) -> None:
     app.add_url_rule("/openapi.json", "openapi", api.openapi, methods=["GET"])
     app.add_url_rule("/docs", "docs", api.docs, methods=["GET"])
     app.add_url_rule("/health", "health", api.health, methods=["GET"])
-    app.add_url_rule("/ping", "ping", api.health, methods=["GET", "POST"])  # (SageMaker's health check, as vLLM)
+    app.add_url_rule("/ping", "ping", api.ping, methods=["GET", "POST"])  # (SageMaker's health check, as vLLM)
     app.add_url_rule("/invocations", "invocations", api.invocations, methods=["POST"])
     app.add_url_rule("/version", "version", api.version, methods=["GET"])
     app.add_url_rule("/metrics", "metrics", api.metrics, methods=["GET"])
@@ -332,6 +332,10 @@ class _Handlers:
         if self.state.client is None or self.state.client.errored or self.state.draining:
             return Response("", status=503)
         return Response("", status=200)
+
+    async def ping(self) -> Response:
+        await request.get_data()  # (a POST's body, read as every POST's is)
+        return await self.health()
 
     async def invocations(self) -> Response:
         """SageMaker's inference route, as vLLM's: a chat completion where the body holds

@@ -35,20 +35,29 @@ class _Parser(argparse.ArgumentParser):
         first argument (``vllm serve MODEL``)."""
         import sys
 
-        argv = [_dashed(a) for a in (sys.argv[1:] if args is None else args)]
+        argv = list(sys.argv[1:] if args is None else args)
+        end = argv.index("--") if "--" in argv else len(argv)
+        argv[:end] = [self._dashed(a) for a in argv[:end]]
         parsed = super().parse_args(argv, namespace)
         if parsed.model_tag is not None:
             if parsed.model is not None and parsed.model != parsed.model_tag:
                 self.error(f"the model is given twice: {parsed.model_tag!r} and --model {parsed.model!r}")
             parsed.model = parsed.model_tag
+        elif parsed.model is None:  # (a model last, after a flag of several values, is one of them)
+            for flag, values in (("--api-key", parsed.api_key), ("--served-model-name", parsed.served_model_name)):
+                for value in (values or [])[1:]:
+                    if os.path.exists(value):
+                        self.error(f"{value!r} is taken as one of {flag}'s values; give the model first, or "
+                                   f"as --model")
         return parsed
 
-
-def _dashed(arg: str) -> str:
-    if not arg.startswith("--"):
+    def _dashed(self, arg: str) -> str:
+        """``--max_model_len`` as ``--max-model-len``: an option's name only, where it is one."""
+        name, eq, value = arg.partition("=")
+        dashed = name.replace("_", "-")
+        if arg.startswith("--") and dashed != name and dashed in self._option_string_actions:
+            return dashed + eq + value
         return arg
-    name, eq, value = arg.partition("=")
-    return name.replace("_", "-") + eq + value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -66,9 +66,9 @@ _SERIES = (
      lambda s: s.kv_cache_usage),
     (GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc under its older name (deprecated "
                                                       "in vLLM; its dashboard still reads it).", lambda s: s.kv_cache_usage),
-    (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens of the requests: computed, or found in the prefix "
-                                                "cache (as vLLM counts them; a recomputed preempted request again).",
-     lambda s: s.num_prompt_tokens + s.prefix_cache_hits),
+    (CounterMetricFamily, "vllm:prompt_tokens", "Prompt tokens of the sequences that produced a first token, "
+                                                "computed or found in the prefix cache (as vLLM counts them).",
+     lambda s: s.num_request_prompt_tokens),
     (CounterMetricFamily, "vllm:generation_tokens", "Tokens generated.", lambda s: s.num_generation_tokens),
     (CounterMetricFamily, "vllm:num_preemptions", "Requests preempted.", lambda s: s.num_preemptions),
     (CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
 import os
@@ -169,11 +170,20 @@ async def _stop_with_the_launcher(fd: int, shutdown: trio.Event) -> None:
 
 
 def chat_template(value: str | None) -> str | None:
-    """``--chat-template``: the template itself where the value holds {, } or a newline (vLLM's
-    rule), else the file it names."""
-    if value is None or any(c in value for c in "{}\n"):
-        return value
-    return Path(value).read_text()
+    """``--chat-template``: the file it names, else (vLLM's rule) the template itself where the
+    value holds {, } or a newline (a typed \\n read as one).
+
+    Raises:
+        OSError: no such file, and no template either.
+    """
+    if value is None:
+        return None
+    try:
+        return Path(value).read_text()
+    except OSError:
+        if not any(c in value for c in "{}\n"):
+            raise
+    return codecs.decode(value, "unicode_escape")
 
 
 def allowed_origins(value: str) -> tuple[str, ...]:

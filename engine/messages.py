@@ -79,6 +79,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # Prompt tokens of the sequences that produced a first token, cached or computed: vLLM's
+    # vllm:prompt_tokens (a preempted sequence counts once).
+    num_request_prompt_tokens: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -78,6 +78,7 @@ def test_prompt_logprobs_are_reported_once_across_a_preemption(tiny_model):
         core.add_request("c", prompt(3, 30), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                                                             prompt_logprobs=2))
         deltas = run_to_end(core)
+        assert core.stats().num_request_prompt_tokens == 90  # (vllm:prompt_tokens: each prompt once, recomputed or not)
         return [lp for d in deltas[("c", 0)] for lp in d.new_prompt_logprobs], core.stats().num_preemptions
 
     roomy, none = run(64)

@@ -102,6 +102,7 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._children: dict[str, list[str]] = {}  # caller's request id -> its sequences' ids
         self._num_prompt_tokens = 0
+        self._num_request_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
         self.fault: Exception | None = None  # set when a step failed: the core's state is then unknown
@@ -404,6 +405,8 @@ class EngineCore:
             if failed_parents and request.parent_id in failed_parents:
                 continue
             token = sampled.get(request.request_id)
+            if token is not None and start < num_prompt and len(request.token_ids) == num_prompt + 1:
+                self._num_request_prompt_tokens += num_prompt  # (its first token: once a sequence, as vLLM)
             if accepted and request.request_id in accepted:
                 deltas.append(self._drafted_delta(request, start, logprobs.get(request.request_id),
                                                   result.accepted_logprobs.get(request.request_id, ())))
@@ -462,9 +465,13 @@ class EngineCore:
             request = self.scheduler.requests.get(request_id)
             if request is None:
                 continue
-            log.error("request %s failed in the engine (the engine goes on)", request.parent_id, exc_info=error)
+            callers = isinstance(error, InvalidParameterError) and not isinstance(error, ConfigError)
+            if callers:  # (the caller's parameters, found wrong only now: a 400, no traceback)
+                log.warning("request %s refused in the engine: %s", request.parent_id, error)
+            else:
+                log.error("request %s failed in the engine (the engine goes on)", request.parent_id, exc_info=error)
             self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-            if isinstance(error, InvalidParameterError):  # (the caller's parameters, found wrong only now)
+            if callers:
                 deltas.append(self._delta(request, (), error=str(error), error_param=error.param))
             else:
                 deltas.append(self._delta(request, (), error=f"{type(error).__name__}: {error}"))
@@ -503,6 +510,7 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self._num_prompt_tokens,
+            num_request_prompt_tokens=self._num_request_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             num_steps=self._num_steps,
             spec_num_drafts=spec.num_drafts,
