@@ -123,6 +123,9 @@ class Metrics:
                                              _TOKEN_BUCKETS)
         self.generation_tokens = self._histogram("vllm:request_generation_tokens", "Tokens generated for each "
                                                  "finished request (all its completions).", _TOKEN_BUCKETS)
+        self.max_generation_tokens = self._histogram("vllm:request_max_num_generation_tokens", "The longest "
+                                                     "completion of each finished request, in tokens.", _TOKEN_BUCKETS)
+        self.params_n = self._histogram("vllm:request_params_n", "The n of each finished request.", (1, 2, 5, 10, 20))
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]):
         family = Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
@@ -144,6 +147,8 @@ class Metrics:
                 self.inference.observe(request.prefill_time + request.decode_time)
             self.prompt_tokens.observe(request.num_prompt_tokens)
             self.generation_tokens.observe(request.num_generation_tokens)
+            self.max_generation_tokens.observe(request.max_num_generation_tokens)
+            self.params_n.observe(request.n)
             for reason in request.finish_reasons:
                 self.request_success[reason].inc()
 

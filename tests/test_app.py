@@ -360,7 +360,8 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
                       "vllm:time_per_output_token_seconds", "vllm:e2e_request_latency_seconds",
                       "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
                       "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
-                      "vllm:request_prompt_tokens", "vllm:request_generation_tokens")  # (vLLM's dashboard's names)
+                      "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+                      "vllm:request_max_num_generation_tokens", "vllm:request_params_n")  # (vLLM's dashboard's names)
         for name in histograms:
             assert metric(before, f"{name}_count") == 0 and f"{name}_bucket{{" in before
         for reason in ("stop", "length", "abort", "error"):
@@ -375,6 +376,8 @@ async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(ti
     assert metric(after, "vllm:request_success_total", finished_reason="length") == 2
     assert metric(after, "vllm:time_to_first_token_seconds_sum") < metric(after, "vllm:e2e_request_latency_seconds_sum")
     assert metric(after, "vllm:request_generation_tokens_sum") == 9
+    assert metric(after, "vllm:request_max_num_generation_tokens_sum") == 9
+    assert metric(after, "vllm:request_params_n_sum") == 2
     prompts = response.json()["usage"]["prompt_tokens"] + again.json()["usage"]["prompt_tokens"]
     assert metric(after, "vllm:request_prompt_tokens_sum") == prompts
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0

@@ -161,7 +161,7 @@ class RequestState:
 
     def _record_finish(self, stats: IterationStats) -> None:
         self.times.finished(stats, tuple(c.finish_reason for c in self.completions), len(self.prompt_token_ids),
-                            sum(len(c.token_ids) for c in self.completions))
+                            tuple(len(c.token_ids) for c in self.completions))
 
     # ---- building outputs ----
 

@@ -26,6 +26,8 @@ class FinishedRequestStats:
     num_generation_tokens: int
     prefill_time: float | None = None  # first scheduling to first token (None: no token came)
     decode_time: float | None = None  # first token to last token
+    max_num_generation_tokens: int = 0  # the longest completion's tokens
+    n: int = 1  # completions asked for
 
 
 @attrs.define
@@ -65,14 +67,16 @@ class RequestTimes:
         self.last_token = stats.now
 
     def finished(self, stats: IterationStats, reasons: tuple[str, ...], num_prompt_tokens: int,
-                 num_generation_tokens: int) -> None:
+                 generation_tokens: tuple[int, ...]) -> None:
+        """The request ended; ``generation_tokens``: each completion's."""
         queue = None if self.first_scheduled is None else max(0.0, self.first_scheduled - self.arrival)
         prefill = decode = None
         if self.first_token is not None and self.first_scheduled is not None:
             prefill = max(0.0, self.first_token - self.first_scheduled)
             decode = max(0.0, (self.last_token or self.first_token) - self.first_token)
         stats.finished.append(FinishedRequestStats(reasons, stats.now - self.arrival, queue, num_prompt_tokens,
-                                                   num_generation_tokens, prefill, decode))
+                                                   sum(generation_tokens), prefill, decode, max(generation_tokens),
+                                                   len(generation_tokens)))
 
 
 def activity_line(before: EngineStats, now: EngineStats, seconds: float) -> str | None:
