@@ -93,16 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
                    help="auto: the sampling values of the model's generation_config.json are the defaults of "
                         "requests that do not set them (as vLLM); vllm: ignore them")
-    p.add_argument("--api-key", nargs="+", default=[os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY")
-                   else None, help="require `Authorization: Bearer KEY` on /v1/* (several keys: any of them); "
-                                   "default: $VLLM_API_KEY, as vLLM")
-    p.add_argument("--allowed-origins", default="",
-                   help="CORS origins, comma-separated or a JSON list as vLLM takes them ('*' for any)")
-    for flag, why in (("--trust-remote-code", "no model code is downloaded or run: the families are built in"),
-                      ("--disable-log-requests", "requests' contents are never logged"),
-                      ("--enable-log-requests", "requests' contents are never logged"),
-                      ("--enforce-eager", "the model always runs eagerly")):
-        p.add_argument(flag, action="store_true", help=f"accepted as in vLLM; no effect: {why}")
+    _add_access_flags(p)
     p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="sequences (prompts x n) that may wait for their first token, per API server; a "
@@ -159,6 +150,20 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
                         "--data-parallel-address:--data-parallel-rpc-port, and exit when it ends them; with "
                         "--nnodes 2 or more, this node's tensor-parallel ranks (--node-rank), which join node 0's "
                         "engine at --master-addr:--master-port")
+
+
+def _add_access_flags(p: argparse.ArgumentParser) -> None:
+    """Who may call (keys, CORS), and vLLM's flags that change nothing here."""
+    p.add_argument("--api-key", nargs="+", default=[os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY")
+                   else None, help="require `Authorization: Bearer KEY` on /v1/* (several keys: any of them); "
+                                   "default: $VLLM_API_KEY, as vLLM")
+    p.add_argument("--allowed-origins", default="",
+                   help="CORS origins, comma-separated or a JSON list as vLLM takes them ('*' for any)")
+    for flag, why in (("--trust-remote-code", "no model code is downloaded or run: the families are built in"),
+                      ("--disable-log-requests", "requests' contents are never logged"),
+                      ("--enable-log-requests", "requests' contents are never logged"),
+                      ("--enforce-eager", "the model always runs eagerly")):
+        p.add_argument(flag, action="store_true", help=f"accepted as in vLLM; no effect: {why}")
 
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:

@@ -48,17 +48,7 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
     """
     config = engine_config(args)
     source = resolve_model(config.model)
-    template = chat_template(args.chat_template)
-    origins = allowed_origins(args.allowed_origins)
-    limits = Limits(body_timeout=args.request_body_timeout, request_timeout=args.request_timeout,
-                    max_prompts_per_request=args.max_prompts_per_request)
-    names = args.served_model_name or [args.model or source.name]  # (vLLM's: the --model given, as given)
-    state = ServerState(names[0], other_model_names=tuple(names[1:]), api_key=tuple(args.api_key or ()) or None,
-                        allowed_origins=origins,
-                        chat_template=template, reasoning_parser=reasoning_parser(args.reasoning_parser),
-                        default_chat_template_kwargs=args.default_chat_template_kwargs, limits=limits,
-                        responses=ResponseStore(args.max_stored_responses) if args.enable_responses_store else None,
-                        frontend=not args.disable_frontend)
+    state = server_state(args, source.name)
     app = create_app(state)
     hc = HypercornConfig()
     hc.bind = [f"fd://{args.listen_fd}" if args.listen_fd is not None else f"{args.host}:{args.port}"]
@@ -167,6 +157,20 @@ async def _stop_with_the_launcher(fd: int, shutdown: trio.Event) -> None:
     if not shutdown.is_set():
         log.warning("the launcher of the API servers is gone: shutting down")
         shutdown.set()
+
+
+def server_state(args: argparse.Namespace, model_name: str) -> ServerState:
+    """What the handlers share, from the flags (``model_name``: the model's own, for the id)."""
+    limits = Limits(body_timeout=args.request_body_timeout, request_timeout=args.request_timeout,
+                    max_prompts_per_request=args.max_prompts_per_request)
+    names = args.served_model_name or [args.model or model_name]  # (vLLM's: the --model given, as given)
+    return ServerState(names[0], other_model_names=tuple(names[1:]), api_key=tuple(args.api_key or ()) or None,
+                       allowed_origins=allowed_origins(args.allowed_origins),
+                       chat_template=chat_template(args.chat_template),
+                       reasoning_parser=reasoning_parser(args.reasoning_parser),
+                       default_chat_template_kwargs=args.default_chat_template_kwargs, limits=limits,
+                       responses=ResponseStore(args.max_stored_responses) if args.enable_responses_store else None,
+                       frontend=not args.disable_frontend)
 
 
 def chat_template(value: str | None) -> str | None:
