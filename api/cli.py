@@ -80,8 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: a GGUF file's Q4_0/Q4_1/Q8_0 weights stay packed and run in native kernels "
                         "(CPU); none: dequantize every weight to --dtype at load; int8: quantize an "
                         "fp32/fp16/bf16 model's matrices at load (8-bit weight-only, a scale and a minimum per 32 values)")
-    p.add_argument("--activation-quantization", choices=ACTIVATION_QUANTIZATIONS, default="none",
-                   help="int16: round the packed products' activations to int16 (a scale per 32 values) "
+    p.add_argument("--activation-quantization", choices=ACTIVATION_QUANTIZATIONS, default="auto",
+                   help="auto: bf16 where packed weights run on a CPU with AVX512_BF16 (not with --batch-invariant), "
+                        "else none (float32 activations); "
+                        "int16: round the packed products' activations to int16 (a scale per 32 values) "
                         "in batches of one or two rows, for integer dot products: a faster decode for one or "
                         "two streams, results within 1.5e-5 of each block's largest value of fp32 activations; "
                         "bf16: round them to bf16 in batches of 16 rows or more (prefill, many streams) for "

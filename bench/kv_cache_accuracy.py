@@ -6,7 +6,11 @@ run through the model once per cache type (``--kv-cache-dtype``), and at every g
 position the next-token distribution is compared with the float32 cache's: mean KL
 divergence KL(p_fp32 || p_dtype) and top-1 agreement (the argmax is the same token).
 
-    python bench/kv_cache_accuracy.py [--backend cpu] [--max-tokens 160]
+    python bench/kv_cache_accuracy.py [--backend cpu] [--max-tokens 160] [--activations bf16]
+
+``--activations bf16`` (or ``int16``) also rounds every packed product's activations in the runs
+compared (the reference keeps float32 activations and cache): the CPU default's arithmetic as a
+whole (``--activation-quantization auto`` and ``--kv-cache-dtype auto`` on an AVX512_BF16 CPU).
 """
 
 from __future__ import annotations
@@ -59,9 +63,11 @@ def main() -> None:
     parser.add_argument("--backend", default="cpu")
     parser.add_argument("--max-tokens", type=int, default=160, help="new tokens per prompt")
     parser.add_argument("--dtypes", default=",".join(kvc.KV_CACHE_DTYPES))
+    parser.add_argument("--activations", choices=("none", "int16", "bf16"), default="none",
+                        help="round the compared runs' activations too (every product, every row)")
     args = parser.parse_args()
     prompts = PROMPTS + EXTRA_PROMPTS
-    llm = LLM(backend=args.backend, dtype="float32", kv_cache_dtype="float32")
+    llm = LLM(backend=args.backend, dtype="float32", kv_cache_dtype="float32", activation_quantization="none")
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     tokenizer = llm.get_tokenizer()
     sequences = []
@@ -76,6 +82,9 @@ def main() -> None:
     backend = get_backend(args.backend, "cpu")
     reference = [distributions(model, backend, kvc.kv_cache_dtype("float32"), ids)[start - 1:-1]
                  for start, ids in sequences]
+    if args.activations != "none":
+        model.quantize_activations(args.activations, (1 << 30) if args.activations == "int16" else 1)
+        print(f"compared runs: {args.activations} activations in every product")
     for name in args.dtypes.split(","):
         spec = kvc.kv_cache_dtype(name)
         started = time.perf_counter()

@@ -55,7 +55,7 @@ FAMILIES = {
 MAX_TOKENS = 10
 
 # float32 throughout, the KV cache too: these tests hold the model's arithmetic to an oracle.
-FP32 = dict(dtype="float32", kv_cache_dtype="float32")
+FP32 = dict(dtype="float32", kv_cache_dtype="float32", activation_quantization="none")
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -28,7 +28,7 @@ VECTOR_PATHS = ("avx2", "avx512", "avx512+vnni", "avx512+vnni+bf16")  # each nee
 ISAS = [isa for isa in ("portable", *VECTOR_PATHS) if packed.isa_supported(isa)]
 
 # float32 throughout, the KV cache too: these tests hold the model's arithmetic to an oracle.
-FP32 = dict(dtype="float32", kv_cache_dtype="float32")
+FP32 = dict(dtype="float32", kv_cache_dtype="float32", activation_quantization="none")
 
 
 def q8_m_reference(data: torch.Tensor, k: int) -> torch.Tensor:
@@ -271,18 +271,45 @@ def test_the_kernels_row_crossover_is_measured_once_or_set(monkeypatch):
         linear_module.packed_max_rows.cache_clear()
 
 
-def test_the_start_up_log_says_how_activations_are_multiplied(monkeypatch):
-    """float32 by default on every CPU; where the CPU has bf16 products, the log says they are
-    one flag away and not token-identical."""
+def test_the_start_up_log_says_how_activations_are_multiplied():
     from engine.models import loader
 
-    monkeypatch.setattr(loader, "packed_bf16_supported", lambda: False)
-    assert loader._activations_line("none") == "float32"
-    assert loader._activations_line("int16") == "int16"
-    monkeypatch.setattr(loader, "packed_bf16_supported", lambda: True)
-    line = loader._activations_line("none")
-    assert line.startswith("float32 (the default") and "--activation-quantization bf16" in line
-    assert loader._activations_line("bf16") == "bf16"
+    assert loader._activations_line("none", auto=True) == "float32"
+    assert loader._activations_line("none", auto=False) == "float32"
+    assert loader._activations_line("int16", auto=False) == "int16"
+    assert loader._activations_line("bf16", auto=False) == "bf16 in batches of 16+ rows"
+    line = loader._activations_line("bf16", auto=True)
+    assert line.startswith("bf16 in batches of 16+ rows (auto: this CPU has AVX512_BF16") and "none keeps float32" in line
+
+
+@pytest.mark.parametrize("bf16_cpu", [False, True])
+def test_auto_activations_are_bf16_exactly_where_the_cpu_multiplies_bf16(monkeypatch, bf16_cpu):
+    """The default (issue 41): bf16 in batches of 16+ rows on an AVX512_BF16 CPU, float32 elsewhere,
+    and float32 without packed weights (where bf16 asked for by name is an error)."""
+    import engine.models.loader as loader
+
+    monkeypatch.setattr(loader, "packed_bf16_supported", lambda: bf16_cpu)
+    source = loader.resolve_model(None)
+    model = loader.load_model(source, "auto", torch.float32, "cpu", 0, activation_quantization="auto")
+    packed_linears = [lin for lin in model.linears() if isinstance(lin, PackedLinear)]
+    assert len(packed_linears) == 121
+    assert {lin.bf16_activation_rows for lin in packed_linears} == ({16} if bf16_cpu else {None})
+    assert {lin.int16_activation_rows for lin in packed_linears} == {0}
+    dense = loader.load_model(source, "auto", torch.float32, "cpu", 0, quantization="none",
+                              activation_quantization="auto")
+    assert not any(isinstance(lin, PackedLinear) for lin in dense.linears())
+
+
+def test_auto_activations_are_the_default_and_float32_under_batch_invariance():
+    from api.server import build_parser, engine_config
+    from engine.config import EngineConfig
+
+    config = engine_config(build_parser().parse_args([]))
+    assert config.activation_quantization == "auto" and config.activations == "auto"
+    assert EngineConfig(batch_invariant=True).activations == "none"  # bf16 rounding follows the batch size
+    assert EngineConfig(activation_quantization="bf16").activations == "bf16"
+    with pytest.raises(ConfigError, match="activation quantization bf16 rounds them by batch size"):
+        EngineConfig(batch_invariant=True, activation_quantization="bf16")
 
 
 def test_bad_arguments_are_clear_errors():
@@ -486,7 +513,7 @@ def test_the_flag_turns_int16_activations_on_for_decodes_of_one_or_two_streams()
 
     config = engine_config(build_parser().parse_args(["--activation-quantization", "int16"]))
     assert config.activation_quantization == "int16"
-    llm = LLM(backend="cpu", **FP32, num_kv_blocks=64, activation_quantization="int16")
+    llm = LLM(backend="cpu", **dict(FP32, activation_quantization="int16"), num_kv_blocks=64)
     linears = llm.engine.model.linears()
     assert len(linears) == 121 and {lin.int16_activation_rows for lin in linears} == {INT16_ACTIVATION_MAX_ROWS}
     prompts = ["The capital of France is", "One, two, three,"]
@@ -504,7 +531,7 @@ def test_the_flag_turns_bf16_activations_on_for_batches_of_16_rows_or_more():
 
     config = engine_config(build_parser().parse_args(["--activation-quantization", "bf16"]))
     assert config.activation_quantization == "bf16"
-    llm = LLM(backend="cpu", **FP32, num_kv_blocks=64, activation_quantization="bf16")
+    llm = LLM(backend="cpu", **dict(FP32, activation_quantization="bf16"), num_kv_blocks=64)
     linears = llm.engine.model.linears()
     assert {(lin.bf16_activation_rows, lin.int16_activation_rows) for lin in linears} == {(BF16_ACTIVATION_MIN_ROWS, 0)}
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

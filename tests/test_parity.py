@@ -35,8 +35,9 @@ SHARED_PREFIX = _STORY * 2
 PREFIX_PROMPTS = [SHARED_PREFIX + q for q in ("What did he repair?", "Where was the village?",
                                                "Who walked in?", "Summarize the story:")]
 
-# float32 throughout, the KV cache too: these tests hold the model's arithmetic to an oracle.
-FP32 = dict(dtype="float32", kv_cache_dtype="float32")
+# float32 throughout, the KV cache and the packed products' activations too: these tests hold the
+# model's arithmetic to an oracle.
+FP32 = dict(dtype="float32", kv_cache_dtype="float32", activation_quantization="none")
 
 
 def greedy_tokens(llm: LLM, prompts: list[str]) -> list[list[int]]:
@@ -77,7 +78,7 @@ KV_NEAR_TIE = {"float16": NEAR_TIE, "bfloat16": 10 * NEAR_TIE}
 def test_a_16_bit_kv_cache_keeps_the_greedy_text(hf_oracle, backend, kv_cache_dtype):
     """K and V kept in 16 bits, half a float32 cache's bytes: the parity prompts' greedy text is
     still transformers' (float32), up to near-ties."""
-    llm = LLM(backend=backend, dtype="float32", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=256)
+    llm = LLM(backend=backend, **dict(FP32, kv_cache_dtype=kv_cache_dtype), num_kv_blocks=256)
     assert llm.engine.runner.kv_caches[0].dtype == getattr(torch, kv_cache_dtype)
     check_against_oracle(llm, PROMPTS, hf_oracle, KV_NEAR_TIE[kv_cache_dtype])
 

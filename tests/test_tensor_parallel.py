@@ -26,7 +26,7 @@ from tests.conftest import run_prompts
 
 pytestmark = pytest.mark.slow
 
-FP32 = dict(backend="cpu", dtype="float32", kv_cache_dtype="float32")
+FP32 = dict(backend="cpu", dtype="float32", kv_cache_dtype="float32", activation_quantization="none")
 
 
 def random_llama(directory, num_kv_heads: int, vocab_size: int = 250) -> str:

@@ -75,7 +75,7 @@ class EngineCore:
         # (rank 0's shard first: sizes that do not divide the model are refused before any rank starts)
         self.model = model or self.device_thread.run_sync(
             load_model, source, config.load_format, dtype, self.device, config.seed,
-            config.quantization, config.activation_quantization, tp)
+            config.quantization, config.activations, tp)
         if config.batch_invariant:
             self._fix_summation_order()
         else:  # (a model handed in may have been fixed by an earlier engine)

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     store = _join(args.rank, size, args.address, args.port, device, config.distributed_timeout)
     source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
     model = load_model(source, config.load_format, dtype, device, config.seed, config.quantization,
-                       config.activation_quantization, TensorParallel(args.rank, size))
+                       config.activations, TensorParallel(args.rank, size))
     if config.batch_invariant:
         fix_summation_order(model, backend, device)
     num_blocks = int(store.get("num_blocks"))

@@ -94,7 +94,8 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
 
     ``quantization`` ``auto`` keeps a GGUF file's packed tensors packed (on CPU); ``none``
     dequantizes them to ``dtype``. ``activation_quantization`` ``int16`` rounds the packed
-    products' activations to int16 in small batches, ``bf16`` to bf16 in large ones (``EngineConfig``).
+    products' activations to int16 in small batches, ``bf16`` to bf16 in large ones, ``auto``
+    to bf16 where packed weights run on a CPU with AVX512_BF16 (``EngineConfig``).
     """
     fmt = load_format if load_format != "auto" else ("gguf" if source.is_gguf else "safetensors")
     if fmt == "gguf" and not source.is_gguf:
@@ -104,6 +105,10 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     reader = _gguf_reader(source.path) if fmt == "gguf" else None  # parsed once: it takes seconds
     config = gguf_config(reader) if reader is not None else read_config(source)
     unpacked_reason = packed_unavailable_reason(device)
+    auto = activation_quantization == "auto"
+    if auto:
+        bf16 = not unpacked_reason and quantization != "none" and packed_bf16_supported()
+        activation_quantization = "bf16" if bf16 else "none"
     if quantization == "int8" and unpacked_reason:
         raise ConfigError("quantization", f"quantization int8 cannot run on {device}: {unpacked_reason}")
     if activation_quantization != "none" and (unpacked_reason or quantization == "none"):
@@ -130,29 +135,28 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
         weights = {name: quantize_q8_m(w) if _is_layer_matrix(name, w) else w for name, w in weights.items()}
     model = _build(config, weights, dtype, device, tp)
     if activation_quantization != "none":
-        _quantize_activations(model, activation_quantization, source)
+        activation_quantization = _quantize_activations(model, activation_quantization, source, auto)
     kinds, resident = model.weight_summary()
     log.info("weights (quantization %s): %s; %.1f MB resident", quantization,
              ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())), resident / 1e6)
     if device == "cpu" and any(kind in _PACKED for kind in kinds):
         cap = os.environ.get(ISA_CAP_VARIABLE)
         log.info("packed-weight kernels: %s%s; activations %s", packed_isa(),
-                 f" (capped by {ISA_CAP_VARIABLE}={cap})" if cap else "", _activations_line(activation_quantization))
+                 f" (capped by {ISA_CAP_VARIABLE}={cap})" if cap else "",
+                 _activations_line(activation_quantization, auto))
     return model
 
 
-def _activations_line(activation_quantization: str) -> str:
-    """How the packed products take their activations, and why: float32 is the default on every
-    CPU. Rounding them to bf16 (AVX512_BF16: Zen 4, Sapphire Rapids) made 32/64-stream serving
-    1.14-1.38x as fast on Zen 4 but changed 20 of 2999 teacher-forced top-1 tokens of the default
-    model, at fp32 margins up to 0.047 nats (bench/README.md, "Quantized weights"): past the parity
-    tests' near-tie bar of ~1e-3, so it stays a choice, said here where the CPU offers it."""
-    if activation_quantization != "none":
-        return activation_quantization
-    if packed_bf16_supported():
-        return (f"float32 (the default; --activation-quantization bf16 multiplies batches of {BF16_ACTIVATION_MIN_ROWS}+ "
-                "rows in bf16 on this CPU: faster, not token-identical)")
-    return "float32"
+def _activations_line(activation_quantization: str, auto: bool) -> str:
+    """How the packed products take their activations, and why. Where the CPU multiplies bf16
+    (AVX512_BF16: Zen 4, Sapphire Rapids), ``auto`` rounds batches of 16+ rows to bf16: 1.4-1.6x
+    the output of 64 streams on Zen 4, with 99.3% of the default model's teacher-forced top-1
+    tokens unchanged (the flips all near-ties) and perplexity within 0.1% (bench/README.md, issue
+    41), as vLLM computes in bf16 and llama.cpp rounds activations to int8. Elsewhere float32."""
+    if activation_quantization == "bf16":
+        return (f"bf16 in batches of {BF16_ACTIVATION_MIN_ROWS}+ rows"
+                + (" (auto: this CPU has AVX512_BF16; --activation-quantization none keeps float32)" if auto else ""))
+    return "float32" if activation_quantization == "none" else activation_quantization
 
 
 def _build(config: LlamaConfig, weights: dict, dtype: torch.dtype, device: str,
@@ -169,13 +173,17 @@ def _build(config: LlamaConfig, weights: dict, dtype: torch.dtype, device: str,
     return model
 
 
-def _quantize_activations(model: LlamaModel, kind: str, source: ModelSource) -> None:
+def _quantize_activations(model: LlamaModel, kind: str, source: ModelSource, auto: bool) -> str:
+    """``kind``, or ``none`` where ``auto`` found no packed product to round."""
     rows = INT16_ACTIVATION_MAX_ROWS if kind == "int16" else BF16_ACTIVATION_MIN_ROWS
     if model.quantize_activations(kind, rows) == 0:
+        if auto:
+            return "none"
         raise ConfigError("activation_quantization", f"activation quantization {kind} needs packed weights; "
                                                      f"{source.path.name} has none")
     log.info("activations of the packed products rounded to %s in batches of %s %d rows", kind,
              "up to" if kind == "int16" else "at least", rows)
+    return kind
 
 
 def _is_layer_matrix(name: str, weight: torch.Tensor) -> bool:
