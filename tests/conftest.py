@@ -134,7 +134,9 @@ def run_prompts(core, prompts: list[list[int]], params) -> list[tuple[list[int],
 def shared_llm():
     from engine.api import LLM
 
-    return LLM(backend="torch", dtype="float32", num_kv_blocks=512)  # exact against fp32 transformers
+    # exact against fp32 transformers (float32 activations: auto rounds large batches to bf16 on
+    # AVX512_BF16 CPUs)
+    return LLM(backend="torch", dtype="float32", activation_quantization="none", num_kv_blocks=512)
 
 
 @pytest.fixture

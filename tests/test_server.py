@@ -567,8 +567,9 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
     # (one engine, one front: the plain server, which most tests of this file start)
     layouts = {"data parallel": ["--data-parallel-size", "2"], "two API servers": ["--api-server-count", "2"]}
     for layout, flags in layouts.items():
-        # float32: on a CPU with AMX, auto is bfloat16, whose sums depend on how requests are batched
-        base, proc, _ = start_server("--dtype", "float32", *flags)
+        # float32: on a CPU with AMX, auto is bfloat16, whose sums depend on how requests are batched;
+        # so are auto's activations on AVX512_BF16 CPUs (bf16 in steps of 16+ rows)
+        base, proc, _ = start_server("--dtype", "float32", "--activation-quantization", "none", *flags)
         children = child_pids(proc.pid)
         try:
             outputs[layout] = run(base)
@@ -618,7 +619,9 @@ def test_a_headless_engine_joins_the_server_over_tcp():
 
 
 def _headless_engine_joins(port: int) -> None:
-    group = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(port)]
+    # (float32 activations: the 8 answers are compared, and auto's bf16 applies by a step's rows)
+    group = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(port),
+             "--activation-quantization", "none"]
     headless = subprocess.Popen([sys.executable, "-m", "engine.api", "--headless", "--backend", "torch",
                                  "--num-kv-blocks", "512", "--log-level", "warning", *group],
                                 cwd=os.path.dirname(os.path.dirname(__file__)))

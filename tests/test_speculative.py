@@ -73,7 +73,7 @@ def test_the_server_refuses_a_wrong_config_in_one_line():
 def model():
     from engine.models.loader import load_model, resolve_model
 
-    return load_model(resolve_model(None), "auto", torch.float32, "cpu", 0)
+    return load_model(resolve_model(None), "auto", torch.float32, "cpu", 0, activation_quantization="none")
 
 
 def _prompts(tokenizer) -> list[list[int]]:
