@@ -281,7 +281,7 @@ def decoding_scheduler(num_decoding: int, **fields) -> Scheduler:
 @pytest.mark.parametrize("decoding, fields, prompts, expected", [
     (40, dict(mixed_prefill_per_decode=1.0), 1, [40, 40, 40]),  # ratio x the decoding streams
     (40, dict(mixed_prefill_per_decode=1.5), 1, [50, 50, 50, 50]),  # 200 tokens in 4 equal chunks, not 60 60 60 20
-    (8, dict(mixed_prefill_per_decode=1.0), 1, [29, 29, 29]),  # never below 32: 7 chunks of 28-29
+    (4, dict(mixed_prefill_per_decode=1.0), 1, [12, 12, 12]),  # never below a step of 16 tokens: 4 decodes + 12
     (8, dict(mixed_prefill_per_decode=1.0), 40, [125, 123]),  # a backlog of 40 x 200 tokens, over 64 steps
     (40, dict(mixed_prefill_per_decode=1.0, max_num_mixed_prefill_tokens=16), 1, [16, 16, 16]),  # the smaller cap
 ])

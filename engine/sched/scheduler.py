@@ -89,11 +89,15 @@ class SchedulerOutput:
 if TYPE_CHECKING:
     from engine.config import EngineConfig
 
-# The cap that follows the batch (EngineConfig.mixed_prefill_per_decode): never below this
-# many prefill tokens a step (a lone stream must not starve a prompt), and never below the
-# backlog spread over this many steps (a queue of long prompts is worked off). A shorter horizon
-# (16) re-synchronized the streams into cohorts in bench/schedule_sim.py.
-MIN_MIXED_PREFILL = 32
+# The cap that follows the batch (EngineConfig.mixed_prefill_per_decode): never below what fills
+# a step to this many tokens, decodes included (a lone stream must not starve a prompt), and
+# never below the backlog spread over this many steps (a queue of long prompts is worked off). A
+# shorter horizon (16) re-synchronized the streams into cohorts in bench/schedule_sim.py.
+# 16, not a floor of 32 prompt tokens, since 2026-12-06: on Zen 4 (bench/step_cost.py --decodes
+# 6) a step of 6 decodes costs 19 ms, of 16 tokens 30 ms, of 22-38 tokens 41-56 ms (the packed
+# products work in blocks of 16 rows), so a prompt's 32-token chunks made every few streams'
+# next token wait 2.4-2.7x a decode step: ITL p99 2.8x the median under Poisson arrivals.
+MIN_MIXED_STEP_TOKENS = 16
 BACKLOG_STEPS = 64
 # The ratio also follows the workload: at least this many times the prompt tokens per output
 # token. To keep D streams decoding, each step must prefill about D x prompt / output tokens;
@@ -340,7 +344,7 @@ class Scheduler:
     def _prefill_cap(self) -> float:
         """The prefill tokens this step may carry: capped when it also decodes.
 
-        With ``mixed_prefill_per_decode`` (r), D decoding streams admit max(32, r * D,
+        With ``mixed_prefill_per_decode`` (r), D decoding streams admit max(16 - D, r * D,
         backlog / 64): a step holds at most about (1 + r) D tokens, so every stream's next token
         waits at most about 1 + r decode-only steps, and with r above the workload's prompt
         tokens per output token prompts are admitted faster than streams finish, so the batch
@@ -361,7 +365,7 @@ class Scheduler:
         if decoding == 0:
             return math.inf
         backlog += sum(r.num_tokens for r in self.waiting)
-        paced = max(MIN_MIXED_PREFILL, self.prefill_per_decode * decoding, backlog / BACKLOG_STEPS)
+        paced = max(MIN_MIXED_STEP_TOKENS - decoding, self.prefill_per_decode * decoding, backlog / BACKLOG_STEPS)
         return paced if cap is None else min(cap, paced)
 
     @property
