@@ -295,6 +295,17 @@ def test_the_mixed_prefill_cap_that_follows_the_batch(decoding, fields, prompts,
         assert sum(c.num_new_tokens for c in out.chunks if c.num_new_tokens > 1) == want
 
 
+def test_a_short_prompt_is_never_starved_by_a_tiny_ratio_past_16_decodes():
+    """20 decoding streams at a ratio of 0.01 and a 30-token prompt: every term of the cap is under
+    one token (16 - 20, 0.2, 30 / 64); the prompt still goes in, a token a step."""
+    s = decoding_scheduler(20, mixed_prefill_per_decode=0.01)
+    prompt = make_request("r1000", 30, max_tokens=1000, arrival=1000)
+    s.add_request(prompt)
+    for _ in range(31):
+        run_step(s)
+    assert prompt.num_output_tokens >= 1  # its whole prompt computed, its first token out
+
+
 def test_a_fractional_cap_cuts_a_prompt_into_equal_whole_chunks():
     s = decoding_scheduler(32, mixed_prefill_per_decode=1.2)  # a cap of 38.4 tokens: 38 of them
     s.add_request(make_request("r1000", 115, max_tokens=1000, arrival=1000))

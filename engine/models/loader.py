@@ -107,7 +107,7 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     unpacked_reason = packed_unavailable_reason(device)
     auto = activation_quantization == "auto"
     if auto:
-        bf16 = not unpacked_reason and quantization != "none" and packed_bf16_supported()
+        bf16 = device == "cpu" and not unpacked_reason and quantization != "none" and packed_bf16_supported()
         activation_quantization = "bf16" if bf16 else "none"
     if quantization == "int8" and unpacked_reason:
         raise ConfigError("quantization", f"quantization int8 cannot run on {device}: {unpacked_reason}")

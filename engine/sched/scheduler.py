@@ -365,7 +365,7 @@ class Scheduler:
         if decoding == 0:
             return math.inf
         backlog += sum(r.num_tokens for r in self.waiting)
-        paced = max(MIN_MIXED_STEP_TOKENS - decoding, self.prefill_per_decode * decoding, backlog / BACKLOG_STEPS)
+        paced = max(1, MIN_MIXED_STEP_TOKENS - decoding, self.prefill_per_decode * decoding, backlog / BACKLOG_STEPS)
         return paced if cap is None else min(cap, paced)
 
     @property
