@@ -81,12 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(CPU); none: dequantize every weight to --dtype at load; int8: quantize an "
                         "fp32/fp16/bf16 model's matrices at load (8-bit weight-only, a scale and a minimum per 32 values)")
     p.add_argument("--activation-quantization", choices=ACTIVATION_QUANTIZATIONS, default="auto",
-                   help="auto: bf16 where packed weights run on a CPU with AVX512_BF16 (not with --batch-invariant), "
-                        "else none (float32 activations); "
-                        "int16: round the packed products' activations to int16 (a scale per 32 values) "
-                        "in batches of one or two rows, for integer dot products: a faster decode for one or "
-                        "two streams, results within 1.5e-5 of each block's largest value of fp32 activations; "
-                        "bf16: round them to bf16 in batches of 16 rows or more (prefill, many streams) for "
+                   help="auto: bf16 on a CPU with AVX512_BF16 (not with --batch-invariant), else none (float32); "
+                        "int16: round the packed products' activations to int16 (a scale per 32 values) in batches "
+                        "of one or two rows: a faster decode of one or two streams, within 1.5e-5 of each block's "
+                        "largest value; bf16: round them to bf16 in batches of 16+ rows (prefill, many streams) for "
                         "AVX512_BF16 dot products (needs such a CPU): faster large batches")
     _add_scheduler_flags(p)
     p.add_argument("--chat-template", default=None,
