@@ -161,8 +161,8 @@ class EngineConfig:
             streams carries at most max(floor, ratio x D, backlog / 64) prefill tokens (a prompt
             longer than that in equal chunks), where the backlog is every prompt token still to
             compute (the last term keeps a queue of long prompts from waiting for ever) and the
-            floor what keeps the step within 1.5x a decode-only one by the step costs the engine
-            has timed on this machine (16 - D until it has). Its steps stay within about 1 + ratio times
+            floor 16 - D, or less where the step costs the engine has timed on this machine say
+            more would make the step cost over 1.5x a decode-only one. Its steps stay within about 1 + ratio times
             a decode-only step. The ratio in force rises to 1.2 times the workload's prompt tokens
             per output token where that is more (long prompts, short answers: otherwise the batch
             shrinks and prompts queue; ``Scheduler.prefill_per_decode``). None: off; the server sets

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine.sched.scheduler import MIXED_STEP_COST_RATIO
-from engine.sched.step_cost import MIN_PROMPT_SHARE, MIN_STEPS, StepCost
+from engine.sched.step_cost import MIN_PROMPT_SHARE, MIN_STEPS, SKIPPED_STEPS, StepCost
 from engine.sampling_params import SamplingParams
 from tests.conftest import tiny_engine_core
 from tests.test_scheduler import decoding_scheduler, make_request, run_step
@@ -38,20 +38,35 @@ def test_the_fit_recovers_a_machines_step_costs():
 
 
 def test_the_fit_follows_a_change_of_machine_load():
-    """Steps twice as slow (a core lent to another process) take over the fit within a window."""
+    """Steps twice as slow (a core lent to another process) take over the fit in a few windows."""
     cost = feed(StepCost(), ZEN3)
-    feed(cost, tuple(2 * c for c in ZEN3), steps=2000, seed=1)
+    feed(cost, tuple(2 * c for c in ZEN3), steps=1200, seed=1)
     assert cost.coefficients() == pytest.approx(tuple(2 * c for c in ZEN3), rel=0.01)
+
+
+def test_a_fresh_processs_first_steps_are_left_out():
+    cost = StepCost()
+    for _ in range(SKIPPED_STEPS):
+        cost.observe(0, 500, 30.0)  # cold: seconds for what will take 1
+    feed(cost, ZEN3)
+    assert cost.coefficients() == pytest.approx(ZEN3, rel=1e-6)
 
 
 def test_noisy_steps_still_give_costs_near_the_machines():
     fixed, per_decode, per_prompt = feed(StepCost(), ZEN3, steps=1000, noise=0.2).coefficients()
     assert per_decode == pytest.approx(ZEN3[1], rel=0.1) and per_prompt == pytest.approx(ZEN3[2], rel=0.15)
+    assert fixed == pytest.approx(ZEN3[0], rel=0.5)
 
 
 def test_the_fit_waits_for_steps_that_tell_its_terms_apart():
-    cost = feed(StepCost(), ZEN3, steps=MIN_STEPS - 1)
+    cost = feed(StepCost(), ZEN3, steps=SKIPPED_STEPS + MIN_STEPS - 1)
     assert cost.coefficients() is None and cost.prompt_tokens_within(4, 1.5) is None
+    feed(cost, ZEN3, steps=1, seed=1)
+    assert cost.coefficients() is not None
+    collinear = StepCost()  # every step carried twice its decodes in prompt tokens: which costs what?
+    for d in range(1, 200):
+        collinear.observe(d % 64, 2 * (d % 64), 0.01 + 0.005 * (d % 64))
+    assert collinear.coefficients() is None
     decoding_only = StepCost()
     for d in range(1, 200):  # no step carried a prompt token: its cost is unknown
         decoding_only.observe(d % 64, 0, 0.01 + 0.002 * (d % 64))
@@ -64,11 +79,12 @@ def test_prompt_tokens_that_look_free_are_held_to_a_share_of_a_decode_row():
     assert cost.coefficients()[2] == pytest.approx(MIN_PROMPT_SHARE * 0.0027)
 
 
-@pytest.mark.parametrize("machine, chunk", [(ZEN3, 5), (CHEAP_PROMPTS, 16)])
+@pytest.mark.parametrize("machine, chunk", [(ZEN3, 5), (CHEAP_PROMPTS, 12)])
 def test_a_decoding_step_takes_the_prompt_tokens_the_machines_step_costs_allow(machine, chunk):
     """4 decoding streams, a 200-token prompt: 12-token chunks (16 - 4) until the engine has timed
-    its steps, then what keeps a step within 1.5x a decode-only one on this machine: 5.8 tokens
-    where a prompt token costs 1.8 ms beside 20.8 ms of decoding, 16 where it costs 0.55 of 18."""
+    its steps, then no more than keeps a step within 1.5x a decode-only one on this machine: 5.8
+    tokens where a prompt token costs 1.8 ms beside 20.8 ms of decoding; where it costs 0.55 of 18
+    (16.4 tokens) still 12: the fit lowers the floor, never raises it."""
     s = decoding_scheduler(4, mixed_prefill_per_decode=1.0)
     s.add_request(make_request("r1000", 200, max_tokens=1000, arrival=1000))
     assert sum(c.num_new_tokens for c in run_step(s)[0].chunks if c.num_new_tokens > 1) == 12
@@ -91,5 +107,5 @@ def test_the_engine_times_its_steps_into_the_fit_only_under_the_per_decode_cap(t
             core.step()
             steps += 1
         fit = core.scheduler.step_cost
-        assert fit.num_steps == (steps if timed else 0)
+        assert fit.num_steps == (steps - SKIPPED_STEPS if timed else 0)
         assert (fit._xy[0] > 0) == timed  # (the steps' seconds went in)

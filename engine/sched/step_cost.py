@@ -17,12 +17,16 @@ step since), solved anew when asked: three running sums per coefficient pair, no
 
 from __future__ import annotations
 
+import math
+
 # The fit forgets a step's weight by 1/e over about this many steps: long enough to span the
 # shapes a serving load mixes (decode-only steps, steps with a prompt chunk, whole prefills),
 # short enough to follow a change of load on the machine.
 WINDOW_STEPS = 256
-# Steps seen before the fit is used (the caller keeps its own rule until then).
+# Steps seen before the fit is used (the caller keeps its own rule until then), after the first
+# few, left out (a fresh process's first steps run cold: caches, allocations, lazy set-up).
 MIN_STEPS = 32
+SKIPPED_STEPS = 4
 # A prompt token runs every product of the model but the LM head; a decode row runs them all
 # and samples. So a prompt token costs no less than this share of a decode row: a fit that
 # says less (steps of alike shapes, noise) is held to it, so that a bad fit cannot let a long
@@ -38,10 +42,14 @@ class StepCost:
         # Sums of x_i x_j and x_i y for x = (1, D, P), y the step's seconds, decayed per step.
         self._xx = [0.0] * 6  # 11, 1D, 1P, DD, DP, PP
         self._xy = [0.0] * 3
-        self.num_steps = 0
+        self.num_steps = 0  # (fitted; after the SKIPPED_STEPS first)
+        self._seen = 0
 
     def observe(self, decodes: int, prompt_tokens: int, seconds: float) -> None:
         """Record one finished step: its decoding rows, its other tokens, its time."""
+        self._seen += 1
+        if self._seen <= SKIPPED_STEPS or not math.isfinite(seconds):
+            return
         k, d, p = self._keep, float(decodes), float(prompt_tokens)
         xx, xy = self._xx, self._xy
         for i, v in enumerate((1.0, d, p, d * d, d * p, p * p)):
