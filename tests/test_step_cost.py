@@ -109,3 +109,19 @@ def test_the_engine_times_its_steps_into_the_fit_only_under_the_per_decode_cap(t
         fit = core.scheduler.step_cost
         assert fit.num_steps == (steps - SKIPPED_STEPS if timed else 0)
         assert (fit._xy[0] > 0) == timed  # (the steps' seconds went in)
+
+
+def test_a_step_verifying_drafts_is_not_fitted():
+    """Its rows are a decode and k drafted tokens each: neither shape the fit knows."""
+    from types import SimpleNamespace
+
+    s = decoding_scheduler(4, mixed_prefill_per_decode=1.0)
+    out, _ = run_step(s)  # 4 decodes
+    drafted = SimpleNamespace(chunks=out.chunks, plan=SimpleNamespace(num_draft_tokens=(2, 0, 0, 0),
+                                                                      num_batched_tokens=6))
+    for _ in range(SKIPPED_STEPS + 3):
+        s.observe_step(drafted, 0.02)
+    assert s.step_cost.num_steps == 0
+    for _ in range(SKIPPED_STEPS + 3):
+        s.observe_step(out, 0.02)
+    assert s.step_cost.num_steps == 3
