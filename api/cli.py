@@ -176,9 +176,7 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "does not stall the streams (default: none)")
     p.add_argument("--mixed-prefill-per-decode", type=float, default=None,
                    help="a cap on those prompt tokens that follows the batch: at most max(16 - the decoding "
-                        "streams, or less to keep the step within 1.5x a decode-only one by the engine's timed steps, "
-                        "this x the decoding streams, "
-                        "the prompt backlog / 64) per step, the ratio raised to 1.2 x the "
+                        "streams, this x them, the prompt backlog / 64) per step, the ratio raised to 1.2 x the "
                         "prompt tokens per output token of the recent workload where that is more (default: 1.2 "
                         "on CPU unless --max-num-mixed-prefill-tokens is given, none on GPU)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")

@@ -127,10 +127,8 @@ def simulate(config: EngineConfig, curve, concurrency: int, num_prompts: int, in
         plan = scheduler.schedule()
         decoding = sum(1 for c in plan.chunks if c.num_new_tokens == 1)
         step_start = now
-        cost = step_ms(curve, plan.num_batched_tokens) + decode_row_ms * decoding
-        now += cost
+        now += step_ms(curve, plan.num_batched_tokens) + decode_row_ms * decoding
         steps += 1
-        scheduler.observe_step(plan, cost / 1e3)  # (the step-cost floor learns the curve, as the core times steps)
         sampled = {c.request.request_id: 5 for c in plan.chunks if c.samples}
         for request_id in sampled:
             if request_id in last:

@@ -158,11 +158,9 @@ class EngineConfig:
             a whole long step (a longer prompt goes in equal chunks). None: no fixed cap (what
             offline throughput wants).
         mixed_prefill_per_decode: a cap that follows the batch instead: a step decoding D
-            streams carries at most max(floor, ratio x D, backlog / 64) prefill tokens (a prompt
+            streams carries at most max(16 - D, ratio x D, backlog / 64) prefill tokens (a prompt
             longer than that in equal chunks), where the backlog is every prompt token still to
-            compute (the last term keeps a queue of long prompts from waiting for ever) and the
-            floor 16 - D, or less where the step costs the engine has timed on this machine say
-            more would make the step cost over 1.5x a decode-only one. Its steps stay within about 1 + ratio times
+            compute (the last term keeps a queue of long prompts from waiting for ever). Its steps stay within about 1 + ratio times
             a decode-only step. The ratio in force rises to 1.2 times the workload's prompt tokens
             per output token where that is more (long prompts, short answers: otherwise the batch
             shrinks and prompts queue; ``Scheduler.prefill_per_decode``). None: off; the server sets

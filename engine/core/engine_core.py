@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -106,7 +105,6 @@ class EngineCore:
         self._num_request_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._num_steps = 0
-        self._step_seconds = 0.0  # the device time of the last step (EngineCore._execute)
         self.fault: Exception | None = None  # set when a step failed: the core's state is then unknown
         groups, cfg = self.kv_groups, self.model.config
         per_token = self.kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
@@ -374,13 +372,10 @@ class EngineCore:
         return self.device_thread.run_sync(self._execute, output)
 
     def _execute(self, output: SchedulerOutput) -> RunnerOutput:
-        start = time.perf_counter()
         plan = self._mask_grammar_rows(output) if output.constrained_rows else output.plan
         if self.tensor_parallel is not None:
             self.tensor_parallel.send(plan)
-        result = self.runner.execute(plan)
-        self._step_seconds = time.perf_counter() - start  # (read by update, after this returns)
-        return result
+        return self.runner.execute(plan)
 
     def close(self) -> None:
         """End what the core started beside it (tensor-parallel ranks); idempotent."""
@@ -397,7 +392,6 @@ class EngineCore:
         deltas, failed_parents = self._fail_requests(failed)
         accepted = result.accepted
         self.scheduler.update(plan, result.sampled, grammar_finished, accepted, result.proposals)
-        self.scheduler.observe_step(plan, self._step_seconds)
         self._num_steps += 1
         self._num_generation_tokens += len(result.sampled)  # (and a drafted row's kept tokens, below)
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs

@@ -18,7 +18,6 @@ import attrs
 from engine.plan import NewRequest, StepPlan
 from engine.sched.kv_cache import BlockManager
 from engine.sched.request import Request, RequestStatus
-from engine.sched.step_cost import StepCost
 from engine.speculative import SpeculativeConfig, ngram_drafts
 
 
@@ -91,8 +90,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
 
 # The cap that follows the batch (EngineConfig.mixed_prefill_per_decode): never below what fills
-# a step to this many tokens, decodes included (a lone stream must not starve a prompt), or what
-# keeps a step within MIXED_STEP_COST_RATIO of a decode-only one where that is less, and
+# a step to this many tokens, decodes included (a lone stream must not starve a prompt), and
 # never below the backlog spread over this many steps (a queue of long prompts is worked off). A
 # shorter horizon (16) re-synchronized the streams into cohorts in bench/schedule_sim.py.
 # 16, not a floor of 32 prompt tokens, since 2026-12-06: on Zen 4 (bench/step_cost.py --decodes
@@ -100,11 +98,6 @@ if TYPE_CHECKING:
 # products work in blocks of 16 rows), so a prompt's 32-token chunks made every few streams'
 # next token wait 2.4-2.7x a decode step: ITL p99 2.8x the median under Poisson arrivals.
 MIN_MIXED_STEP_TOKENS = 16
-# Once the engine has timed enough of its steps (engine/sched/step_cost.py), the floor is at most
-# what the machine's own step costs allow: the prompt tokens that keep a decoding step within this
-# multiple of a decode-only one (a 16-token floor made such steps 2x a decode-only one on Zen 3;
-# a lone stream's next prompt then takes ~4 tokens a step: a later first token, a smoother stream).
-MIXED_STEP_COST_RATIO = 1.5
 BACKLOG_STEPS = 64
 # The ratio also follows the workload: at least this many times the prompt tokens per output
 # token. To keep D streams decoding, each step must prefill about D x prompt / output tokens;
@@ -220,7 +213,6 @@ class Scheduler:
         self._admitted_prefill = self._admitted_max_tokens = 0.0
         self.speculative: SpeculativeConfig | None = config.speculative
         self.spec_stats = SpecDecodeStats(self.speculative.num_speculative_tokens if self.speculative else 0)
-        self.step_cost = StepCost()  # (observed only under the per-decode cap, which reads it)
 
     # ---- membership ----
 
@@ -352,10 +344,8 @@ class Scheduler:
     def _prefill_cap(self) -> float:
         """The prefill tokens this step may carry: capped when it also decodes.
 
-        With ``mixed_prefill_per_decode`` (r), D decoding streams admit max(floor, r * D,
-        backlog / 64), the floor 16 - D, or less where more would make the step cost over
-        MIXED_STEP_COST_RATIO times a decode-only one by the engine's timed steps
-        (``step_cost``): a step holds at most about (1 + r) D tokens, so every stream's next token
+        With ``mixed_prefill_per_decode`` (r), D decoding streams admit max(16 - D, r * D,
+        backlog / 64): a step holds at most about (1 + r) D tokens, so every stream's next token
         waits at most about 1 + r decode-only steps, and with r above the workload's prompt
         tokens per output token prompts are admitted faster than streams finish, so the batch
         refills to its concurrency: r is raised to PREFILL_RATE_MARGIN (1.2) times that rate, as
@@ -375,19 +365,8 @@ class Scheduler:
         if decoding == 0:
             return math.inf
         backlog += sum(r.num_tokens for r in self.waiting)
-        floor = MIN_MIXED_STEP_TOKENS - decoding
-        fitted = self.step_cost.prompt_tokens_within(decoding, MIXED_STEP_COST_RATIO)
-        if fitted is not None:  # (it lowers the floor, never raises it: a bad fit stays harmless)
-            floor = min(floor, fitted)
-        paced = max(1, floor, self.prefill_per_decode * decoding, backlog / BACKLOG_STEPS)
+        paced = max(1, MIN_MIXED_STEP_TOKENS - decoding, self.prefill_per_decode * decoding, backlog / BACKLOG_STEPS)
         return paced if cap is None else min(cap, paced)
-
-    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
-        """Time a finished step into the step-cost fit (when the per-decode cap will read it)."""
-        if self.mixed_prefill_per_decode is None or not output.chunks or output.plan.num_draft_tokens:
-            return  # (a step verifying drafts is neither shape the fit knows)
-        decodes = sum(1 for c in output.chunks if c.num_new_tokens == 1 and c.samples)
-        self.step_cost.observe(decodes, output.plan.num_batched_tokens - decodes, seconds)
 
     @property
     def prefill_per_decode(self) -> float:
