@@ -12,12 +12,14 @@ The report splits the file into runs at idle gaps of over 5 s (``--idle-gap``; l
 idle that long between benchmark runs) and says, for each: the steps' cost by the number of
 decoding streams, decode-only and with a prompt chunk; a least-squares fit of a step's ms to
 (1, decoding rows, prompt tokens); and the gaps each decoding stream saw, as
-``bench/serve.py`` counts ITL, p99 over median, three ways: as they ran, as they would be had every
-step cost its fit (the shape of the load and the scheduler's choices alone), and as they would be
-with no prompt token in any step (the number of streams alone). A run whose ratio is far above the
-fitted one lost steps to something outside the engine (the client and the HTTP side share the
-cores); one whose fitted ratio is near the streams-alone one has its tail in the number of streams,
-which no prefill policy changes.
+``bench/serve.py`` counts ITL, p99 over median, four ways: as they ran (step end to step end: the
+host's work between steps counts; the network, the client and a stream's first token do not, so
+serve.py's ratio differs some), in the steps' device time alone, as they would be had every step
+cost its fit (the shape of the load and the scheduler's choices alone), and as they would be with
+no prompt token in any step (the number of streams alone). A device-time ratio far above the
+fitted one lost steps to something else on the cores (the client, the HTTP side); a fitted one
+far above the streams-alone one has its tail in the prompt chunks; a fitted one near the
+streams-alone one, in the number of streams, which no prefill policy changes.
 
 The server runs in this process from the tree this file is in (not an installed copy).
 """
@@ -48,13 +50,16 @@ def install(path: str) -> None:
         start = time.perf_counter()
         result = execute(self, output)
         ms = (time.perf_counter() - start) * 1e3
+        # A row that samples one token past its drafts is a decode (a prompt's one-token last
+        # chunk too: it costs one); every other token is a prompt token.
+        drafts = output.plan.num_draft_tokens or (0,) * len(output.chunks)
         decodes = prompt = 0
-        for chunk in output.chunks:
-            if chunk.num_new_tokens == 1 and chunk.samples:
+        for chunk, drafted in zip(output.chunks, drafts):
+            if chunk.samples and chunk.num_new_tokens - drafted == 1:
                 decodes += 1
-            elif not chunk.request.spec_token_ids:
+            else:
                 prompt += chunk.num_new_tokens
-        drafted = sum(output.plan.num_draft_tokens)
+        drafted = sum(drafts)
         out.write(f"{start:.4f}\t{ms:.2f}\t{decodes}\t{prompt}\t{drafted}\n")
         return result
 
@@ -76,10 +81,17 @@ def fit(ms: np.ndarray, decodes: np.ndarray, prompt: np.ndarray) -> np.ndarray:
 
 
 def gap_ratio(ms: np.ndarray, decodes: np.ndarray) -> float:
-    """p99 / median of the gaps the decoding streams saw: a step of D decoding rows is a gap of its
-    length for each of them."""
+    """p99 / median of the gaps the decoding streams saw: a step of D decoding rows is a gap of
+    ``ms`` for each of them."""
     gaps = np.repeat(ms, decodes.astype(int))
     return float(np.percentile(gaps, 99) / np.median(gaps)) if len(gaps) else float("nan")
+
+
+def step_to_step_ms(run: np.ndarray) -> np.ndarray:
+    """Each step's end to the next one's (its own device time for the first): the device time and
+    the host's work between steps (scheduling, outputs, the event loop), as a stream's tokens come."""
+    ends = run[:, 0] * 1e3 + run[:, 1]
+    return np.concatenate([run[:1, 1], np.diff(ends)])
 
 
 def analyse(run: np.ndarray) -> dict:
@@ -99,7 +111,8 @@ def analyse(run: np.ndarray) -> dict:
         "steps": len(run), "seconds": float(run[-1, 0] - run[0, 0]),
         "with_prompt": float((prompt > 0).mean()), "fit": coef,
         "streams_p50_p99": tuple(np.percentile(weighted, [50, 99])) if len(weighted) else (float("nan"),) * 2,
-        "ratio": gap_ratio(ms, decodes),
+        "ratio": gap_ratio(step_to_step_ms(run), decodes),
+        "ratio_device": gap_ratio(ms, decodes),
         "ratio_fitted": gap_ratio(fitted, decodes),
         "ratio_streams_alone": gap_ratio(coef[0] + coef[1] * decodes, decodes),
         "bands": bands,
@@ -117,7 +130,8 @@ def report(path: str, idle_gap_s: float = IDLE_GAP_S) -> None:
         print(f"run {i}: {a['steps']} steps in {a['seconds']:.0f} s, {a['with_prompt']:.0%} with prompt tokens; "
               f"streams (token-weighted) p50 {a['streams_p50_p99'][0]:.0f}, p99 {a['streams_p50_p99'][1]:.0f}")
         print(f"  step ms = {fixed:.1f} + {per_decode:.2f} x decoding rows + {per_prompt:.2f} x prompt tokens")
-        print(f"  ITL p99 / median: {a['ratio']:.2f}x as run, {a['ratio_fitted']:.2f}x at the fit, "
+        print(f"  ITL p99 / median: {a['ratio']:.2f}x as run (step end to step end), {a['ratio_device']:.2f}x in device "
+              f"time, {a['ratio_fitted']:.2f}x at the fit, "
               f"{a['ratio_streams_alone']:.2f}x from the number of streams alone")
         print("  streams   decode-only ms (steps)   with a prompt chunk ms (steps, median tokens)")
         for lo, hi, n_plain, plain, n_mixed, mixed, tokens in a["bands"]:
@@ -137,9 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "report":
         report(args.path, args.idle_gap)
         return
+    extra = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
+    if any(a.split("=")[0] in ("--engine-process", "--data-parallel-size", "--api-server-count", "--headless")
+           for a in extra):
+        parser.error("the steps are timed in this process: serve with the engine in it (no --engine-process, "
+                     "--data-parallel-size, --api-server-count or --headless)")
     sys.path.insert(0, str(ROOT))
     install(args.out)
-    extra = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
     sys.argv = ["engine.api", *extra]
     runpy.run_module("engine.api", run_name="__main__")
 
