@@ -54,13 +54,12 @@ def install(path: str) -> None:
         # chunk too: it costs one); every other token is a prompt token.
         drafts = output.plan.num_draft_tokens or (0,) * len(output.chunks)
         decodes = prompt = 0
-        for chunk, drafted in zip(output.chunks, drafts):
-            if chunk.samples and chunk.num_new_tokens - drafted == 1:
+        for chunk, k in zip(output.chunks, drafts):
+            if chunk.samples and chunk.num_new_tokens - k == 1:
                 decodes += 1
             else:
                 prompt += chunk.num_new_tokens
-        drafted = sum(drafts)
-        out.write(f"{start:.4f}\t{ms:.2f}\t{decodes}\t{prompt}\t{drafted}\n")
+        out.write(f"{start:.4f}\t{ms:.2f}\t{decodes}\t{prompt}\t{sum(drafts)}\n")
         return result
 
     engine_core.EngineCore.execute = timed
@@ -70,14 +69,18 @@ def runs(steps: np.ndarray, idle_gap_s: float = IDLE_GAP_S) -> list[np.ndarray]:
     """The file's steps cut into runs at idle gaps."""
     if len(steps) == 0:
         return []
-    cuts = np.where(np.diff(steps[:, 0]) > idle_gap_s)[0] + 1
-    return [run for run in np.split(steps, cuts) if len(run) > 0]
+    return np.split(steps, np.where(np.diff(steps[:, 0]) > idle_gap_s)[0] + 1)
 
 
-def fit(ms: np.ndarray, decodes: np.ndarray, prompt: np.ndarray) -> np.ndarray:
-    """(fixed, per decoding row, per prompt token) ms, least squares."""
+def fit(ms: np.ndarray, decodes: np.ndarray, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fixed, per decoding row, per prompt token) ms by least squares, and each step's ms by it."""
     x = np.column_stack([np.ones_like(ms), decodes, prompt])
-    return np.linalg.lstsq(x, ms, rcond=None)[0]
+    coef = np.linalg.lstsq(x, ms, rcond=None)[0]
+    return coef, x @ coef
+
+
+def _median(values: np.ndarray) -> float:
+    return float(np.median(values)) if len(values) else float("nan")
 
 
 def gap_ratio(ms: np.ndarray, decodes: np.ndarray) -> float:
@@ -96,17 +99,15 @@ def step_to_step_ms(run: np.ndarray) -> np.ndarray:
 
 def analyse(run: np.ndarray) -> dict:
     ms, decodes, prompt = run[:, 1], run[:, 2], run[:, 3]
-    coef = fit(ms, decodes, prompt)
-    fitted = np.column_stack([np.ones_like(ms), decodes, prompt]) @ coef
+    coef, fitted = fit(ms, decodes, prompt)
     weighted = np.repeat(decodes, decodes.astype(int))
     bands = []
     for lo, hi in BANDS:
         band = (decodes >= lo) & (decodes < hi)
         plain, mixed = band & (prompt == 0), band & (prompt > 0)
-        if plain.any() or mixed.any():
-            bands.append((lo, hi, int(plain.sum()), float(np.median(ms[plain])) if plain.any() else float("nan"),
-                          int(mixed.sum()), float(np.median(ms[mixed])) if mixed.any() else float("nan"),
-                          float(np.median(prompt[mixed])) if mixed.any() else float("nan")))
+        if band.any():
+            bands.append((lo, hi, int(plain.sum()), _median(ms[plain]), int(mixed.sum()), _median(ms[mixed]),
+                          _median(prompt[mixed])))
     return {
         "steps": len(run), "seconds": float(run[-1, 0] - run[0, 0]),
         "with_prompt": float((prompt > 0).mean()), "fit": coef,

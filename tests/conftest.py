@@ -189,6 +189,19 @@ async def until(condition, timeout: float = 10) -> None:
             await trio.sleep(0.005)
 
 
+def load_script(relative_path: str):
+    """A script of this repository that is not in a package (``bench/serve.py``,
+    ``native/build.py``) as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / relative_path
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def tiny_engine_core(model: LlamaModel, **fields):
     from engine.config import EngineConfig
     from engine.core.engine_core import EngineCore

@@ -18,7 +18,6 @@ synchronization and numerics, though not their speed.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 import shutil
@@ -35,7 +34,7 @@ from backends.errors import BackendUnavailableError
 from backends.cpu import CpuAttentionBackend
 from backends.cuda import CudaAttentionBackend
 from backends.reference import TorchAttentionBackend
-from tests.conftest import run_prompts
+from tests.conftest import load_script, run_prompts
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 HALF_PRECISION = {"cpu": (torch.bfloat16,), "cpu-portable": (torch.bfloat16,), "cuda": (torch.bfloat16, torch.float16),
@@ -75,10 +74,7 @@ class EmulatedCudaBackend(CudaAttentionBackend):
 
 @pytest.fixture(scope="session")
 def emulated_cuda(tmp_path_factory) -> EmulatedCudaBackend:
-    spec = importlib.util.spec_from_file_location("native_build", Path(native.HEADER).parents[1] / "build.py")
-    native_build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(native_build)
-    path = native_build.build_cuda_host_emulation(tmp_path_factory.mktemp("pa_cuda_emulated"))
+    path = load_script("native/build.py").build_cuda_host_emulation(tmp_path_factory.mktemp("pa_cuda_emulated"))
     return EmulatedCudaBackend(native.ffi().dlopen(str(path)))
 
 

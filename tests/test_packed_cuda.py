@@ -9,9 +9,6 @@ On a machine with a GPU (bench/gpu_check.sh) the same checks run on the real lib
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +16,7 @@ import torch.nn.functional as F
 import engine.models.linear as linear_module
 from backends import packed
 from engine.models.linear import CudaPackedLinear
+from tests.conftest import load_script
 
 KINDS = list(packed.TYPES)
 
@@ -34,10 +32,7 @@ def target(request, tmp_path_factory):
     if request.param == "gpu":
         yield packed.cuda_library(), "cuda"
         return
-    spec = importlib.util.spec_from_file_location("native_build", Path(packed.HEADER).parents[1] / "build.py")
-    native_build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(native_build)
-    path = native_build.build_cuda_host_emulation(tmp_path_factory.mktemp("qm_cuda_emulated"), "qm_cuda")
+    path = load_script("native/build.py").build_cuda_host_emulation(tmp_path_factory.mktemp("qm_cuda_emulated"), "qm_cuda")
     with pytest.MonkeyPatch.context() as patch:
         # Host pointers and no stream: the emulated library runs each launch to completion in place.
         patch.setattr(packed.CudaPackedMatrix, "device_type", "cpu")

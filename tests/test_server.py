@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import load_script
 from tests.openapi_schemas import OpenAISchemas
 
 pytestmark = pytest.mark.slow
@@ -758,13 +759,7 @@ def test_a_second_sigint_exits_at_once():
 # ---- bench/serve.py against the real server ----
 
 def load_bench_serve():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_serve", os.path.join(os.path.dirname(__file__), "..",
-                                                                              "bench", "serve.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/serve.py")
 
 
 TABLE_LABELS = ["Successful requests:", "Failed requests:", "Maximum request concurrency:", "Benchmark duration (s):",

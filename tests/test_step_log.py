@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from engine.sampling_params import SamplingParams
-from tests.conftest import tiny_engine_core
+from tests.conftest import load_script, tiny_engine_core
 
 
 @pytest.fixture(scope="module")
 def step_log():
-    path = Path(__file__).resolve().parent.parent / "bench" / "step_log.py"
-    spec = importlib.util.spec_from_file_location("bench_step_log", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/step_log.py")
 
 
 def test_the_timer_logs_each_step_with_its_decodes_and_prompt_tokens(step_log, tiny_model, tmp_path, monkeypatch):
