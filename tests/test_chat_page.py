@@ -77,6 +77,21 @@ def live(llm):
     server.close()
 
 
+def finished_download(folder: Path, pattern: str):
+    """The downloaded file and its JSON once Chrome has written all of it, else None.
+
+    Chrome creates the file under its final name empty before the bytes arrive
+    (they go to a .crdownload beside it and are renamed over it), so the file
+    existing says nothing: only a complete JSON document does.
+    """
+    for path in folder.glob(pattern):
+        try:
+            return path, json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    return None
+
+
 def wait(condition, timeout: float = 120, what: str = "the page"):
     deadline = time.monotonic() + timeout
     while True:
@@ -190,8 +205,7 @@ def test_export_then_import_round_trips_the_conversations(live, browser):
     wait(lambda: not streaming(browser) and last_answer(browser) is not None, 120, "the answer")
     before = stored_conversations(browser)
     browser.find_element("id", "export").click()
-    exported = wait(lambda: list(browser.downloads.glob("conversations*.json")), 30, "the download")[0]
-    data = json.loads(exported.read_text())
+    exported, data = wait(lambda: finished_download(browser.downloads, "conversations*.json"), 30, "the download")
     assert data["conversations"] == before
 
     browser.execute_script("localStorage.clear()")
