@@ -16,7 +16,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from engine.frontend.stats import IterationStats
-from engine.messages import EngineStats
+from engine.messages import EngineStats, KVCacheInfo
 from engine.sched.request import FINISH_REASONS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -36,12 +36,16 @@ class _EngineCollector(Collector):
     """The engines' counters, one series per engine (the ``engine`` label, as vLLM's: "0"
     unless data parallel)."""
 
-    def __init__(self, engine_stats: Callable[[], list[EngineStats]], model_name: str) -> None:
+    def __init__(self, engine_stats: Callable[[], list[EngineStats]], model_name: str,
+                 kv_cache_info: Callable[[], KVCacheInfo | None]) -> None:
         self._engine_stats = engine_stats
         self._model = model_name
+        self._kv_cache_info = kv_cache_info
 
     def collect(self) -> Iterator:
         engines = self._engine_stats()
+        if (cache := self._kv_cache_info()) is not None:
+            yield _cache_config_info(cache, engines)
         series = _SERIES + (_SPEC_DECODE_SERIES if any(s.spec_accepted_per_pos for s in engines) else ())
         for family, name, doc, value in series:
             metric = family(name, doc, labels=["model_name", "engine"])
@@ -56,6 +60,20 @@ class _EngineCollector(Collector):
                 for position, count in enumerate(stats.spec_accepted_per_pos):
                     metric.add_metric([self._model, str(rank), str(position)], count)
             yield metric
+
+
+def _cache_config_info(cache: KVCacheInfo, engines: list[EngineStats]) -> GaugeMetricFamily:
+    """vLLM's info gauge of the KV cache: 1, with the configuration in its labels (vLLM's label
+    names and ``str()`` of their values; ``num_gpu_blocks`` counts the cache's blocks on any
+    device), one series per engine, plus the bytes a token takes."""
+    labels = {"block_size": cache.block_size, "cache_dtype": cache.cache_dtype,
+              "enable_prefix_caching": cache.enable_prefix_caching, "sliding_window": cache.sliding_window,
+              "kv_bytes_per_token": cache.bytes_per_token}
+    metric = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (in the labels).",
+                               labels=["engine", "num_gpu_blocks", *labels])
+    for rank, stats in enumerate(engines):
+        metric.add_metric([str(rank), str(stats.kv_blocks_total), *map(str, labels.values())], 1)
+    return metric
 
 
 # (family, name, description, value of an engine's stats) of each engine-labelled series.
@@ -96,10 +114,11 @@ class Metrics:
     scrapers see them before the first request.
     """
 
-    def __init__(self, engine_stats: Callable[[], list[EngineStats]], model_name: str) -> None:
+    def __init__(self, engine_stats: Callable[[], list[EngineStats]], model_name: str,
+                 kv_cache_info: Callable[[], KVCacheInfo | None] = lambda: None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._engines = _EngineCollector(engine_stats, model_name)
+        self._engines = _EngineCollector(engine_stats, model_name, kv_cache_info)
         self.registry.register(self._engines)
         labels = ["model_name"]
         success = Counter("vllm:request_success", "Requests finished, by reason.", labels + ["finished_reason"],

@@ -99,6 +99,18 @@ class EngineStats:
         return cls(**{f.name: added(f) for f in attrs.fields(cls)})
 
 
+@attrs.frozen
+class KVCacheInfo:
+    """What an engine's KV cache is, fixed at start-up (``/metrics``' ``vllm:cache_config_info``)."""
+
+    block_size: int  # tokens a block
+    num_blocks: int
+    cache_dtype: str  # resolved: never "auto"
+    bytes_per_token: int  # of a token held in every layer
+    enable_prefix_caching: bool
+    sliding_window: int | None  # the widest window of a windowed layer group, if any
+
+
 # ---- messages to the core actor ----
 
 @attrs.frozen

@@ -353,6 +353,29 @@ async def test_cached_tokens_of_a_multi_prompt_completion_are_summed(tiny_vocab_
         assert both["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
 
 
+async def test_cache_config_info_says_what_the_kv_cache_is(tiny_vocab_model, tokenizer):
+    """vLLM's ``vllm:cache_config_info``: value 1, the cache's configuration in its labels, with the
+    dtype as resolved (auto names none) and the bytes a token takes (2 layers x K and V x 2 heads x
+    16 elements x 2 bytes in bfloat16)."""
+    def info(text: str) -> list[dict[str, str]]:
+        head = "vllm:cache_config_info{"
+        series = [line for line in text.splitlines() if line.startswith(head)]
+        assert all(line.endswith("} 1.0") for line in series), series
+        labels = [[pair.split("=", 1) for pair in line[len(head):line.rindex("}")].split(",")] for line in series]
+        return [{k: v.strip('"') for k, v in pairs} for pairs in labels]
+
+    core = tiny_engine_core(tiny_vocab_model, kv_cache_dtype="bfloat16", block_size=8, num_kv_blocks=48)
+    async with serve_http(core, tokenizer) as server:
+        assert info((await server.http.get("/metrics")).text) == [{
+            "engine": "0", "num_gpu_blocks": "48", "block_size": "8", "cache_dtype": "bfloat16",
+            "enable_prefix_caching": "True", "sliding_window": "None", "kv_bytes_per_token": "256"}]
+    core = tiny_engine_core(tiny_vocab_model, enable_prefix_caching=False)
+    async with serve_http(core, tokenizer) as server:
+        [labels] = info((await server.http.get("/metrics")).text)
+    assert labels["cache_dtype"] == core.kv_dtype.name != "auto" and labels["enable_prefix_caching"] == "False"
+    assert labels["num_gpu_blocks"] == "64" and labels["block_size"] == "16"
+
+
 async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(tiny_vocab_core, tokenizer):
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         before = (await server.http.get("/metrics")).text

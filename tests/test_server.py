@@ -583,6 +583,8 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
             if layout == "data parallel":
                 generated = metric_by_engine(base, "vllm:generation_tokens_total")
                 assert set(generated) == {"0", "1"} and all(v > 0 for v in generated.values())
+                # (each engine's cache, told in its ready message)
+                assert metric_by_engine(base, "vllm:cache_config_info") == {"0": 1.0, "1": 1.0}
                 assert len(children) == 2  # two engine processes
                 # each with its share of the cores (engine.transport.processes.device_shares), or the user's setting
                 threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // 2))).encode()
@@ -596,6 +598,7 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
                 assert len(fronts) == 2 and sum(b"--disable-log-stats" in c for c in fronts) == 1  # one logs
                 # whichever front answers, the request counter is the whole server's
                 assert all(metric_total(base, "vllm:request_success_total") == 32 for _ in range(4))
+                assert all(metric_by_engine(base, "vllm:cache_config_info") == {"0": 1.0} for _ in range(4))
             outputs[layout + ", constrained"] = constrained(base)
         finally:
             # SIGTERM drains the server; a launcher killed outright takes its fronts and engine along

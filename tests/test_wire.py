@@ -17,6 +17,7 @@ from engine.messages import (
     AddRequest,
     Decodes,
     EngineStats,
+    KVCacheInfo,
     RequestRejected,
     StepOutput,
     StepTimings,
@@ -25,6 +26,8 @@ from engine.messages import (
 )
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.transport.protocol import CODEC as PROTOCOL
+from engine.transport.protocol import EngineReady
 from engine.transport.wire import Codec, WireProtocolError, open_link
 
 CODEC = Codec(WIRE_MESSAGES)
@@ -77,6 +80,17 @@ async def test_every_message_round_trips_equal():
         for message in samples():
             await send.send(message)
             assert await recv.receive() == message
+
+
+@pytest.mark.parametrize("window", [None, 4096])
+async def test_the_engine_processs_ready_message_round_trips_with_its_cache(window):
+    ready = EngineReady("m", 8192, 49152, "cpu", {"temperature": 0.6}, (2, 7),
+                        KVCacheInfo(16, 2048, "int8", 11520, True, window), samples()[3].stats, 1234)
+    left, right = await stream_pair()
+    async with open_link(left, PROTOCOL, role="engine") as (send, _), \
+            open_link(right, PROTOCOL, role="front") as (_, recv):
+        await send.send(ready)
+        assert await recv.receive() == ready
 
 
 async def test_a_rejection_keeps_its_error_class_param_and_text():

@@ -27,7 +27,7 @@ from engine.core.core_actor import CoreActor
 from engine.core.device_thread import DeviceThread
 from engine.core.tensor_parallel import TensorParallelDriver
 from engine.errors import ConfigError, InvalidParameterError
-from engine.messages import Decodes, EngineStats, TokenDelta
+from engine.messages import Decodes, EngineStats, KVCacheInfo, TokenDelta
 from engine.models.llama import LlamaModel, fix_summation_order
 from engine.models.loader import load_model, resolve_model
 from engine.models.parallel import TensorParallel
@@ -107,14 +107,18 @@ class EngineCore:
         self._num_steps = 0
         self.fault: Exception | None = None  # set when a step failed: the core's state is then unknown
         groups, cfg = self.kv_groups, self.model.config
-        per_token = self.kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache_info = KVCacheInfo(
+            config.block_size, num_blocks, self.kv_dtype.name,
+            self.kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+            config.enable_prefix_caching, max((w for w in groups.windows if w is not None), default=None))
         tokens = num_blocks // groups.num_groups * config.block_size  # (of short sequences: every layer)
         log.info("engine ready: backend %s on %s, %s, max_model_len %d; KV cache %s%s: %d blocks of %d tokens "
                  "(%d tokens), %.1f MB (%d bytes per token)",
                  self.backend.name, self.device, self.model.dtype, self.max_model_len, self.kv_dtype.name,
                  " (auto on this backend)" if config.kv_cache_dtype == "auto" else "", num_blocks,
                  config.block_size, tokens, num_blocks * ModelRunner.kv_bytes_per_block(
-                     self.model, config.block_size, self.kv_dtype, groups.hybrid) / 1e6, per_token)
+                     self.model, config.block_size, self.kv_dtype, groups.hybrid) / 1e6,
+                 self.kv_cache_info.bytes_per_token)
         if groups.hybrid:
             log.info("KV layer groups: %d global and %d sliding (window %d) of %d layers each, a block table each; "
                      "a sequence past its window holds only the window's blocks in the sliding groups "

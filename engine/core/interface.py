@@ -7,7 +7,7 @@ from typing import Protocol
 import trio
 
 from engine.config import EngineConfig
-from engine.messages import EngineStats
+from engine.messages import EngineStats, KVCacheInfo
 from engine.sampling_params import SamplingParams
 
 
@@ -27,6 +27,7 @@ class Core(Protocol):
     backend_name: str
     sampling_defaults: dict[str, float]
     eos_token_ids: tuple[int, ...]  # the model's end tokens (its EOS, then generation_config's others)
+    kv_cache_info: KVCacheInfo  # (of the first engine of a data-parallel group)
     fault: BaseException | None  # set once a step failed: the core must not run again
 
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:

@@ -30,7 +30,7 @@ from engine.frontend.output_actor import OutputActor
 from engine.frontend.output_channel import MergedOutputs, RequestOutputChannel, Wakeup
 from engine.frontend.request_state import RequestState
 from engine.frontend.stats import IterationStats, StatLogger
-from engine.messages import AbortRequest, AddRequest, EngineStats, StepOutput
+from engine.messages import AbortRequest, AddRequest, EngineStats, KVCacheInfo, StepOutput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import CompiledGrammar, StructuredOutputManager
@@ -254,6 +254,11 @@ class EngineClient:
     @property
     def backend_name(self) -> str:
         return self._engine.core.backend_name
+
+    @property
+    def kv_cache_info(self) -> KVCacheInfo:
+        """The KV cache's layout (the first engine's, under data parallel)."""
+        return self._engine.core.kv_cache_info
 
     def stats(self) -> EngineStats:
         return self._engine.core.stats()

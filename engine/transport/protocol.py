@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import attrs
 
-from engine.messages import WIRE_MESSAGES, AddRequest, EngineStats, StepOutput
+from engine.messages import WIRE_MESSAGES, AddRequest, EngineStats, KVCacheInfo, StepOutput
 from engine.transport.wire import Codec
 
 
@@ -19,6 +19,7 @@ class EngineReady:
     backend_name: str
     sampling_defaults: dict[str, float]
     eos_token_ids: tuple[int, ...]
+    kv_cache_info: KVCacheInfo
     stats: EngineStats
     pid: int
 
@@ -43,7 +44,7 @@ class Heartbeat:
 HEARTBEAT_S = 1.0
 SILENCE_LIMIT_S = 30.0
 
-CODEC = Codec([*WIRE_MESSAGES, EngineReady, EngineFailed, Heartbeat])
+CODEC = Codec([*WIRE_MESSAGES, EngineReady, KVCacheInfo, EngineFailed, Heartbeat])
 
 class RequestOwners:
     """Which of several places (an engine of a data-parallel group, a front of an engine) each

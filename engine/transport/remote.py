@@ -53,6 +53,7 @@ class RemoteCore:
         self.backend_name = ready.backend_name
         self.sampling_defaults = dict(ready.sampling_defaults)
         self.eos_token_ids = tuple(ready.eos_token_ids)
+        self.kv_cache_info = ready.kv_cache_info
         self.pid = ready.pid
         self.fault: BaseException | None = None
         self._stats = ready.stats
@@ -173,6 +174,7 @@ class DataParallelCore:
         self.backend_name = first.backend_name
         self.sampling_defaults = first.sampling_defaults
         self.eos_token_ids = first.eos_token_ids
+        self.kv_cache_info = first.kv_cache_info
         self.fault: BaseException | None = None
 
     validate = RemoteCore.validate  # (the group's limits: the smallest max_model_len)
