@@ -646,7 +646,7 @@ async def stream_forever(server, body: dict) -> None:
 
 async def test_overload_is_a_503_with_retry_after_at_once(tiny_vocab_model, tokenizer, monkeypatch):
     core = tiny_engine_core(tiny_vocab_model, max_num_seqs=1, max_waiting_requests=3)
-    slow_steps(core, monkeypatch)
+    slow_steps(core, monkeypatch, 0.05)  # (200 tokens: 10 s, so the streams outlive the refusals)
     async with serve_http(core, tokenizer) as server, trio.open_nursery() as nursery:
         client = server.client
         nursery.start_soon(stream_forever, server, {"prompt": "Hi"})
@@ -667,7 +667,7 @@ async def test_a_burst_of_streams_past_the_limit_gets_503s_not_200s_that_fail(ti
     before its status line. (The check and the queueing were apart: every stream passed the
     check before any was queued, and most got a 200 whose only event was 'overloaded'.)"""
     core = tiny_engine_core(tiny_vocab_model, max_num_seqs=1, max_waiting_requests=3)
-    slow_steps(core, monkeypatch)
+    slow_steps(core, monkeypatch, 0.05)  # (200 tokens: 10 s, so the streams outlive the refusals)
     answers = []
     # Whether each stream's requests were in the engine when its response (status line) was made:
     # the order of events that makes the 503 certain, however the tasks interleave.
@@ -709,7 +709,7 @@ async def test_a_burst_of_streams_past_the_limit_gets_503s_not_200s_that_fail(ti
 
 async def test_every_sequence_counts_against_the_waiting_limit_all_or_none(tiny_vocab_model, tokenizer, monkeypatch):
     core = tiny_engine_core(tiny_vocab_model, max_num_seqs=1, max_waiting_requests=4)
-    slow_steps(core, monkeypatch)
+    slow_steps(core, monkeypatch, 0.05)  # (200 tokens: 10 s, so the streams outlive the refusals)
     async with serve_http(core, tokenizer, limits=Limits(max_prompts_per_request=8)) as server, \
             trio.open_nursery() as nursery:
         client = server.client
@@ -735,7 +735,7 @@ async def test_every_sequence_counts_against_the_waiting_limit_all_or_none(tiny_
 
 async def test_health_answers_while_256_requests_wait(tiny_vocab_core, tokenizer, monkeypatch):
     slow_steps(tiny_vocab_core, monkeypatch, 0.005)
-    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)  # (a wave of 32 takes 1 s or more to finish)
     async with serve_http(tiny_vocab_core, tokenizer) as server, trio.open_nursery() as nursery:
         async def one(i):
             async for _ in server.client.generate([100 + i % 50] * 20, params):
@@ -805,8 +805,9 @@ async def test_a_request_past_its_deadline_is_aborted_with_504(tiny_vocab_core, 
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         late = await server.http.post("/v1/completions", json=body, headers={"X-Request-Timeout": "0.3"})
         assert late.status_code == 504 and error(late.content)["code"] == "request_timeout"
+        # (1 s: time for some text first, even on a loaded machine; 200 steps take 4 s or more)
         streamed = await server.http.post("/v1/chat/completions", json={**CHAT, **body, "stream": True},
-                                          headers={"X-Request-Timeout": "0.3"})
+                                          headers={"X-Request-Timeout": "1.0"})
         events = sse_data(streamed.text.splitlines())
         assert events[-2]["error"]["code"] == "request_timeout" and events[-1] == "[DONE]" and len(events) > 3
         await wait_idle(server.client)

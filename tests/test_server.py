@@ -568,9 +568,12 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
     # (one engine, one front: the plain server, which most tests of this file start)
     layouts = {"data parallel": ["--data-parallel-size", "2"], "two API servers": ["--api-server-count", "2"]}
     for layout, flags in layouts.items():
-        # float32: on a CPU with AMX, auto is bfloat16, whose sums depend on how requests are batched;
-        # so are auto's activations on AVX512_BF16 CPUs (bf16 in steps of 16+ rows)
-        base, proc, _ = start_server("--dtype", "float32", "--activation-quantization", "none", *flags)
+        # The two layouts batch the 32 streams differently (16 an engine, or 32 in one), so: batch
+        # invariance (each row's sums in an order of its own: the same bits in any batch), float32
+        # (on a CPU with AMX, auto is bfloat16) and float32 activations (auto's are bf16 in steps of
+        # 16+ rows on AVX512_BF16 CPUs)
+        base, proc, _ = start_server("--dtype", "float32", "--activation-quantization", "none", "--batch-invariant",
+                                     *flags)
         children = child_pids(proc.pid)
         try:
             outputs[layout] = run(base)
@@ -623,9 +626,10 @@ def test_a_headless_engine_joins_the_server_over_tcp():
 
 
 def _headless_engine_joins(port: int) -> None:
-    # (float32 activations: the 8 answers are compared, and auto's bf16 applies by a step's rows)
+    # (float32 weights and activations: the 8 answers are compared, batched by arrival, and auto is
+    # bfloat16 on a CPU with AMX, auto's activations bf16 in steps of 16+ rows on AVX512_BF16 CPUs)
     group = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(port),
-             "--activation-quantization", "none"]
+             "--dtype", "float32", "--activation-quantization", "none"]
     headless = subprocess.Popen([sys.executable, "-m", "engine.api", "--headless", "--backend", "torch",
                                  "--num-kv-blocks", "512", "--log-level", "warning", *group],
                                 cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -751,8 +755,13 @@ def test_a_second_sigint_exits_at_once():
             lines = response.iter_lines()  # held: a dropped iterator closes the stream, and the drain ends
             next(lines)
             proc.send_signal(signal.SIGINT)
-            time.sleep(0.5)
-            assert proc.poll() is None  # draining: the request has 60 s
+            # draining (the request has 60 s) once /health says 503: the first signal has been read,
+            # so the second is not merged into it (trio keeps one pending signal of a number)
+            deadline = time.monotonic() + 10
+            while httpx.get(base + "/health", timeout=10).status_code != 503:
+                assert time.monotonic() < deadline, "the first SIGINT was not acted on"
+                time.sleep(0.05)
+            assert proc.poll() is None
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=10) == 130
     finally:

@@ -9,6 +9,7 @@ import struct
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from engine.errors import ConfigError, InvalidParameterError
 from engine.messages import (
@@ -248,7 +249,7 @@ async def test_a_peer_that_stops_without_a_goodbye_is_a_broken_link_not_an_end()
     async with open_link(right, CODEC, role="front") as (_, recv):
         async with open_link(left, CODEC, role="engine") as (send, _):
             await send.send(AbortRequest(("last",)))
-            await trio.sleep(0.05)  # written; then the block ends without closing the channel
+            await trio.testing.wait_all_tasks_blocked()  # written; then the block ends without closing the channel
         assert await recv.receive() == AbortRequest(("last",))
         with pytest.raises(trio.BrokenResourceError) as error:
             await recv.receive()
