@@ -106,26 +106,31 @@ class EngineCore:
         self._num_generation_tokens = 0
         self._num_steps = 0
         self.fault: Exception | None = None  # set when a step failed: the core's state is then unknown
-        groups, cfg = self.kv_groups, self.model.config
-        self.kv_cache_info = KVCacheInfo(
-            config.block_size, num_blocks, self.kv_dtype.name,
-            self.kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
-            config.enable_prefix_caching, max((w for w in groups.windows if w is not None), default=None))
-        tokens = num_blocks // groups.num_groups * config.block_size  # (of short sequences: every layer)
+        self.kv_cache_info = self._describe_kv_cache(num_blocks)
+        self._log_ready()
+
+    # ---- set-up ----
+
+    def _describe_kv_cache(self, num_blocks: int) -> KVCacheInfo:
+        cfg, windows = self.model.config, self.kv_groups.windows
+        return KVCacheInfo(self.config.block_size, num_blocks, self.kv_dtype.name,
+                           self.kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+                           self.config.enable_prefix_caching, max((w for w in windows if w is not None), default=None))
+
+    def _log_ready(self) -> None:
+        config, groups, cache = self.config, self.kv_groups, self.kv_cache_info
+        tokens = cache.num_blocks // groups.num_groups * cache.block_size  # (of short sequences: every layer)
         log.info("engine ready: backend %s on %s, %s, max_model_len %d; KV cache %s%s: %d blocks of %d tokens "
                  "(%d tokens), %.1f MB (%d bytes per token)",
-                 self.backend.name, self.device, self.model.dtype, self.max_model_len, self.kv_dtype.name,
-                 " (auto on this backend)" if config.kv_cache_dtype == "auto" else "", num_blocks,
-                 config.block_size, tokens, num_blocks * ModelRunner.kv_bytes_per_block(
-                     self.model, config.block_size, self.kv_dtype, groups.hybrid) / 1e6,
-                 self.kv_cache_info.bytes_per_token)
+                 self.backend.name, self.device, self.model.dtype, self.max_model_len, cache.cache_dtype,
+                 " (auto on this backend)" if config.kv_cache_dtype == "auto" else "", cache.num_blocks,
+                 cache.block_size, tokens, cache.num_blocks * ModelRunner.kv_bytes_per_block(
+                     self.model, cache.block_size, self.kv_dtype, groups.hybrid) / 1e6, cache.bytes_per_token)
         if groups.hybrid:
             log.info("KV layer groups: %d global and %d sliding (window %d) of %d layers each, a block table each; "
                      "a sequence past its window holds only the window's blocks in the sliding groups "
                      "(--disable-hybrid-kv-cache-manager: one table)", sum(w is None for w in groups.windows),
                      sum(w is not None for w in groups.windows), max(w or 0 for w in groups.windows), groups.size)
-
-    # ---- set-up ----
 
     def _start_runner(self, num_blocks: int) -> ModelRunner:
         """The model runner on the device thread, with a draft model's drafter where there is one,
