@@ -80,6 +80,15 @@ def check_request(req: ResponsesRequest, store: ResponseStore | None, reasoning_
             raise bad_request("previous_response_id needs the responses store: start the server with "
                               "--enable-responses-store, or send the conversation as input items",
                               "previous_response_id")
+    _check_metadata(req.metadata)
+    for where, key, allowed in (("reasoning", "summary", ("auto", "concise", "detailed")),
+                                ("text", "verbosity", ("low", "medium", "high"))):
+        value = (getattr(req, where) or {}).get(key)
+        if value not in (None, *allowed):
+            raise bad_request(f"{where}.{key} must be one of {', '.join(allowed)}; got {value!r}", where)
+    for index, tool in enumerate(req.tools or ()):
+        if isinstance(tool, dict) and not isinstance(tool.get("strict", True), bool):
+            raise bad_request(f"tools[{index}].strict must be a boolean; got {tool['strict']!r}", "tools")
     effort = (req.reasoning or {}).get("effort")
     if effort not in (None, *REASONING_EFFORTS):
         raise bad_request(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
@@ -87,6 +96,24 @@ def check_request(req: ResponsesRequest, store: ResponseStore | None, reasoning_
     if effort not in (None, "none", "minimal") and not reasoning_parser_on:
         raise bad_request("reasoning needs a reasoning parser: start the server with --reasoning-parser",
                           "reasoning")
+
+
+# OpenAI's bounds on metadata (a stored response keeps it).
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise bad_request(f"metadata holds at most {MAX_METADATA_PAIRS} pairs; got {len(metadata)}", "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise bad_request(f"metadata keys are at most {MAX_METADATA_KEY} characters; {key[:16]!r}... has "
+                              f"{len(key)}", "metadata")
+        if len(value) > MAX_METADATA_VALUE:
+            raise bad_request(f"metadata values are at most {MAX_METADATA_VALUE} characters; the value of {key!r} "
+                              f"has {len(value)}", "metadata")
 
 
 def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -122,9 +149,19 @@ def chat_param(param: str | None) -> str | None:
 
 def in_responses_terms(message: str, param: str | None) -> str:
     """An error message about a chat field, naming the Responses field instead (the field
-    within it where that is one: ``text.format``, ``reasoning.effort``)."""
+    within it where that is one: ``text.format``, ``reasoning.effort``), and a function tool
+    or named tool_choice in the Responses shape (flat: no ``function`` object)."""
     name = _MESSAGE_NAMES.get(param, chat_param(param)) if param else param
+    if param in ("tools", "tool_choice"):
+        for chat, flat in _FLAT_TOOLS:
+            message = message.replace(chat, flat)
     return message.replace(param, name, 1) if param and name != param else message
+
+
+# A chat tool's or named tool_choice's words in an error, and a Responses one's.
+_FLAT_TOOLS = (('{"type": "function", "function": {"name": "..."}}', '{"type": "function", "name": "..."}'),
+               ('{"type": "function", "function": {...}}', '{"type": "function", "name": ...}'),
+               (".function.", "."))
 
 
 def input_messages(value: Any) -> list[dict[str, Any]]:
@@ -144,7 +181,13 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _ROLES:
                 raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", "input")
-            message = {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+            text = _text(item.get("content"), f"{where}.content")
+            last = messages[-1] if messages else None
+            if role == "assistant" and reasoning is None and last is not None and last.get("tool_calls") \
+                    and last["role"] == "assistant":
+                last["content"] = _after(last, text)  # text after its calls: the same turn, as a response's
+                continue
+            message = {"role": role, "content": text}
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
@@ -178,6 +221,12 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     if not messages:
         raise bad_request("input must hold at least one message or function call output", "input")
     return messages
+
+
+def _after(turn: dict[str, Any], text: str) -> str:
+    """An assistant turn's content with ``text`` that came after its calls: the newline that
+    joins them in chat's one content (a message item after a call starts without it)."""
+    return turn["content"] + ("\n" if turn["content"] and turn.get("tool_calls") else "") + text
 
 
 def _text(content: Any, where: str) -> str:
@@ -422,7 +471,7 @@ def output_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if item["type"] == "reasoning":
             message["reasoning_content"] = item["content"][0]["text"] if item["content"] else ""
         elif item["type"] == "message":
-            message["content"] += item["content"][0]["text"]
+            message["content"] = _after(message, item["content"][0]["text"])
         elif item["type"] == "function_call":
             message.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
                 "name": item["name"], "arguments": item["arguments"]}})
@@ -447,9 +496,10 @@ _ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output
 
 
 def input_item_resources(value: Any) -> list[dict[str, Any]]:
-    """A request's input as the items ``GET /v1/responses/{id}/input_items`` lists: a string as
-    one user message, a message's string content as one text part, an item without an id
-    given one (the input was checked when it was read)."""
+    """A request's input as the items ``GET /v1/responses/{id}/input_items`` lists (OpenAI's
+    ItemResource): a string as one user message, a message's string content as one text part,
+    an item without an id given one, without a status "completed" (the input was checked when
+    it was read)."""
     items = [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
     resources = []
     for given in items:
@@ -458,9 +508,21 @@ def input_item_resources(value: Any) -> list[dict[str, Any]]:
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             item["content"] = [{"type": part, "text": item["content"]}]
-        item.setdefault("id", _item_id(_ITEM_PREFIXES.get(kind, "item")))
+        if kind == "message":
+            item["content"] = [_resource_part(part) for part in item["content"]]
+        if item.get("id") is None:  # (absent or null: a listed item always has one)
+            item["id"] = _item_id(_ITEM_PREFIXES.get(kind, "item"))
+        if item.get("status") is None:
+            item["status"] = "completed"
         resources.append(item)
     return resources
+
+
+def _resource_part(part: dict[str, Any]) -> dict[str, Any]:
+    """An output_text part as a response has it (annotations and logprobs always there)."""
+    if part.get("type") != "output_text":
+        return part
+    return {**part, "annotations": part.get("annotations") or [], "logprobs": part.get("logprobs") or []}
 
 
 def item_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:

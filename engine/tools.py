@@ -159,6 +159,9 @@ def plan_tools(tools: Sequence[Any] | None, tool_choice: Any = None, parallel_to
     """
     if not isinstance(parallel_tool_calls, bool):
         raise InvalidParameterError("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    if tool_choice is not None and not isinstance(tool_choice, dict) and tool_choice not in TOOL_CHOICES:
+        raise InvalidParameterError("tool_choice", f"tool_choice must be one of {', '.join(TOOL_CHOICES)} "
+                                                   f"or a named function; got {tool_choice!r}")
     if not tools:
         if tool_choice not in (None, "none"):
             raise InvalidParameterError("tool_choice", "tool_choice is only allowed when tools are given")
@@ -174,9 +177,6 @@ def plan_tools(tools: Sequence[Any] | None, tool_choice: Any = None, parallel_to
     if tool_choice is None:
         return ToolPlan(parsed, "auto", parallel=parallel_tool_calls)
     if isinstance(tool_choice, str):
-        if tool_choice not in TOOL_CHOICES:
-            raise InvalidParameterError("tool_choice", f"tool_choice must be one of {', '.join(TOOL_CHOICES)} "
-                                                       f"or a named function; got {tool_choice!r}")
         return ToolPlan(parsed, tool_choice, parallel=parallel_tool_calls)
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None

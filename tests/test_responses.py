@@ -14,16 +14,18 @@ import pytest
 
 from api.app import ServerState
 from api.errors import APIError
+from api.protocol import ResponsesRequest
 from api.responses import (
     ResponseStore,
     StoredResponse,
+    check_request,
     input_item_resources,
     input_messages,
     item_page,
     responses_usage,
 )
 from api.serving import usage
-from tests.conftest import ThreadedServer
+from tests.conftest import ThreadedServer, serve_http
 from tests.openapi_schemas import OpenAISchemas
 from tests.test_app import error, post
 from tests.test_reasoning import QWEN3, THINKING_TEMPLATE
@@ -234,14 +236,16 @@ def test_the_store_continues_a_conversation_and_forgets_the_oldest(llm, schemas)
         server.close()
 
 
-def test_input_items_are_listed_a_page_at_a_time_in_either_order():
+def test_input_items_are_listed_a_page_at_a_time_in_either_order(schemas):
     items = input_item_resources([{"role": "system", "content": "Be brief."},
                                   {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
                                   {"role": "assistant", "content": "b", "id": "msg_given"},
                                   {"type": "function_call_output", "call_id": "c1", "output": "x"}])
     assert items[0]["content"] == [{"type": "input_text", "text": "Be brief."}]
-    assert items[2]["content"] == [{"type": "output_text", "text": "b"}] and items[2]["id"] == "msg_given"
+    assert items[2]["content"] == [{"type": "output_text", "text": "b", "annotations": [], "logprobs": []}]
+    assert items[2]["id"] == "msg_given" and items[2]["status"] == "completed"
     assert items[3]["id"].startswith("fco_") and len({i["id"] for i in items}) == 4
+    schemas.validate("ResponseItemList", item_page(items, 10, "asc", None))
     ids = [i["id"] for i in items]
     first = item_page(items, 3, "desc", None)
     assert [i["id"] for i in first["data"]] == ids[::-1][:3] and first["has_more"]
@@ -252,6 +256,22 @@ def test_input_items_are_listed_a_page_at_a_time_in_either_order():
                                                    "last_id": None, "has_more": False}
     with pytest.raises(APIError, match="after"):
         item_page(items, 5, "asc", "msg_unknown")
+
+
+def test_input_items_sent_in_any_form_are_listed_as_openai_describes_them(schemas):
+    """Assistant turns sent back without a status or their parts' annotations, calls and their
+    outputs without a status, an id sent as null: listed complete (OpenAI's ItemResource)."""
+    items = input_item_resources([
+        {"role": "user", "content": "hi", "id": None},
+        {"role": "assistant", "content": "plain"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "t", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "res", "status": "incomplete"}])
+    page = item_page(items, 10, "asc", None)
+    schemas.validate("ResponseItemList", page)
+    assert page["first_id"].startswith("msg_") and all(item["id"] for item in items)
+    assert [item["status"] for item in items] == ["completed"] * 4 + ["incomplete"]  # (a status sent is kept)
+    assert items[2]["content"] == [{"type": "output_text", "text": "t", "annotations": [], "logprobs": []}]
 
 
 def test_a_store_keeps_at_most_its_capacity():
@@ -291,12 +311,40 @@ class _Client:
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "string"}}}}, "text",
      "text.format of type 'json_schema' needs a name"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "p"}}}, "text", "and a schema"),
+    # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512
+    ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16 pairs; got 17"),
+    ({"input": "x", "metadata": {"k" * 65: "v"}}, "metadata", "keys are at most 64 characters"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata", "values are at most 512 characters"),
+    ({"input": "x", "reasoning": {"summary": "bogus"}}, "reasoning", "reasoning.summary must be one of auto"),
+    ({"input": "x", "text": {"verbosity": "loud"}}, "text", "text.verbosity must be one of low"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools",
+     "tools[0].strict must be a boolean"),
 ])
 async def test_bad_input_is_a_400_naming_the_field(body, param, words):
     status, data = await post(ServerState("m", client=_Client()), "/v1/responses", body)
     assert status == 400, data
     err = error(data)
     assert err["param"] == param and words in err["message"], err
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tool_choice": "bogus"}, "tool_choice", "one of none, auto, required or a named function; got 'bogus'"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}},
+     "tool_choice", 'a named tool_choice is {"type": "function", "name": "..."}'),
+    ({"tools": [{"type": "function", "name": "no spaces"}]}, "tools", "tools[0].name must be 1 to 64"),
+    ({"tools": [{"type": "function", "name": "f", "description": 5}]}, "tools", "tools[0].description must be"),
+])
+async def test_the_tools_errors_speak_of_responses_tools(tiny_vocab_core, tokenizer, body, param, words):
+    """Checked by chat's tool code, told in the Responses shape (a flat tool, no "function")."""
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        response = await server.http.post("/v1/responses", json={"input": "x", **body})
+    assert response.status_code == 400, response.text
+    err = error(response.content)
+    assert err["param"] == param and words in err["message"] and "function." not in err["message"], err
+
+
+def test_metadata_at_openais_bounds_is_accepted():
+    check_request(ResponsesRequest(input="x", metadata={f"{i:064d}": "v" * 512 for i in range(16)}), None, False)
 
 
 def test_input_items_become_a_chat_conversation():
@@ -364,6 +412,23 @@ def test_items_come_in_the_order_written_streamed_or_not(schemas, text, kinds):
         assert _without_ids(response) == _without_ids(whole)
     response, events = _built(list(text) + [""], reasoning)  # a character at a time
     assert _without_ids(response) == _without_ids(whole)
+
+
+@pytest.mark.parametrize("text", ["Sure.\n" + CALL + "\nAnd also:\n" + CALL, CALL + "\nDone.", "Plain."])
+def test_an_output_continues_as_chat_says_it_by_id_or_sent_back(text):
+    """The assistant turn a later response continues (previous_response_id: output_messages) is
+    the one the same output items sent back as input make, and its content chat's: text after
+    a call joined by the newline its message item starts without."""
+    from api.responses import output_messages
+    from api.serving import OutputSplitter
+
+    response, _ = _built([text])
+    by_id = output_messages(response["output"])
+    sent_back = input_messages([{k: v for k, v in item.items() if k != "status"} for item in response["output"]])
+    assert by_id == sent_back and len(by_id) == 1
+    chat = OutputSplitter(None, tools=True).feed(text, final=True)
+    assert by_id[0]["content"] == "".join(piece for piece in chat.pieces if isinstance(piece, str))
+    assert len(by_id[0].get("tool_calls", ())) == text.count(CALL)
 
 
 def _head() -> dict:
