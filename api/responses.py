@@ -181,6 +181,8 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _ROLES:
                 raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", "input")
+            if role != "assistant":
+                reasoning = None  # (reasoning belongs to the assistant turn right after it, or to none)
             text = _text(item.get("content"), f"{where}.content")
             last = messages[-1] if messages else None
             if role == "assistant" and reasoning is None and last is not None and last.get("tool_calls") \
@@ -381,6 +383,8 @@ class ResponseBuilder:
             part = _part(kind, "")
             events.append(self.event("response.content_part.added", **self._at(), part=part))
             item["content"].append(part)
+        if not text:  # (an empty answer: its item and part, no empty delta)
+            return events
         content = self._open["content"]
         content[0] = _part(kind, content[0]["text"] + text)  # (replaced: the events keep what they said)
         if kind == "reasoning":

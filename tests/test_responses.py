@@ -74,6 +74,7 @@ def _check_stream(schemas: OpenAISchemas, events: list[dict]) -> dict:
         schemas.validate_response_event(event)
         schemas.validate("ResponseStreamEvent", event)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert all(e["delta"] for e in events if e["type"].endswith(".delta"))  # (an empty one says nothing)
     assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
     final = events[-1]["response"]
@@ -370,6 +371,14 @@ def test_input_items_become_a_chat_conversation():
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
         {"role": "tool", "tool_call_id": "c2", "content": "two"},
     ]
+
+
+def test_a_reasoning_item_goes_with_the_assistant_turn_right_after_it_or_none():
+    reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "h"}]}
+    assert input_messages([reasoning, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]) == [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    assert input_messages([reasoning, {"role": "assistant", "content": "Yo"}]) == [
+        {"role": "assistant", "content": "Yo", "reasoning_content": "h"}]
 
 
 # ---- building the output (no model) ----
