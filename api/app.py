@@ -144,7 +144,7 @@ def create_app(state: ServerState) -> QuartTrio:
     app.config["MAX_CONTENT_LENGTH"] = state.limits.max_body_bytes
     app.config["BODY_TIMEOUT"] = state.limits.body_timeout
     metrics = state.metrics = Metrics(lambda: state.client.engine_stats() if state.client else [_EMPTY_STATS],
-                                      state.model_name, lambda: state.client.kv_cache_info if state.client else None)
+                                      state.model_name, lambda: state.client.engine_kv_caches() if state.client else [])
     api = _Handlers(state, metrics)
 
     @app.before_request

@@ -37,15 +37,15 @@ class _EngineCollector(Collector):
     unless data parallel)."""
 
     def __init__(self, engine_stats: Callable[[], list[EngineStats]], model_name: str,
-                 kv_cache_info: Callable[[], KVCacheInfo | None]) -> None:
+                 kv_caches: Callable[[], list[KVCacheInfo]]) -> None:
         self._engine_stats = engine_stats
         self._model = model_name
-        self._kv_cache_info = kv_cache_info
+        self._kv_caches = kv_caches
 
     def collect(self) -> Iterator:
         engines = self._engine_stats()
-        if (cache := self._kv_cache_info()) is not None:
-            yield _cache_config_info(cache, engines)
+        if caches := self._kv_caches():
+            yield _cache_config_info(caches)
         series = _SERIES + (_SPEC_DECODE_SERIES if any(s.spec_accepted_per_pos for s in engines) else ())
         for family, name, doc, value in series:
             metric = family(name, doc, labels=["model_name", "engine"])
@@ -62,17 +62,18 @@ class _EngineCollector(Collector):
             yield metric
 
 
-def _cache_config_info(cache: KVCacheInfo, engines: list[EngineStats]) -> GaugeMetricFamily:
+def _cache_config_info(caches: list[KVCacheInfo]) -> GaugeMetricFamily:
     """vLLM's info gauge of the KV cache: 1, with the configuration in its labels (vLLM's label
     names and ``str()`` of their values; ``num_gpu_blocks`` counts the cache's blocks on any
     device), one series per engine, plus the bytes a token takes."""
-    labels = {"block_size": cache.block_size, "cache_dtype": cache.cache_dtype,
-              "enable_prefix_caching": cache.enable_prefix_caching, "sliding_window": cache.sliding_window,
-              "kv_bytes_per_token": cache.bytes_per_token}
+    names = ["engine", "block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "sliding_window",
+             "kv_bytes_per_token"]
     metric = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration (in the labels).",
-                               labels=["engine", "num_gpu_blocks", *labels])
-    for rank, stats in enumerate(engines):
-        metric.add_metric([str(rank), str(stats.kv_blocks_total), *map(str, labels.values())], 1)
+                               labels=names)
+    for rank, cache in enumerate(caches):
+        values = (rank, cache.block_size, cache.num_blocks, cache.cache_dtype, cache.enable_prefix_caching,
+                  cache.sliding_window, cache.bytes_per_token)
+        metric.add_metric([str(v) for v in values], 1)
     return metric
 
 
@@ -115,10 +116,10 @@ class Metrics:
     """
 
     def __init__(self, engine_stats: Callable[[], list[EngineStats]], model_name: str,
-                 kv_cache_info: Callable[[], KVCacheInfo | None] = lambda: None) -> None:
+                 kv_caches: Callable[[], list[KVCacheInfo]] = list) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._engines = _EngineCollector(engine_stats, model_name, kv_cache_info)
+        self._engines = _EngineCollector(engine_stats, model_name, kv_caches)
         self.registry.register(self._engines)
         labels = ["model_name"]
         success = Counter("vllm:request_success", "Requests finished, by reason.", labels + ["finished_reason"],

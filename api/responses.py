@@ -87,8 +87,9 @@ def check_request(req: ResponsesRequest, store: ResponseStore | None, reasoning_
         if value not in (None, *allowed):
             raise bad_request(f"{where}.{key} must be one of {', '.join(allowed)}; got {value!r}", where)
     for index, tool in enumerate(req.tools or ()):
-        if isinstance(tool, dict) and not isinstance(tool.get("strict", True), bool):
-            raise bad_request(f"tools[{index}].strict must be a boolean; got {tool['strict']!r}", "tools")
+        strict = tool.get("strict") if isinstance(tool, dict) else None
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(f"tools[{index}].strict must be a boolean or null; got {strict!r}", "tools")
     effort = (req.reasoning or {}).get("effort")
     if effort not in (None, *REASONING_EFFORTS):
         raise bad_request(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}; got {effort!r}",
@@ -181,8 +182,9 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _ROLES:
                 raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", "input")
-            if role != "assistant":
-                reasoning = None  # (reasoning belongs to the assistant turn right after it, or to none)
+            if role != "assistant" and reasoning is not None:  # (an answer cut off while it reasoned)
+                messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+                reasoning = None
             text = _text(item.get("content"), f"{where}.content")
             last = messages[-1] if messages else None
             if role == "assistant" and reasoning is None and last is not None and last.get("tool_calls") \
@@ -453,7 +455,8 @@ def response_head(req: ResponsesRequest, response_id: str, model: str, stored: b
 def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:
     """A function tool as a response describes it (its parameters are always enforced: strict)."""
     return {"type": "function", "name": tool["name"], "description": tool.get("description"),
-            "parameters": tool.get("parameters") or {"type": "object"}, "strict": tool.get("strict", True)}
+            "parameters": tool.get("parameters") or {"type": "object"},
+            "strict": tool.get("strict") if tool.get("strict") is not None else True}
 
 
 def responses_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
@@ -509,9 +512,9 @@ def input_item_resources(value: Any) -> list[dict[str, Any]]:
     for given in items:
         item = _copy(given)
         kind = item.setdefault("type", "message")
-        if kind == "message" and isinstance(item.get("content"), str):
+        if kind == "message" and isinstance(item.get("content"), str | None):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
-            item["content"] = [{"type": part, "text": item["content"]}]
+            item["content"] = [{"type": part, "text": item.get("content") or ""}]
         if kind == "message":
             item["content"] = [_resource_part(part) for part in item["content"]]
         if item.get("id") is None:  # (absent or null: a listed item always has one)

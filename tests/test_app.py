@@ -369,11 +369,26 @@ async def test_cache_config_info_says_what_the_kv_cache_is(tiny_vocab_model, tok
         assert info((await server.http.get("/metrics")).text) == [{
             "engine": "0", "num_gpu_blocks": "48", "block_size": "8", "cache_dtype": "bfloat16",
             "enable_prefix_caching": "True", "sliding_window": "None", "kv_bytes_per_token": "256"}]
-    core = tiny_engine_core(tiny_vocab_model, enable_prefix_caching=False)
+    core = tiny_engine_core(tiny_vocab_model, enable_prefix_caching=False)  # (auto: float32 on the torch backend)
     async with serve_http(core, tokenizer) as server:
-        [labels] = info((await server.http.get("/metrics")).text)
-    assert labels["cache_dtype"] == core.kv_dtype.name != "auto" and labels["enable_prefix_caching"] == "False"
-    assert labels["num_gpu_blocks"] == "64" and labels["block_size"] == "16"
+        assert info((await server.http.get("/metrics")).text) == [{
+            "engine": "0", "num_gpu_blocks": "64", "block_size": "16", "cache_dtype": "float32",
+            "enable_prefix_caching": "False", "sliding_window": "None", "kv_bytes_per_token": "512"}]
+
+
+def test_each_engines_cache_is_its_own_series():
+    """Data parallel: each engine says its own cache (a headless one started apart may differ)."""
+    from api.app import _EMPTY_STATS
+    from api.metrics import Metrics
+    from engine.messages import KVCacheInfo
+
+    caches = [KVCacheInfo(16, 100, "int8", 11520, True, None), KVCacheInfo(32, 50, "float16", 23040, False, 4096)]
+    text = Metrics(lambda: [_EMPTY_STATS] * 2, "m", lambda: caches).exposition().decode()
+    series = sorted(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert len(series) == 2
+    assert 'engine="0"' in series[0] and 'cache_dtype="int8"' in series[0] and 'num_gpu_blocks="100"' in series[0]
+    assert 'engine="1"' in series[1] and 'block_size="32"' in series[1] and 'sliding_window="4096"' in series[1]
+    assert "vllm:cache_config_info" not in Metrics(lambda: [_EMPTY_STATS], "m").exposition().decode()  # (loading)
 
 
 async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(tiny_vocab_core, tokenizer):

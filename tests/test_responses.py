@@ -273,6 +273,8 @@ def test_input_items_sent_in_any_form_are_listed_as_openai_describes_them(schema
     assert page["first_id"].startswith("msg_") and all(item["id"] for item in items)
     assert [item["status"] for item in items] == ["completed"] * 4 + ["incomplete"]  # (a status sent is kept)
     assert items[2]["content"] == [{"type": "output_text", "text": "t", "annotations": [], "logprobs": []}]
+    [empty] = input_item_resources([{"role": "user", "content": None}])  # (null content: no text)
+    assert empty["content"] == [{"type": "input_text", "text": ""}]
 
 
 def test_a_store_keeps_at_most_its_capacity():
@@ -319,7 +321,7 @@ class _Client:
     ({"input": "x", "reasoning": {"summary": "bogus"}}, "reasoning", "reasoning.summary must be one of auto"),
     ({"input": "x", "text": {"verbosity": "loud"}}, "text", "text.verbosity must be one of low"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools",
-     "tools[0].strict must be a boolean"),
+     "tools[0].strict must be a boolean or null"),
 ])
 async def test_bad_input_is_a_400_naming_the_field(body, param, words):
     status, data = await post(ServerState("m", client=_Client()), "/v1/responses", body)
@@ -348,6 +350,15 @@ def test_metadata_at_openais_bounds_is_accepted():
     check_request(ResponsesRequest(input="x", metadata={f"{i:064d}": "v" * 512 for i in range(16)}), None, False)
 
 
+def test_a_tools_strict_of_null_is_the_default():
+    """OpenAI's FunctionTool.strict is a boolean or null (SDKs send unset fields as null)."""
+    from api.responses import response_head
+
+    req = ResponsesRequest(input="x", tools=[{"type": "function", "name": "f", "strict": None}])
+    check_request(req, None, False)
+    assert response_head(req, "resp_x", "m", stored=False)["tools"][0]["strict"] is True
+
+
 def test_input_items_become_a_chat_conversation():
     messages = input_messages([
         {"role": "developer", "content": "Be brief."},
@@ -373,10 +384,13 @@ def test_input_items_become_a_chat_conversation():
     ]
 
 
-def test_a_reasoning_item_goes_with_the_assistant_turn_right_after_it_or_none():
+def test_a_reasoning_item_goes_with_the_assistant_turn_right_after_it():
+    """Or, where none follows (an answer cut off while it reasoned), is an empty turn of its own,
+    as previous_response_id continues such a response."""
     reasoning = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "h"}]}
     assert input_messages([reasoning, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]) == [
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+        {"role": "assistant", "content": "", "reasoning_content": "h"}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Yo"}]
     assert input_messages([reasoning, {"role": "assistant", "content": "Yo"}]) == [
         {"role": "assistant", "content": "Yo", "reasoning_content": "h"}]
 
@@ -421,6 +435,15 @@ def test_items_come_in_the_order_written_streamed_or_not(schemas, text, kinds):
         assert _without_ids(response) == _without_ids(whole)
     response, events = _built(list(text) + [""], reasoning)  # a character at a time
     assert _without_ids(response) == _without_ids(whole)
+
+
+def test_an_output_cut_off_while_reasoning_continues_alike_by_id_or_sent_back():
+    from api.responses import output_messages
+
+    response, _ = _built(["still thinking"], reasoning=True)
+    assert [item["type"] for item in response["output"]] == ["reasoning"]
+    question = {"role": "user", "content": "And?"}
+    assert output_messages(response["output"]) + [question] == input_messages(response["output"] + [question])
 
 
 @pytest.mark.parametrize("text", ["Sure.\n" + CALL + "\nAnd also:\n" + CALL, CALL + "\nDone.", "Plain."])

@@ -626,10 +626,11 @@ def test_a_headless_engine_joins_the_server_over_tcp():
 
 
 def _headless_engine_joins(port: int) -> None:
-    # (float32 weights and activations: the 8 answers are compared, batched by arrival, and auto is
-    # bfloat16 on a CPU with AMX, auto's activations bf16 in steps of 16+ rows on AVX512_BF16 CPUs)
+    # (the 8 answers are compared, batched by arrival: batch invariance, float32 weights (auto is
+    # bfloat16 on a CPU with AMX) and activations (auto's are bf16 in steps of 16+ rows on
+    # AVX512_BF16 CPUs))
     group = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-rpc-port", str(port),
-             "--dtype", "float32", "--activation-quantization", "none"]
+             "--dtype", "float32", "--activation-quantization", "none", "--batch-invariant"]
     headless = subprocess.Popen([sys.executable, "-m", "engine.api", "--headless", "--backend", "torch",
                                  "--num-kv-blocks", "512", "--log-level", "warning", *group],
                                 cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -112,12 +112,14 @@ class EngineCore:
     # ---- set-up ----
 
     def _describe_kv_cache(self, num_blocks: int) -> KVCacheInfo:
+        """What the KV cache is (``/metrics``' cache_config_info, the start-up line)."""
         cfg, windows = self.model.config, self.kv_groups.windows
         return KVCacheInfo(self.config.block_size, num_blocks, self.kv_dtype.name,
                            self.kv_dtype.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
                            self.config.enable_prefix_caching, max((w for w in windows if w is not None), default=None))
 
     def _log_ready(self) -> None:
+        """The start-up lines: backend, device, dtype, context, and the KV cache's type and size."""
         config, groups, cache = self.config, self.kv_groups, self.kv_cache_info
         tokens = cache.num_blocks // groups.num_groups * cache.block_size  # (of short sequences: every layer)
         log.info("engine ready: backend %s on %s, %s, max_model_len %d; KV cache %s%s: %d blocks of %d tokens "
@@ -500,6 +502,9 @@ class EngineCore:
         return TokenDelta(request.parent_id, request.index, new_tokens, new_logprobs, prompt_logprobs,
                           request.finish_reason, request.stop_reason, max(request.num_cached_tokens, 0),
                           request.first_scheduled_at, error, error_param)
+
+    def engine_kv_caches(self) -> list[KVCacheInfo]:
+        return [self.kv_cache_info]
 
     def engine_stats(self) -> list[EngineStats]:
         return [self.stats()]

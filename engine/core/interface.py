@@ -27,7 +27,6 @@ class Core(Protocol):
     backend_name: str
     sampling_defaults: dict[str, float]
     eos_token_ids: tuple[int, ...]  # the model's end tokens (its EOS, then generation_config's others)
-    kv_cache_info: KVCacheInfo  # (of the first engine of a data-parallel group)
     fault: BaseException | None  # set once a step failed: the core must not run again
 
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
@@ -38,6 +37,9 @@ class Core(Protocol):
 
     def engine_stats(self) -> list[EngineStats]:
         """Each engine's counters (one for a single core)."""
+
+    def engine_kv_caches(self) -> list[KVCacheInfo]:
+        """Each engine's KV cache, as it started (one for a single core)."""
 
     @property
     def num_running_requests(self) -> int: ...

@@ -255,10 +255,9 @@ class EngineClient:
     def backend_name(self) -> str:
         return self._engine.core.backend_name
 
-    @property
-    def kv_cache_info(self) -> KVCacheInfo:
-        """The KV cache's layout (the first engine's, under data parallel)."""
-        return self._engine.core.kv_cache_info
+    def engine_kv_caches(self) -> list[KVCacheInfo]:
+        """Each engine's KV cache, as it started (one, unless ``data_parallel_size`` > 1)."""
+        return self._engine.core.engine_kv_caches()
 
     def stats(self) -> EngineStats:
         return self._engine.core.stats()

@@ -33,7 +33,7 @@ import trio
 from engine.config import EngineConfig
 from engine.core.engine_core import validate_request
 from engine.errors import EngineDeadError, ungrouped
-from engine.messages import AbortRequest, AddRequest, EngineStats
+from engine.messages import AbortRequest, AddRequest, EngineStats, KVCacheInfo
 from engine.sampling_params import SamplingParams
 from engine.transport import protocol
 from engine.transport.protocol import EngineFailed, EngineReady, Heartbeat, RequestOwners
@@ -72,6 +72,9 @@ class RemoteCore:
 
     def engine_stats(self) -> list[EngineStats]:
         return [self._stats]
+
+    def engine_kv_caches(self) -> list[KVCacheInfo]:
+        return [self.kv_cache_info]
 
     @property
     def num_running_requests(self) -> int:
@@ -174,13 +177,15 @@ class DataParallelCore:
         self.backend_name = first.backend_name
         self.sampling_defaults = first.sampling_defaults
         self.eos_token_ids = first.eos_token_ids
-        self.kv_cache_info = first.kv_cache_info
         self.fault: BaseException | None = None
 
     validate = RemoteCore.validate  # (the group's limits: the smallest max_model_len)
 
     def engine_stats(self) -> list[EngineStats]:
         return [e.stats() for e in self.engines]
+
+    def engine_kv_caches(self) -> list[KVCacheInfo]:
+        return [e.kv_cache_info for e in self.engines]
 
     def stats(self) -> EngineStats:
         each = self.engine_stats()
