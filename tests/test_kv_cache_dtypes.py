@@ -249,6 +249,21 @@ def test_fewer_blocks_than_layer_groups_are_refused_at_start(model):
         EngineCore(EngineConfig(backend="cpu", dtype="float32", num_kv_blocks=1), model=model)
 
 
+def test_a_kv_cache_past_the_machines_memory_is_refused_at_start(model):
+    """Not a start that builds block lists until the machine runs out (1e15 bytes, 1e9 blocks did)."""
+    from engine.core.engine_core import device_free_memory
+
+    past = 2 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # (twice the machine: never free)
+    assert 0 < device_free_memory("cpu") < past
+    with pytest.raises(ConfigError, match=rf"kv_cache_memory {past} bytes is more than this cpu has free "
+                                          r"\(\d+ bytes\)"):
+        EngineCore(EngineConfig(backend="cpu", dtype="float32", kv_cache_memory=past), model=model)
+    with pytest.raises(ConfigError, match=rf"num_kv_blocks {past} \(\d+ bytes\) is more than this cpu has free"):
+        EngineCore(EngineConfig(backend="cpu", dtype="float32", num_kv_blocks=past), model=model)
+    core = EngineCore(EngineConfig(backend="cpu", dtype="float32", kv_cache_memory=1 << 20), model=model)
+    assert core.block_manager.num_blocks > 0  # (a budget the machine has is taken as given)
+
+
 def test_calculated_fp8_scales_come_from_the_first_pass(model):
     """--calculate-kv-scales: each layer's K and V scales, 1.0 until then, are set by the first
     forward pass (twice its largest K, V value maps to e4m3's 448) and kept after it."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -192,8 +193,14 @@ class EngineCore:
 
     def _num_kv_blocks(self) -> int:
         config = self.config
-        if config.num_kv_blocks is not None:
-            return config.num_kv_blocks
+        per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.kv_dtype,
+                                                   not config.disable_hybrid_kv_cache_manager)
+        if self.draft_model is not None:  # (its cache has as many blocks, a tensor per layer)
+            per_block += ModelRunner.kv_bytes_per_block(self.draft_model, config.block_size, self.kv_dtype, False)
+        if (blocks := config.num_kv_blocks) is not None:
+            self._within_the_device("num_kv_blocks", f"num_kv_blocks {blocks} ({blocks * per_block} bytes)",
+                                    blocks * per_block)
+            return blocks
         memory = config.kv_cache_memory
         if memory is None and self.device == "cpu":
             # What max_num_seqs full-length sequences can use, at most the default context, and
@@ -208,14 +215,18 @@ class EngineCore:
             field, why = "gpu_memory_utilization", (f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
                                                     f"{memory} bytes, which hold no KV block (raise it, or free GPU "
                                                     "memory)")
-        per_block = ModelRunner.kv_bytes_per_block(self.model, config.block_size, self.kv_dtype,
-                                                   not config.disable_hybrid_kv_cache_manager)
-        if self.draft_model is not None:  # (its cache has as many blocks, a tensor per layer)
-            per_block += ModelRunner.kv_bytes_per_block(self.draft_model, config.block_size, self.kv_dtype, False)
         num_blocks = memory // per_block
         if num_blocks < 1:
             raise ConfigError(field, why)
+        self._within_the_device(field, f"{field} {memory} bytes", memory)
         return num_blocks
+
+    def _within_the_device(self, field: str, asked: str, num_bytes: int) -> None:
+        """Refuse a cache of more bytes than the device has free (a petabyte's block lists were
+        built until the machine ran out; a cache of all its memory would be zeroed into swap or
+        the OOM killer)."""
+        if num_bytes > (free := device_free_memory(self.device)):
+            raise ConfigError(field, f"{asked} is more than this {self.device} has free ({free} bytes)")
 
     def _max_model_len(self, kv_capacity: int | None) -> int:
         """The longest sequence: asked for, or the model's, within what the cache holds of a
@@ -532,6 +543,20 @@ class EngineCore:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=tuple(spec.accepted_per_pos),
         )
+
+
+def device_free_memory(device: str) -> int:
+    """The bytes of memory ``device`` has free now (a CPU: the machine's available memory, as
+    Linux reckons it; all of it where /proc/meminfo cannot be read)."""
+    if device == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import torch
+
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def child_id(request_id: str, index: int) -> str:
