@@ -52,6 +52,7 @@ class AttentionBackend(Protocol):
 
     name: str
     layer_ops: Any  # backends.layer_ops.TorchLayerOps or a fused subclass of it
+    model_dtypes: tuple[torch.dtype, ...]  # what a model may compute in with it
 
     def kv_cache_dtypes_for(self, model_dtype: torch.dtype) -> tuple[str, ...]:
         """The cache element types it reads and writes for a model computing in ``model_dtype``

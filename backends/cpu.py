@@ -20,6 +20,7 @@ KV_CACHE_DTYPES = tuple(kvc.KV_CACHE_DTYPES)
 
 class CpuAttentionBackend:
     name = "cpu"
+    model_dtypes = DTYPES
     # Whether each output row is summed in an order set by its own sequence and position alone
     # (--batch-invariant): no split key ranges, one way of dotting keys (pa_cpu_attention's fixed_order)
     batch_invariant = False

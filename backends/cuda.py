@@ -18,6 +18,7 @@ FP8 = ("fp8_e4m3", "fp8_e5m2")
 
 class CudaAttentionBackend:
     name = "cuda"
+    model_dtypes = DTYPES
     layer_ops = TORCH_LAYER_OPS
     device_type = "cuda"  # the library's kernels read device pointers
 

@@ -29,6 +29,7 @@ BUCKET_RATIO = 0.75
 
 class TorchAttentionBackend:
     name = "torch"
+    model_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     layer_ops = TORCH_LAYER_OPS
     # --batch-invariant: each query row attends alone, over exactly the keys it sees (no padded
     # buckets, no rows of a prompt together), so its sums follow its position alone (_attend_rows)

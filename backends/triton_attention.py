@@ -159,6 +159,7 @@ def _merge_kernel(out_ptr, partial_ptr, num_splits, HEAD_SIZE: tl.constexpr, SPL
 
 class TritonAttentionBackend:
     name = "triton"
+    model_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     layer_ops = TORCH_LAYER_OPS
 
     def kv_cache_dtypes_for(self, model_dtype: torch.dtype) -> tuple[str, ...]:

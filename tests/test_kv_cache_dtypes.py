@@ -126,6 +126,14 @@ def test_a_type_the_backend_cannot_keep_is_refused_before_loading(model):
         kvc.resolve_kv_cache_dtype("float32", cuda, torch.bfloat16)
 
 
+def test_a_model_dtype_the_backend_cannot_run_is_refused_before_loading():
+    """The cpu kernels take float32 and bfloat16 rows: float16 served /health, then failed the
+    first request and the engine with it."""
+    with pytest.raises(ConfigError, match=r"the cpu backend cannot run a model in torch.float16 \(it runs "
+                                          r"torch.float32, torch.bfloat16\)"):
+        EngineCore(EngineConfig(backend="cpu", dtype="float16", model="/nonexistent.gguf"))
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--kv-cache-dtype", "fp4"], "invalid choice: 'fp4'"),
     (["--backend", "cuda", "--kv-cache-dtype", "int8"], "the cuda backend cannot keep its KV cache in int8; "

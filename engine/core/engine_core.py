@@ -65,6 +65,9 @@ class EngineCore:
         self.device = resolve_device(config)
         self.backend = get_backend(config.backend, self.device)  # before loading: a wrong choice fails fast
         dtype = model.dtype if model is not None else resolve_dtype(config, self.device)
+        if dtype not in self.backend.model_dtypes:  # (before loading, not at the first request)
+            raise ConfigError("dtype", f"the {self.backend.name} backend cannot run a model in {dtype} (it runs "
+                                       f"{', '.join(str(d) for d in self.backend.model_dtypes)})")
         self.kv_dtype = self._kv_cache_dtype(dtype)
         source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
         # Weights, KV cache and forward passes all on one thread (device_thread.py says why).
