@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model ids clients may use, the first in answers (default: --model as given, as vLLM; "
                         "the default model's name without it)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="attention backend (auto: best available)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device to run on")
     p.add_argument("--dtype", choices=(*DTYPES, *DTYPE_ALIASES), default="auto", help="auto: bfloat16 on GPU and on CPUs with AMX (bf16 matrix units), float32 on other CPUs")
@@ -94,11 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the sampling values of the model's generation_config.json are the defaults of "
                         "requests that do not set them (as vLLM); vllm: ignore them")
     _add_access_flags(p)
-    p.add_argument("--seed", type=int, default=0, help="seed for dummy weights and unseeded sampling")
+    p.add_argument("--seed", type=_seed, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="sequences (prompts x n) that may wait for their first token, per API server; a "
                         "request that would go past it gets 503 + Retry-After (400 if it alone is larger)")
-    p.add_argument("--max-prompts-per-request", type=int, default=256,
+    p.add_argument("--max-prompts-per-request", type=_at_least_one, default=256,
                    help="prompts one /v1/completions request may hold (400 past it)")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds one engine step may take before the watchdog declares the engine dead")
@@ -109,13 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-engine-failure", choices=("exit", "refuse"), default="exit",
                    help="when the engine fails: exit with status 1 (for a supervisor to restart it), or keep "
                         "running and answer 503 (/health too) until stopped")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+    p.add_argument("--shutdown-timeout", type=_seconds, default=10.0,
                    help="seconds requests in flight get to finish after SIGTERM/SIGINT before they are ended "
                         "with a 503 (a second SIGINT exits at once)")
-    p.add_argument("--request-timeout", type=float, default=None,
+    p.add_argument("--request-timeout", type=_positive_seconds, default=None,
                    help="default deadline of a generation request in seconds (504 past it); a request's "
                         "X-Request-Timeout header overrides it")
-    p.add_argument("--request-body-timeout", type=float, default=60.0,
+    p.add_argument("--request-body-timeout", type=_positive_seconds, default=60.0,
                    help="seconds a client may take to send its request body (408 past it)")
     _add_output_flags(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
@@ -139,7 +139,7 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
                    help="where the server listens for engines of other machines, and where --headless "
                         "engines connect (the link is not authenticated: keep it on a private network)")
     p.add_argument("--data-parallel-rpc-port", type=int, default=29550, help="the port of --data-parallel-address")
-    p.add_argument("--api-server-count", type=int, default=1,
+    p.add_argument("--api-server-count", type=_at_least_one, default=1,
                    help="HTTP front processes accepting on the one listening socket, each linked to every "
                         "engine process (which then runs apart from them); /metrics covers them all")
     p.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # (a front of the launcher)
@@ -193,15 +193,15 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "on GPUs); sizes that do not divide the heads are refused")
     p.add_argument("--distributed-timeout", type=float, default=60.0,
                    help="seconds a collective between tensor-parallel ranks may wait before the engine fails")
-    p.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", 1)),
+    p.add_argument("--nnodes", type=int, default=os.environ.get("NNODES", "1"),
                    help="machines the --tensor-parallel-size ranks are spread over, as many on each "
                         "(torchrun's name; default: $NNODES or 1)")
-    p.add_argument("--node-rank", type=int, default=int(os.environ.get("NODE_RANK", 0)),
+    p.add_argument("--node-rank", type=int, default=os.environ.get("NODE_RANK", "0"),
                    help="this machine's place among --nnodes: 0 runs the engine and the HTTP server, the others "
                         "run with --headless (default: $NODE_RANK or 0)")
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    help="node 0's address, where the ranks meet (default: $MASTER_ADDR or 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=int(os.environ.get("MASTER_PORT", 29500)),
+    p.add_argument("--master-port", type=int, default=os.environ.get("MASTER_PORT", "29500"),
                    help="node 0's port for the ranks' rendezvous (default: $MASTER_PORT or 29500)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs are the same bits whatever else runs (batch size, "
@@ -255,6 +255,49 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         "acceptance)")
     p.add_argument("--disable-frontend", action="store_true",
                    help="do not serve the chat page at / (the API, /docs and /v1/engine/stats stay)")
+
+
+# Types of the server's own flags (the engine's are checked by EngineConfig). argparse applies
+# a type to a string default too: a bad $NNODES is a usage error naming --nnodes.
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535; got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not -(1 << 63) <= value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"a seed is a 64-bit integer; got {value}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # (NaN too; inf: no limit)
+        raise argparse.ArgumentTypeError(f"seconds are a number, 0 or more; got {text}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("seconds must be more than 0")
+    return value
+
+
+for _type, _name in ((_port, "port"), (_seed, "seed"), (_at_least_one, "count"), (_seconds, "seconds"),
+                     (_positive_seconds, "seconds")):
+    _type.__name__ = _name  # (argparse's "invalid port value: 'x'")
 
 
 def _json_object(text: str) -> dict:

@@ -1008,6 +1008,37 @@ async def test_a_stream_interval_sends_fewer_larger_events_of_the_same_text(tiny
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-2]["usage"]["completion_tokens"] == 13
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--port", "70000"], "argument --port: a port is 0 to 65535; got 70000"),
+    (["--seed", str(1 << 70)], "argument --seed: a seed is a 64-bit integer"),
+    (["--shutdown-timeout", "nan"], "argument --shutdown-timeout: seconds are a number, 0 or more; got nan"),
+    (["--request-timeout", "0"], "argument --request-timeout: seconds must be more than 0"),
+    (["--request-body-timeout", "-1"], "argument --request-body-timeout: seconds are a number, 0 or more"),
+    (["--max-prompts-per-request", "0"], "argument --max-prompts-per-request: must be at least 1; got 0"),
+    (["--api-server-count", "-3"], "argument --api-server-count: must be at least 1; got -3"),
+])
+def test_the_servers_own_flags_are_checked_when_read(argv, words, capsys):
+    """Not at SIGTERM (a NaN shutdown timeout), nor at every request (a NaN deadline: 500s)."""
+    from api.server import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+    args = build_parser().parse_args(["--port", "0", "--shutdown-timeout", "inf", "--seed", str(-(1 << 63))])
+    assert (args.port, args.shutdown_timeout) == (0, float("inf"))  # (the bounds themselves are fine)
+
+
+def test_a_bad_environment_default_is_a_usage_error_naming_its_flag(monkeypatch, capsys):
+    from api.server import build_parser
+
+    monkeypatch.setenv("NNODES", "abc")
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([])
+    assert exit_.value.code == 2 and "argument --nnodes: invalid int value: 'abc'" in capsys.readouterr().err
+    monkeypatch.setenv("NNODES", "2")
+    assert build_parser().parse_args([]).nnodes == 2
+
+
 def test_a_vllm_serve_command_line_reads_as_vllm_reads_it(monkeypatch, tmp_path, capsys):
     """What ports of `vllm serve` command lines and manifests pass: the model as the first
     argument, underscore spellings, several API keys or $VLLM_API_KEY, CORS origins as a JSON
