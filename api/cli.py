@@ -260,29 +260,36 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
 # Types of the server's own flags (the engine's are checked by EngineConfig). argparse applies
 # a type to a string default too: a bad $NNODES is a usage error naming --nnodes.
 
+def _number(kind: type, text: str) -> int | float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
 def _port(text: str) -> int:
-    value = int(text)
+    value = _number(int, text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535; got {value}")
     return value
 
 
 def _seed(text: str) -> int:
-    value = int(text)
+    value = _number(int, text)
     if not -(1 << 63) <= value < 1 << 63:
         raise argparse.ArgumentTypeError(f"a seed is a 64-bit integer; got {value}")
     return value
 
 
 def _at_least_one(text: str) -> int:
-    value = int(text)
+    value = _number(int, text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
     return value
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
+    value = _number(float, text)
     if not value >= 0:  # (NaN too; inf: no limit)
         raise argparse.ArgumentTypeError(f"seconds are a number, 0 or more; got {text}")
     return value
@@ -293,11 +300,6 @@ def _positive_seconds(text: str) -> float:
     if value == 0:
         raise argparse.ArgumentTypeError("seconds must be more than 0")
     return value
-
-
-for _type, _name in ((_port, "port"), (_seed, "seed"), (_at_least_one, "count"), (_seconds, "seconds"),
-                     (_positive_seconds, "seconds")):
-    _type.__name__ = _name  # (argparse's "invalid port value: 'x'")
 
 
 def _json_object(text: str) -> dict:
