@@ -583,25 +583,7 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
                 time.sleep(0.05)
             assert metric_total(base, "vllm:generation_tokens_total") == 32 * 12, (layout, httpx.get(
                 base + "/metrics").text)
-            if layout == "data parallel":
-                generated = metric_by_engine(base, "vllm:generation_tokens_total")
-                assert set(generated) == {"0", "1"} and all(v > 0 for v in generated.values())
-                # (each engine's cache, told in its ready message)
-                assert metric_by_engine(base, "vllm:cache_config_info") == {"0": 1.0, "1": 1.0}
-                assert len(children) == 2  # two engine processes
-                # each with its share of the cores (engine.transport.processes.device_shares), or the user's setting
-                threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // 2))).encode()
-                for pid in children:
-                    with open(f"/proc/{pid}/environ", "rb") as f:
-                        assert b"OMP_NUM_THREADS=" + threads in f.read().split(b"\0")
-            if layout == "two API servers":
-                assert len(children) == 3  # two fronts and the engine
-                commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
-                fronts = [c for c in commands if b"--listen-fd" in c]
-                assert len(fronts) == 2 and sum(b"--disable-log-stats" in c for c in fronts) == 1  # one logs
-                # whichever front answers, the request counter is the whole server's
-                assert all(metric_total(base, "vllm:request_success_total") == 32 for _ in range(4))
-                assert all(metric_by_engine(base, "vllm:cache_config_info") == {"0": 1.0} for _ in range(4))
+            (_check_two_engines if layout == "data parallel" else _check_two_fronts)(base, children)
             outputs[layout + ", constrained"] = constrained(base)
         finally:
             # SIGTERM drains the server; a launcher killed outright takes its fronts and engine along
@@ -612,6 +594,31 @@ def test_data_parallel_and_several_api_servers_serve_32_streams_as_one_engine_do
         assert all_exit(children, 30), layout
     assert outputs["data parallel"] == outputs["two API servers"]
     assert outputs["data parallel, constrained"] == outputs["two API servers, constrained"]
+
+
+def _check_two_engines(base: str, children: list[int]) -> None:
+    """--data-parallel-size 2: two engine processes, each with its counters, its cache and its
+    share of the cores (engine.transport.processes.device_shares), or the user's setting."""
+    generated = metric_by_engine(base, "vllm:generation_tokens_total")
+    assert set(generated) == {"0", "1"} and all(v > 0 for v in generated.values())
+    # (each engine's cache, told in its ready message)
+    assert metric_by_engine(base, "vllm:cache_config_info") == {"0": 1.0, "1": 1.0}
+    assert len(children) == 2  # two engine processes
+    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // 2))).encode()
+    for pid in children:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert b"OMP_NUM_THREADS=" + threads in f.read().split(b"\0")
+
+
+def _check_two_fronts(base: str, children: list[int]) -> None:
+    """--api-server-count 2: two fronts (one logging stats) and the engine; whichever front
+    answers, the request counter is the whole server's, and the engine's cache is told."""
+    assert len(children) == 3  # two fronts and the engine
+    commands = [Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") for pid in children]
+    fronts = [c for c in commands if b"--listen-fd" in c]
+    assert len(fronts) == 2 and sum(b"--disable-log-stats" in c for c in fronts) == 1  # one logs
+    assert all(metric_total(base, "vllm:request_success_total") == 32 for _ in range(4))
+    assert all(metric_by_engine(base, "vllm:cache_config_info") == {"0": 1.0} for _ in range(4))
 
 
 def test_a_headless_engine_joins_the_server_over_tcp():
