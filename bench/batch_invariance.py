@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.packed import cpu_name  # noqa: E402
 from bench.spec_decode import run as run_at_once  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.core.device_thread import DeviceThread  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.models.loader import load_model, resolve_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -41,7 +42,7 @@ def main() -> None:
     config = EngineConfig(backend="cpu", max_num_seqs=max(streams), enable_prefix_caching=False)
     cores = {}
     for name, invariant in (("default", False), ("invariant", True)):
-        model = load_model(resolve_model(None), "auto", torch.float32, "cpu", 0)
+        model = DeviceThread.shared().run_sync(load_model, resolve_model(None), "auto", torch.float32, "cpu", 0)
         cores[name] = EngineCore(attrs.evolve(config, batch_invariant=invariant), model=model)
     rng = random.Random(0)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.packed import cpu_name  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.core.device_thread import DeviceThread  # noqa: E402
 from engine.core.engine_core import EngineCore  # noqa: E402
 from engine.models.loader import load_model, resolve_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -174,7 +175,7 @@ def main() -> None:
                              "the two runs' texts equal, see the module docstring)")
     args = parser.parse_args()
     print(f"CPU: {cpu_name()}, torch threads {torch.get_num_threads()}")
-    model = load_model(resolve_model(None), "auto", torch.float32, "cpu", 0)
+    model = DeviceThread.shared().run_sync(load_model, resolve_model(None), "auto", torch.float32, "cpu", 0)
     config = EngineConfig(backend="cpu", dtype="float32", max_num_seqs=max(args.streams, 1), enable_prefix_caching=False,
                           kv_cache_dtype=args.kv_cache_dtype)
     tokenizer = tokenizer_for(config)

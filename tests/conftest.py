@@ -23,6 +23,13 @@ os.environ.setdefault("QM_PACKED_MAX_ROWS", "1024")
 import attrs
 import pytest
 
+from engine.core.device_thread import serial_openmp_here
+
+# The tests' own torch work (references, oracles) stays on the main thread, so that it opens no
+# OpenMP pool beside the engine's device thread's: with two, every engine step on this 2-core
+# machine took ~2x as long (engine/core/device_thread.py).
+serial_openmp_here()
+
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import default_model_path, dummy_weights
 

@@ -3,7 +3,11 @@ thread per process, so OpenMP keeps one worker pool (engine/core/device_thread.p
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import trio
@@ -74,3 +78,29 @@ def test_every_engine_in_the_process_loads_and_steps_on_the_one_device_thread(ti
     while first.has_unfinished_requests:
         first.step()
     assert seen == {device.run_sync(threading.current_thread)}
+
+
+_POOL_PROBE = """
+import os, sys, torch
+from engine.core.device_thread import DeviceThread, serial_openmp_here
+if sys.argv[1] == "serial":
+    assert serial_openmp_here()
+threads = len(os.listdir("/proc/self/task"))
+torch.randn(1024, 1024) @ torch.randn(1024, 1024)  # a parallel kernel on the main thread
+print(len(os.listdir("/proc/self/task")) - threads, DeviceThread.shared().run_sync(torch.get_num_threads))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2,
+                    reason="needs Linux's /proc and two cores (one core opens no OpenMP pool)")
+@pytest.mark.parametrize("mode", ["serial", "default"])
+def test_serial_openmp_here_keeps_the_calling_threads_torch_work_from_opening_a_pool(mode):
+    """A fresh process (the suite's main thread is serial already): after serial_openmp_here()
+    a parallel torch kernel on the main thread starts no worker thread, while the device thread
+    keeps every core; without it, the same kernel opens a pool (what the helper prevents)."""
+    done = subprocess.run([sys.executable, "-c", _POOL_PROBE, mode], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"}, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    new_threads, device_threads = map(int, done.stdout.split())
+    assert device_threads == 2
+    assert (new_threads == 0) == (mode == "serial"), done.stdout

@@ -12,10 +12,18 @@ two), four. One device thread for the process keeps one pool; engines in one pro
 turns on it, as they would take turns on the cores anyway. (A kernel that hangs holds up
 every engine of the process: the watchdog declares its engine dead, and the process should
 be restarted.)
+
+A program that embeds the engine opens pools of its own when it runs torch's CPU work on its
+threads (one ``torch.randn(2000, 2000) @ ...`` on the main thread is enough), and the engine's
+steps pay for it: a batch-1 decode of the default model 7.5-11 -> 17-24 ms on a 2-core AMD EPYC
+(Zen 3), the same on any machine once the pools' threads outnumber its cores. ``serial_openmp_here()``
+keeps a thread's own torch work on that thread, so that it opens no pool (the test suite's main
+thread; bench/ loads models on the device thread instead).
 """
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 from collections.abc import Callable
@@ -54,6 +62,20 @@ class _Job:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def serial_openmp_here() -> bool:
+    """Run the calling thread's OpenMP work (torch's CPU kernels on it) on this thread alone, so
+    that it keeps no pool of worker threads beside the device thread's (see the module docstring).
+    Other threads keep their own setting; the device thread's stays as it was. (Not
+    ``torch.set_num_threads(1)``: torch hands that number to every thread that has not yet run
+    a parallel kernel, the device thread included.) False where torch runs no GNU OpenMP."""
+    try:
+        libgomp = ctypes.CDLL("libgomp.so.1")  # (by its soname: the copy torch loaded, if it did)
+    except OSError:
+        return False
+    libgomp.omp_set_num_threads(1)
+    return True
 
 
 def _serve(jobs: queue.SimpleQueue) -> None:
