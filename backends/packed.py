@@ -41,7 +41,7 @@ DENSE_TYPES = {torch.float32: 0, torch.bfloat16: 30}
 def library():
     cap = os.environ.get(ISA_CAP_VARIABLE)
     if cap is not None and cap not in (*list(ISAS)[1:], "avx2+fma"):
-        raise ValueError(f"{ISA_CAP_VARIABLE}={cap!r}: expected one of {', '.join(list(ISAS)[1:])}")
+        raise native.BackendUnavailableError(f"{ISA_CAP_VARIABLE}={cap!r}: expected one of {', '.join(list(ISAS)[1:])}")
     lib = native.load_library("qm_cpu", "cpu", HEADER, "packed-weight kernels")
     try:
         lib.qm_linear_rows  # (the newest function: a library built before it is stale)

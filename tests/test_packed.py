@@ -206,6 +206,7 @@ def test_qm_cpu_isa_caps_the_path_and_an_unknown_one_is_a_clear_error():
     assert isa_with("avx512+vnni+bf16").stdout.strip() == packed.isa()
     unknown = isa_with("sse9")
     assert unknown.returncode != 0 and "QM_CPU_ISA='sse9': expected one of" in unknown.stderr
+    assert "BackendUnavailableError" in unknown.stderr  # (what the server says in one line, not a traceback)
 
 
 def test_a_path_the_cpu_does_not_run_or_an_unknown_one_is_refused():
@@ -267,6 +268,10 @@ def test_the_kernels_row_crossover_is_measured_once_or_set(monkeypatch):
         linear_module.packed_max_rows.cache_clear()
         monkeypatch.setenv("QM_PACKED_MAX_ROWS", "96")
         assert linear_module.packed_max_rows() == 96
+        linear_module.packed_max_rows.cache_clear()
+        monkeypatch.setenv("QM_PACKED_MAX_ROWS", "abc")  # a start-up error naming it, not a traceback
+        with pytest.raises(ConfigError, match="QM_PACKED_MAX_ROWS='abc': expected a number of rows"):
+            linear_module.packed_max_rows()
     finally:
         linear_module.packed_max_rows.cache_clear()
 

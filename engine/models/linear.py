@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from backends import packed as packed_kernels
+from engine.errors import ConfigError
 
 # Up to a crossover in rows of x, the packed kernel (each block read once for every row) beats
 # dequantizing the weight and a GEMM; above it, the weight is dequantized a tile of rows at a
@@ -283,7 +284,11 @@ def packed_max_rows() -> int:
     0.3 s). ``QM_PACKED_MAX_ROWS`` in the environment sets it instead."""
     override = os.environ.get("QM_PACKED_MAX_ROWS")
     if override:
-        return max(1, int(override))
+        try:
+            return max(1, int(override))
+        except ValueError:
+            raise ConfigError("QM_PACKED_MAX_ROWS", f"QM_PACKED_MAX_ROWS={override!r}: expected a number of rows "
+                                                    "(the most a packed kernel multiplies before dequantize + GEMM)") from None
     out_features, in_features = 1536, 576
     generator = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (out_features, packed_kernels.row_bytes("Q4_1", in_features)), dtype=torch.uint8,
