@@ -11,9 +11,11 @@ import signal
 import sys
 from pathlib import Path
 
+import jinja2
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from api.app import Limits, ServerState, create_app
 from api.cli import build_parser, engine_config
@@ -175,19 +177,32 @@ def server_state(args: argparse.Namespace, model_name: str) -> ServerState:
 
 def chat_template(value: str | None) -> str | None:
     """``--chat-template``: the file it names, else (vLLM's rule) the template itself where the
-    value holds {, } or a newline (a typed \\n read as one).
+    value holds {, } or a newline (a typed \\n read as one); compiled here as each chat request
+    compiles it, so that a broken one stops the server at start, not every chat with a 400.
 
     Raises:
-        OSError: no such file, and no template either.
+        ConfigError: no such file (and no template either), a file that is no UTF-8 text, or a
+            template Jinja cannot compile (its line said).
     """
     if value is None:
         return None
     try:
-        return Path(value).read_text()
-    except OSError:
+        template = Path(value).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("chat_template", f"--chat-template {value}: not UTF-8 text ({exc.reason} at byte "
+                                           f"{exc.start})") from None
+    except OSError as exc:
         if not any(c in value for c in "{}\n"):
-            raise
-    return codecs.decode(value, "unicode_escape")
+            raise ConfigError("chat_template", f"--chat-template {value}: {exc.strerror or exc} (neither a readable "
+                                               "file nor a template: a template holds {, } or a newline)") from None
+        template = codecs.decode(value, "unicode_escape")
+    try:
+        # (transformers' own compiler, cached by text: the one render_chat_template's requests use)
+        _compile_jinja_template(template)
+    except jinja2.TemplateError as exc:
+        where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        raise ConfigError("chat_template", f"--chat-template does not compile: {exc.message}{where}") from None
+    return template
 
 
 def allowed_origins(value: str) -> tuple[str, ...]:

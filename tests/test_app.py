@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from api.app import Limits, ServerState, _Handlers, create_app
-from engine.errors import InvalidParameterError
+from engine.errors import ConfigError, InvalidParameterError
 from engine.sampling_params import SamplingParams
 from tests.conftest import fail_logits_processing, serve_http, tiny_engine_core, until
 
@@ -1063,8 +1063,14 @@ def test_a_vllm_serve_command_line_reads_as_vllm_reads_it(monkeypatch, tmp_path,
     (tmp_path / "{dir}").mkdir()
     (tmp_path / "{dir}" / "t.jinja").write_text("{{ messages }}")
     assert chat_template(str(tmp_path / "{dir}" / "t.jinja")) == "{{ messages }}"  # (a file first, braces or not)
-    with pytest.raises(OSError):
-        chat_template(str(tmp_path / "missing.jinja"))
+    for wrong, said in ((str(tmp_path / "missing.jinja"), "missing.jinja: No such file or directory"),
+                        (str(tmp_path), "Is a directory"),
+                        ("{% for m in messages %}{{ m }", "does not compile: unexpected '}' (line 1)")):
+        with pytest.raises(ConfigError, match=re.escape(said)):  # (at start: the server exits 2, one line)
+            chat_template(wrong)
+    (tmp_path / "latin1.jinja").write_bytes("{{ 'café' }}".encode("latin-1"))
+    with pytest.raises(ConfigError, match="latin1.jinja: not UTF-8 text"):
+        chat_template(str(tmp_path / "latin1.jinja"))
     kept = build_parser().parse_args(["--chat-template", "--- a_b {{ x_y }}", "--default_chat_template_kwargs", "{}"])
     assert kept.chat_template == "--- a_b {{ x_y }}"  # (a value is not an option's name)
     with pytest.raises(SystemExit):  # (the model last, after a flag of several values)
