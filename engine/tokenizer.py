@@ -13,7 +13,7 @@ from pathlib import Path
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.errors import InvalidParameterError
+from engine.errors import ConfigError, InvalidParameterError
 from engine.models.loader import ModelSource, cache_dir
 
 log = logging.getLogger(__name__)
@@ -25,6 +25,24 @@ def _gguf_cache_key(path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
+# The files a Hugging Face model directory keeps its tokenizer in (one is enough).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _from_directory(path: Path, param: str):
+    """The tokenizer files of a model directory (transformers' own error, first line, when there
+    are none it can read)."""
+    from transformers import AutoTokenizer
+
+    if path.is_dir() and not any((path / name).exists() for name in _TOKENIZER_FILES):
+        raise ConfigError(param, f"{param} {str(path)!r}: no tokenizer files there ({', '.join(_TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(param, f"{param} {str(path)!r}: no tokenizer read there ({reason})") from None
+
+
 def tokenizer_for(config) -> Any:
     """The tokenizer an ``EngineConfig`` names: its ``tokenizer``, else its model's."""
     from engine.models.loader import resolve_model
@@ -33,15 +51,24 @@ def tokenizer_for(config) -> Any:
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
-    """A transformers tokenizer for ``source`` (or for the explicit ``tokenizer`` path)."""
+    """A transformers tokenizer for ``source`` (or for the explicit ``tokenizer`` path), read
+    from local files only.
+
+    Raises:
+        ConfigError: naming ``tokenizer``, for a path that does not exist or holds no tokenizer.
+    """
+    if tokenizer is not None:
+        path = Path(tokenizer).expanduser()
+        if not path.exists():
+            raise ConfigError("tokenizer", f"tokenizer {tokenizer!r} not found: give a model directory or a .gguf "
+                                           "file (this server does not download from a hub)")
+        if tokenizer.endswith(".gguf"):  # a GGUF file's vocabulary, built and cached as the model's is
+            return load_tokenizer(ModelSource(path, path.stem))
+        return _from_directory(path, "tokenizer")
+    if not source.is_gguf:
+        return _from_directory(source.path, "model")
     from transformers import AutoTokenizer
 
-    if tokenizer is not None:
-        if tokenizer.endswith(".gguf"):  # a GGUF file's vocabulary, built and cached as the model's is
-            return load_tokenizer(ModelSource(Path(tokenizer), Path(tokenizer).stem))
-        return AutoTokenizer.from_pretrained(tokenizer)
-    if not source.is_gguf:
-        return AutoTokenizer.from_pretrained(source.path)
     cached = cache_dir() / "tokenizers" / _gguf_cache_key(source.path)
     if (cached / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(cached)

@@ -265,3 +265,21 @@ async def test_a_parked_stream_that_fails_raises_rather_than_reading_the_tokens_
         channel.notify()
         channel.fail(RuntimeError("boom"))
     assert read == []
+
+
+def test_a_tokenizer_path_that_is_not_there_or_holds_none_is_a_config_error_naming_it(tmp_path):
+    """Local files only: a name that is no path (a hub id) is not fetched, and a directory with no
+    tokenizer files says so, in the one line the server exits with."""
+    from engine.errors import ConfigError
+    from engine.models.loader import resolve_model
+    from engine.tokenizer import load_tokenizer
+
+    source = resolve_model(None)
+    for wrong, said in (("someorg/somemodel", "not found"), (str(tmp_path / "t.gguf"), "not found"),
+                        (str(tmp_path), "no tokenizer files there")):
+        with pytest.raises(ConfigError, match=said) as error:
+            load_tokenizer(source, wrong)
+        assert error.value.param == "tokenizer"
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="no tokenizer read there"):
+        load_tokenizer(source, str(tmp_path))
