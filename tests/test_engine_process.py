@@ -327,3 +327,20 @@ async def test_speculative_decoding_in_engine_processes_gives_the_tokens_of_one_
         assert tokens == plain, layout
         assert largest_delta > 1 and stats.spec_num_accepted_tokens > 0 and stats.kv_blocks_used == 0
         assert sum(stats.spec_accepted_per_pos) == stats.spec_num_accepted_tokens
+
+
+def test_a_configuration_error_in_the_engine_process_is_one_line_and_exit_2():
+    """A mistake the engine process finds while it starts (here an environment variable the
+    packed kernels read at load) reaches the server as the one line a flag mistake gets: no
+    traceback from either process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "engine.api", "--engine-process", "--port", "0"],
+                          capture_output=True, text=True, timeout=180, cwd=Path(__file__).resolve().parent.parent,
+                          env={**os.environ, "QM_PACKED_MAX_ROWS": "abc"})
+    said = "QM_PACKED_MAX_ROWS='abc': expected a number of rows"
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(f"error: {said}")
+    assert "Traceback" not in done.stderr and f"the engine could not start: {said}" in done.stderr

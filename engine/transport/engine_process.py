@@ -30,7 +30,7 @@ import trio
 from engine.config import EngineConfig
 from engine.core.core_actor import STEP_QUEUE_SIZE, CoreActor
 from engine.core.engine_core import EngineCore
-from engine.errors import InvalidParameterError, RequestFailedError
+from engine.errors import BackendUnavailableError, InvalidParameterError, RequestFailedError
 from engine.messages import AbortRequest, AddRequest, RequestRejected, StopRequest
 from engine.models.loader import resolve_model
 from engine.transport.protocol import CODEC, HEARTBEAT_S, EngineFailed, EngineReady, Heartbeat, RequestOwners
@@ -50,7 +50,10 @@ async def serve(fds: list[int], config: EngineConfig) -> int:
         try:
             core = await trio.to_thread.run_sync(EngineCore, config)
         except Exception as exc:
-            log.exception("the engine could not start")
+            if isinstance(exc, (InvalidParameterError, BackendUnavailableError)):  # (the front says it in one line)
+                log.error("the engine could not start: %s", exc)
+            else:
+                log.exception("the engine could not start")
             for send, _ in links:
                 await _send_last(send, EngineFailed(exc))
             return 1
