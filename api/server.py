@@ -166,7 +166,8 @@ def server_state(args: argparse.Namespace, model_name: str) -> ServerState:
     limits = Limits(body_timeout=args.request_body_timeout, request_timeout=args.request_timeout,
                     max_prompts_per_request=args.max_prompts_per_request)
     names = args.served_model_name or [args.model or model_name]  # (vLLM's: the --model given, as given)
-    return ServerState(names[0], other_model_names=tuple(names[1:]), api_key=tuple(args.api_key or ()) or None,
+    # (an empty --api-key is none, as vLLM reads it and as an empty $VLLM_API_KEY is)
+    return ServerState(names[0], other_model_names=tuple(names[1:]), api_key=tuple(key for key in args.api_key or () if key) or None,
                        allowed_origins=allowed_origins(args.allowed_origins),
                        chat_template=chat_template(args.chat_template),
                        reasoning_parser=reasoning_parser(args.reasoning_parser),

@@ -1043,7 +1043,7 @@ def test_a_vllm_serve_command_line_reads_as_vllm_reads_it(monkeypatch, tmp_path,
     """What ports of `vllm serve` command lines and manifests pass: the model as the first
     argument, underscore spellings, several API keys or $VLLM_API_KEY, CORS origins as a JSON
     list, an inline chat template, and flags that change nothing here."""
-    from api.server import allowed_origins, build_parser, chat_template
+    from api.server import allowed_origins, build_parser, chat_template, server_state
 
     args = build_parser().parse_args(["/models/m.gguf", "--max_model_len=2048", "--max_num_seqs", "4",
                                       "--api-key", "a", "b", "--trust-remote-code", "--disable-log-requests"])
@@ -1055,6 +1055,8 @@ def test_a_vllm_serve_command_line_reads_as_vllm_reads_it(monkeypatch, tmp_path,
     monkeypatch.setenv("VLLM_API_KEY", "from-env")  # (a Kubernetes secret is often given so)
     assert build_parser().parse_args([]).api_key == ["from-env"]
     assert build_parser().parse_args(["--api-key", "given"]).api_key == ["given"]
+    assert server_state(build_parser().parse_args(["--api-key", ""]), "m").api_key is None  # (vLLM: no key)
+    assert server_state(build_parser().parse_args(["--api-key", "", "k"]), "m").api_key == ("k",)
     assert allowed_origins('["http://a.example", "*"]') == ("http://a.example", "*") == allowed_origins("http://a.example,*")
     with pytest.raises(InvalidParameterError):
         allowed_origins('["unclosed"')
