@@ -660,6 +660,34 @@ def _headless_engine_joins(port: int) -> None:
         headless.kill()
 
 
+
+def test_a_headless_node_with_no_front_stops_on_sigint_or_says_so_in_one_line():
+    """Waiting for its front, a --headless node stops on SIGINT at once and cleanly, and when no
+    front ever answers it ends with one line naming the address (not a traceback)."""
+    import trio
+
+    from engine.config import EngineConfig
+    from engine.errors import ConfigError
+    from engine.transport.processes import run_headless
+
+    port = free_port()  # (nobody listens there)
+    headless = subprocess.Popen([sys.executable, "-m", "engine.api", "--headless", "--backend", "torch",
+                                 "--data-parallel-size", "2", "--data-parallel-size-local", "1",
+                                 "--data-parallel-rpc-port", str(port)], stderr=subprocess.PIPE, text=True,
+                                cwd=os.path.dirname(os.path.dirname(__file__)))
+    try:
+        time.sleep(8)  # (imports, then the first tries to connect)
+        headless.send_signal(signal.SIGINT)
+        assert headless.wait(timeout=30) == 0
+        assert "Traceback" not in headless.stderr.read()
+    finally:
+        headless.kill()
+    config = EngineConfig(backend="torch", data_parallel_size=2, data_parallel_size_local=1,
+                          data_parallel_rpc_port=port)
+    with pytest.raises(ConfigError, match=f"no API server took this node's engines at 127.0.0.1:{port} within 1 s"):
+        trio.run(run_headless, config, 1.0)
+
+
 # ---- the server's life cycle, in this process (faults are injected) ----
 
 def server_args(*flags: str):

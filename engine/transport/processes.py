@@ -187,27 +187,37 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
     ``data_parallel_address:data_parallel_rpc_port`` over TCP. Returns once they have all
     exited (when the front ends their links, or dies): 0 if every one exited cleanly.
 
-    SIGTERM / SIGINT stop the engines (the front sees them die)."""
+    SIGTERM / SIGINT stop the engines (the front sees them die), or the wait for the front.
+
+    Raises:
+        ConfigError: no front took the engines within ``connect_timeout`` seconds."""
     local = config.data_parallel_size if config.data_parallel_size_local is None else config.data_parallel_size_local
     if local < 1:
         raise ConfigError("data_parallel_size_local", "--headless needs at least one local engine")
     address, port = config.data_parallel_address, config.data_parallel_rpc_port
-    processes = []
+    processes: list = []
     shares = device_shares(config, local)
+    connecting = trio.CancelScope()
+
+    def stop(sig: signal.Signals) -> None:
+        log.info("received %s: stopping the engines", sig.name)
+        connecting.cancel()  # (a node still waiting for its front stops waiting)
+        for process in processes:
+            if process.returncode is None:
+                process.terminate()
+
+    unanswered = False
     try:
-        for share in shares:
-            with trio.fail_after(connect_timeout):
-                while True:  # the front may not be listening yet
-                    try:
-                        stream = await trio.open_tcp_stream(address, port)
-                        break
-                    except OSError:
-                        await trio.sleep(0.5)
-            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            processes.append(await _start_engine(config, [socket.socket(fileno=stream.socket.detach())], share))
-            log.info("engine process %d joining %s:%d", processes[-1].pid, address, port)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signals, processes)
+            nursery.start_soon(on_stop_signals, stop)
+            with connecting:
+                for share in shares:
+                    stream = await _connect(address, port, connect_timeout)
+                    if stream is None:
+                        unanswered = True
+                        break
+                    processes.append(await _start_engine(config, [socket.socket(fileno=stream.socket.detach())], share))
+                    log.info("engine process %d joining %s:%d", processes[-1].pid, address, port)
             for process in processes:
                 await process.wait()
             nursery.cancel_scope.cancel()
@@ -215,17 +225,26 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
         with trio.CancelScope(shield=True):
             for process in processes:
                 await reap(process, EXIT_TIMEOUT)
+    if unanswered:
+        raise ConfigError("data_parallel_address", f"no API server took this node's engines at {address}:{port} "
+                                                   f"within {connect_timeout:.0f} s (--data-parallel-address, "
+                                                   "--data-parallel-rpc-port)")
     return 0 if all(p.returncode == 0 for p in processes) else 1
 
 
-async def _stop_on_signals(processes) -> None:
-    def stop(sig: signal.Signals) -> None:
-        log.info("received %s: stopping the engines", sig.name)
-        for process in processes:
-            if process.returncode is None:
-                process.terminate()
-
-    await on_stop_signals(stop)
+async def _connect(address: str, port: int, timeout: float) -> trio.SocketStream | None:
+    """A TCP link to the front, which may not be listening yet: tried every half second; None
+    when none is made within ``timeout``."""
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                stream = await trio.open_tcp_stream(address, port)
+            except OSError:
+                await trio.sleep(0.5)
+                continue
+            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return stream
+    return None
 
 
 async def _drain(receive) -> None:
