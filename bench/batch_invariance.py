@@ -54,8 +54,8 @@ def main() -> None:
             order = list(cores) if round_ % 2 == 0 else list(cores)[::-1]  # alternated
             rates = {}
             for name in order:
-                tokens, seconds = run_at_once(cores[name], prompts, params, True)
-                rates[name] = tokens / seconds
+                result = run_at_once(cores[name], prompts, params, True)
+                rates[name] = result.tokens / result.seconds
             print(f"{n:3d} streams, round {round_ + 1}: default {rates['default']:7.1f}, invariant "
                   f"{rates['invariant']:7.1f} output tok/s: invariant / default = "
                   f"{rates['invariant'] / rates['default']:.2f}x", flush=True)
