@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.api import LLM, SamplingParams  # noqa: E402
+from engine.core.device_thread import DeviceThread  # noqa: E402
 from engine.models.loader import default_model_path, read_config, resolve_model  # noqa: E402
 
 
@@ -62,7 +63,8 @@ def roofline(model, prompt_tokens: int, generated_tokens: int, elapsed: float) -
     # Every computed token goes through the layers; only sampled positions through the LM head.
     flops = 2 * (layer_weights * (prompt_tokens + generated_tokens) + numel(model.lm_head) * generated_tokens)
     achieved = flops / elapsed / 1e9
-    peak = matmul_gflops(model.config.hidden_size, model.layers[0].gate_up_proj.out_features, model.dtype)
+    peak = DeviceThread.shared().run_sync(matmul_gflops, model.config.hidden_size,
+                                          model.layers[0].gate_up_proj.out_features, model.dtype)
     print(f"engine: {achieved:.1f} GFLOP/s in its matrix products ({prompt_tokens} prompt + {generated_tokens} "
           f"generated tokens), {achieved / peak:.0%} of this CPU's {peak:.1f} GFLOP/s for a 1024-row "
           f"{model.dtype} product of the model's shape (measured now)")
@@ -127,7 +129,10 @@ def main() -> None:
     print(f"engine throughput: {output_tokens / engine_s:.1f} output tokens/s")
     if args.skip_transformers:
         return
-    hf_s = run_transformers(args, workload)
+    # (on the engine's device thread too: torch work on this thread would open a second OpenMP
+    # pool beside the engine's idle one, and every parallel region would then wait for a
+    # sleeping worker; engine/core/device_thread.py)
+    hf_s = DeviceThread.shared().run_sync(run_transformers, args, workload)
     print(f"transformers throughput: {output_tokens / hf_s:.1f} output tokens/s")
     print(f"ratio engine / transformers: {hf_s / engine_s:.2f}x")
 
