@@ -15,7 +15,6 @@ import jinja2
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
-from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from api.app import Limits, ServerState, create_app
 from api.cli import build_parser, engine_config
@@ -197,8 +196,11 @@ def chat_template(value: str | None) -> str | None:
             raise ConfigError("chat_template", f"--chat-template {value}: {exc.strerror or exc} (neither a readable "
                                                "file nor a template: a template holds {, } or a newline)") from None
         template = codecs.decode(value, "unicode_escape")
+    try:  # (transformers' own compiler, cached by text: the one render_chat_template's requests use)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # (a transformers without it: the first chat request says what is wrong)
+        return template
     try:
-        # (transformers' own compiler, cached by text: the one render_chat_template's requests use)
         _compile_jinja_template(template)
     except jinja2.TemplateError as exc:
         where = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""

@@ -25,21 +25,26 @@ def _gguf_cache_key(path: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 
-# The files a Hugging Face model directory keeps its tokenizer in (one is enough).
+# The files a Hugging Face model directory usually keeps its tokenizer in (for the message when
+# transformers reads none).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def _from_directory(path: Path, param: str):
-    """The tokenizer files of a model directory (transformers' own error, first line, when there
-    are none it can read)."""
+    """The tokenizer of a model directory, as transformers reads it (local files only).
+
+    Raises:
+        ConfigError: naming ``param``, with transformers' reason (its first line), when it reads none.
+    """
     from transformers import AutoTokenizer
 
-    if path.is_dir() and not any((path / name).exists() for name in _TOKENIZER_FILES):
-        raise ConfigError(param, f"{param} {str(path)!r}: no tokenizer files there ({', '.join(_TOKENIZER_FILES)})")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    except Exception as exc:  # (OSError, ValueError, and the tokenizers library's own for a corrupt file)
+        if path.is_dir() and not any((path / name).exists() for name in _TOKENIZER_FILES):
+            reason = f"no tokenizer files there: {', '.join(_TOKENIZER_FILES)}"
+        else:
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(param, f"{param} {str(path)!r}: no tokenizer read there ({reason})") from None
 
 

@@ -30,6 +30,14 @@ from engine.core.device_thread import serial_openmp_here
 # machine took ~2x as long (engine/core/device_thread.py).
 serial_openmp_here()
 
+
+def on_every_core(fn, *args):
+    """``fn(*args)`` where native kernels get every core (the device thread), for the tests of how
+    they split work across threads (on the main thread they now run on one)."""
+    from engine.core.device_thread import DeviceThread
+
+    return DeviceThread.shared().run_sync(fn, *args)
+
 from engine.models.llama import LlamaConfig, LlamaModel
 from engine.models.loader import default_model_path, dummy_weights
 

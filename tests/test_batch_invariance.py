@@ -22,7 +22,7 @@ from engine.core.engine_core import EngineCore
 from engine.errors import ConfigError
 from engine.models.linear import quantize_q8_m
 from engine.sampling_params import SamplingParams
-from tests.conftest import run_prompts, serve_http
+from tests.conftest import on_every_core, run_prompts, serve_http
 
 ROWS = (1, 2, 5, 7, 8, 15, 16, 33, 64, 130)  # every tile and panel boundary of the packed kernels
 
@@ -115,9 +115,10 @@ def test_an_attention_row_is_the_same_alone_in_a_batch_and_in_a_prompt(backend_n
     queries = torch.randn(11, heads, 64, generator=gen) * 3  # (peaked attention: every key matters)
     others = [(torch.randn(n, heads, 64, generator=gen), *torch.randn(2, c, 3, 64, generator=gen).unbind(0))
               for n, c in [(1, 40), (1, 900), (5, 300), (1, 17)] * 3]
-    alone = attend(backend, [(queries[10:], keys, values)])[0]
-    among = attend(backend, [*others, (queries[10:], keys, values)])[-1]
-    in_prompt = attend(backend, [(queries, keys, values), *others[:2]])[0][10:]
+    # (on every core: a lone decode row's keys are split across the threads unless invariant)
+    alone = on_every_core(attend, backend, [(queries[10:], keys, values)])[0]
+    among = on_every_core(attend, backend, [*others, (queries[10:], keys, values)])[-1]
+    in_prompt = on_every_core(attend, backend, [(queries, keys, values), *others[:2]])[0][10:]
     assert torch.equal(among, alone) and torch.equal(in_prompt, alone)
 
 

@@ -276,10 +276,14 @@ def test_a_tokenizer_path_that_is_not_there_or_holds_none_is_a_config_error_nami
 
     source = resolve_model(None)
     for wrong, said in (("someorg/somemodel", "not found"), (str(tmp_path / "t.gguf"), "not found"),
-                        (str(tmp_path), "no tokenizer files there")):
+                        (str(tmp_path), "no tokenizer read there \\(no tokenizer files there")):
         with pytest.raises(ConfigError, match=said) as error:
             load_tokenizer(source, wrong)
         assert error.value.param == "tokenizer"
     (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="no tokenizer read there"):
+        load_tokenizer(source, str(tmp_path))
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "tokenizer.json").write_text('{"model": 1}')  # (the tokenizers library's own exception)
     with pytest.raises(ConfigError, match="no tokenizer read there"):
         load_tokenizer(source, str(tmp_path))

@@ -9,6 +9,7 @@ from backends import native
 from backends.cpu import CpuAttentionBackend
 from backends.layer_ops import TORCH_LAYER_OPS, Rope
 from backends.reference import TorchAttentionBackend
+from tests.conftest import on_every_core
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def test_rms_norm_matches_torch(cpu, rows, hidden, with_residual):
     residual = torch.randn(rows, hidden, generator=gen) if with_residual else None
     weight = torch.randn(hidden, generator=gen)
     want, want_residual = TORCH_LAYER_OPS.add_rms_norm(x, None if residual is None else residual.clone(), weight, 1e-5)
-    got, got_residual = cpu.layer_ops.add_rms_norm(x, residual, weight, 1e-5)
+    got, got_residual = on_every_core(cpu.layer_ops.add_rms_norm, x, residual, weight, 1e-5)
     # The residual sum is one rounding either way; the norm sums its squares in another order.
     assert torch.equal(got_residual, want_residual)
     torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)

@@ -16,7 +16,7 @@ be restarted.)
 A program that embeds the engine opens pools of its own when it runs torch's CPU work on its
 threads (one ``torch.randn(2000, 2000) @ ...`` on the main thread is enough), and the engine's
 steps pay for it: a batch-1 decode of the default model 7.5-11 -> 17-24 ms on a 2-core AMD EPYC
-(Zen 3), the same on any machine once the pools' threads outnumber its cores. ``serial_openmp_here()``
+(Zen 3); expected wherever the pools' threads outnumber the cores. ``serial_openmp_here()``
 keeps a thread's own torch work on that thread, so that it opens no pool (the test suite's main
 thread; bench/ loads models on the device thread instead).
 """
@@ -24,6 +24,7 @@ thread; bench/ loads models on the device thread instead).
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -70,8 +71,10 @@ def serial_openmp_here() -> bool:
     Other threads keep their own setting; the device thread's stays as it was. (Not
     ``torch.set_num_threads(1)``: torch hands that number to every thread that has not yet run
     a parallel kernel, the device thread included.) False where torch runs no GNU OpenMP."""
-    try:
-        libgomp = ctypes.CDLL("libgomp.so.1")  # (by its soname: the copy torch loaded, if it did)
+    import torch  # noqa: F401  (its OpenMP runtime loaded first: the one to set)
+
+    try:  # (the copy already loaded under that name, torch's; none is loaded anew)
+        libgomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)
     except OSError:
         return False
     libgomp.omp_set_num_threads(1)

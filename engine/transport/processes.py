@@ -209,7 +209,8 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
     unanswered = False
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(on_stop_signals, stop)
+            await nursery.start(on_stop_signals, stop)
+            log.info("waiting for the API server at %s:%d", address, port)
             with connecting:
                 for share in shares:
                     stream = await _connect(address, port, connect_timeout)
@@ -218,6 +219,10 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
                         break
                     processes.append(await _start_engine(config, [socket.socket(fileno=stream.socket.detach())], share))
                     log.info("engine process %d joining %s:%d", processes[-1].pid, address, port)
+            if unanswered or connecting.cancel_called:  # (engines already started do not serve alone, and
+                for process in processes:  # one started while a signal came is stopped here)
+                    if process.returncode is None:
+                        process.terminate()
             for process in processes:
                 await process.wait()
             nursery.cancel_scope.cancel()
