@@ -166,7 +166,8 @@ def server_state(args: argparse.Namespace, model_name: str) -> ServerState:
                     max_prompts_per_request=args.max_prompts_per_request)
     names = args.served_model_name or [args.model or model_name]  # (vLLM's: the --model given, as given)
     # (an empty --api-key is none, as vLLM reads it and as an empty $VLLM_API_KEY is)
-    return ServerState(names[0], other_model_names=tuple(names[1:]), api_key=tuple(key for key in args.api_key or () if key) or None,
+    api_key = tuple(key for key in args.api_key or () if key) or None
+    return ServerState(names[0], other_model_names=tuple(names[1:]), api_key=api_key,
                        allowed_origins=allowed_origins(args.allowed_origins),
                        chat_template=chat_template(args.chat_template),
                        reasoning_parser=reasoning_parser(args.reasoning_parser),

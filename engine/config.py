@@ -161,9 +161,10 @@ class EngineConfig:
             streams carries at most max(16 - D, ratio x D, backlog / 64) prefill tokens (a prompt
             longer than that in equal chunks), where the backlog is every prompt token still to
             compute (the last term keeps a queue of long prompts from waiting for ever). Its steps
-            stay within about 1 + ratio times a decode-only step. The ratio in force rises to 1.2 times the workload's prompt tokens
-            per output token where that is more (long prompts, short answers: otherwise the batch
-            shrinks and prompts queue; ``Scheduler.prefill_per_decode``). None: off; the server sets
+            stay within about 1 + ratio times a decode-only step. The ratio in force rises to 1.2
+            times the workload's prompt tokens per output token where that is more (long prompts,
+            short answers: otherwise the batch shrinks and prompts queue;
+            ``Scheduler.prefill_per_decode``). None: off; the server sets
             ``SERVING_CPU_MIXED_PREFILL_PER_DECODE`` on CPU (where a step costs about its
             number of tokens) unless a fixed cap is given. With both, the smaller applies.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.

@@ -287,8 +287,9 @@ def packed_max_rows() -> int:
         try:
             return max(1, int(override))
         except ValueError:
-            raise ConfigError("QM_PACKED_MAX_ROWS", f"QM_PACKED_MAX_ROWS={override!r}: expected a number of rows "
-                                                    "(the most a packed kernel multiplies before dequantize + GEMM)") from None
+            why = f"QM_PACKED_MAX_ROWS={override!r}: expected a number of rows (the most a packed kernel multiplies " \
+                  "before dequantize + GEMM)"
+            raise ConfigError("QM_PACKED_MAX_ROWS", why) from None
     out_features, in_features = 1536, 576
     generator = torch.Generator().manual_seed(0)
     data = torch.randint(0, 256, (out_features, packed_kernels.row_bytes("Q4_1", in_features)), dtype=torch.uint8,

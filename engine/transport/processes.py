@@ -199,12 +199,15 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
     shares = device_shares(config, local)
     connecting = trio.CancelScope()
 
-    def stop(sig: signal.Signals) -> None:
-        log.info("received %s: stopping the engines", sig.name)
-        connecting.cancel()  # (a node still waiting for its front stops waiting)
+    def stop_engines() -> None:
         for process in processes:
             if process.returncode is None:
                 process.terminate()
+
+    def stop(sig: signal.Signals) -> None:
+        log.info("received %s: stopping the engines", sig.name)
+        connecting.cancel()  # (a node still waiting for its front stops waiting)
+        stop_engines()
 
     unanswered = False
     try:
@@ -219,10 +222,8 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
                         break
                     processes.append(await _start_engine(config, [socket.socket(fileno=stream.socket.detach())], share))
                     log.info("engine process %d joining %s:%d", processes[-1].pid, address, port)
-            if unanswered or connecting.cancel_called:  # (engines already started do not serve alone, and
-                for process in processes:  # one started while a signal came is stopped here)
-                    if process.returncode is None:
-                        process.terminate()
+            if unanswered or connecting.cancel_called:  # (engines already started do not serve alone,
+                stop_engines()  # and one started while a signal came is stopped here)
             for process in processes:
                 await process.wait()
             nursery.cancel_scope.cancel()
