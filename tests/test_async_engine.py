@@ -436,7 +436,7 @@ async def test_a_stream_interval_sends_the_first_token_then_every_few(tiny_model
     assert len(every) == 13 and tokens(chunked) == tokens(every)
     assert len(chunked[0].outputs[0].token_ids) == 1  # the first token at once (time to first token)
     # Then 4 at a time, the last with the end: 4 outputs (fewer if the event loop ran late and
-    # a wake-up took more than 4; never a partial one, since this reader is back before a step).
+    # a wake-up took more than 4; never a partial one, however late the reader comes back).
     assert 2 <= len(chunked) <= 4 and chunked[-1].finished and not any(o.finished for o in chunked[:-1])
     if kind is RequestOutputKind.DELTA:
         assert "".join(o.outputs[0].text for o in chunked) == "".join(o.outputs[0].text for o in every)

@@ -247,6 +247,24 @@ def test_a_plain_stream_never_shows_text_held_back_for_a_stop_string(tokenizer):
     assert inbox_receive.receive_nowait() == StopRequest("x", 0, "STOP")
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_stream_interval_holds_tokens_from_a_reader_that_comes_back_every_step(tokenizer, kind):
+    """A reader slower than the engine looks after every step (an HTTP stream writing its last
+    event): it gets the first token, then every fourth, then the end; never what has come since."""
+    state = RequestState("x", None, [1, 2], SamplingParams(output_kind=kind), tokenizer)
+    channel = RequestOutputChannel(state, stream_interval=4)
+    taken = []
+    for i in range(11):
+        last = i == 10
+        state.apply(TokenDelta("x", 0, (300 + i,), finish_reason="length" if last else None), IterationStats(1.0))
+        channel.notify()
+        output = channel.poll()
+        if output is not None:
+            taken.append((i + 1, len(output.outputs[0].token_ids)))
+    sizes = [1, 4, 4, 2] if kind is RequestOutputKind.DELTA else [1, 5, 9, 11]
+    assert taken == list(zip([1, 5, 9, 11], sizes)) and channel.closed
+
+
 async def test_a_parked_stream_that_fails_raises_rather_than_reading_the_tokens_before(tokenizer):
     """A stream woken for new tokens and failed before it runs raises the failure: its last
     tokens are not read first."""

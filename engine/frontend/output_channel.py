@@ -142,8 +142,12 @@ class RequestOutputChannel:
         self._sent_prompt_logprobs = False
         # The common stream (one completion, deltas, no logprobs) takes a shorter path to the same outputs.
         self._wake_on_change = self.kind is not RequestOutputKind.FINAL_ONLY and stream_interval == 1
+        # A stream with an interval holds its tokens until one is due, also from a reader that comes
+        # back late (it finds the state changed, but a partial output is not its to take).
+        self._holds_back = self.kind is not RequestOutputKind.FINAL_ONLY and stream_interval > 1
         self._plain_delta = (self.kind is RequestOutputKind.DELTA and n == 1 and state.params.logprobs is None
                              and state.params.prompt_logprobs is None)
+        self._fast_delta = self._plain_delta and not self._holds_back  # (``receive``'s written-out ``poll``)
 
     # ---- producer side (never blocks) ----
 
@@ -203,7 +207,7 @@ class RequestOutputChannel:
                 return output
         while output is None:  # each wait is itself a checkpoint
             await self._wakeup.park()
-            if self._dirty and self._plain_delta and self._error is None:  # (closed: it returned)
+            if self._dirty and self._fast_delta and self._error is None:  # (closed: it returned)
                 self._dirty = False  # (``poll``, written out for every stream's every step)
                 output = self._take_plain_delta()
             else:
@@ -217,6 +221,8 @@ class RequestOutputChannel:
         if self._closed:
             raise trio.EndOfChannel
         if not self._dirty:  # the common case of the check before each wait
+            return None
+        if self._holds_back and not self._due():  # (stays dirty: ``notify`` wakes the reader when due)
             return None
         self._dirty = False
         return self._take_plain_delta() if self._plain_delta else self._take()
