@@ -685,7 +685,10 @@ void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
         return;
     }
 #if QM_AVX2
-    if (j.xt != nullptr) return panel_rows<Type>(j, n0, n1);
+    if (j.xt != nullptr) {  // the whole slabs in panels, the rows past them (if any) in tiles
+        panel_rows<Type>(j, n0, n1);
+        m0 = std::min(j.m, j.m_pad);
+    }
     for (; m0 + 8 <= j.m; m0 += 8) rows_tile_dequantized<Type, 8>(j, n0, n1, m0);
 #endif
     // Tiles of 8 rows (dequantized blocks), then one tile of what is left (folded offsets), so

@@ -22,11 +22,13 @@ struct Job {
     const float* x;
     int64_t m;
     float* y;
-    const float* xsum;  // [m, k / 32]: each block's sum of x (the row tiles; null with xt); with xq16, xd * sum qx
+    const float* xsum;  // [m, k / 32]: each block's sum of x, for the rows in row tiles (else null); with xq16, xd * sum qx
     // x transposed in slabs of 16 rows, [m_pad / 16][k][16] with rows past m zero (m_pad a
     // multiple of 16), for the panel products of larger batches (vector paths); null below
     // kPanelMinRows rows. A slab is contiguous, so a product walks it in order (a plain
     // [k][m_pad] transpose strode by m_pad: at m = 512 a power-of-two stride, and cache conflicts).
+    // m_pad may be less than m: the rows from m_pad are then multiplied in row tiles (with xsum
+    // for those rows).
     const float* xt = nullptr;
     int64_t m_pad = 0;
     // x rounded to int16 per block of 32 (qm_linear_q16): xq16 [m, k] and each block's scale

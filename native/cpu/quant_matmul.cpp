@@ -5,8 +5,9 @@
 // threads when there is enough work (kMinWorkPerThread). Below 8 rows the offsets of
 // Q4_0/Q4_1/Q8_M are folded out of the inner loop: sum_i (d q_i + m) x_i =
 // d * sum_i q_i x_i + m * sum_i x_i, with the block sums of x computed once per call. From 8
-// rows (AVX2) each block is dequantized in registers once and feeds 8 rows of x. Large
-// batches are better served by dequantizing a tile of rows (qm_dequantize_range) and an
+// rows (AVX2) each block is dequantized in registers once and feeds 8 rows of x. From 16 rows
+// (the vector paths) whole slabs of 16 rows of x are multiplied in panels, and a few rows past
+// the last slab in the row tiles (kMaxRowsPastSlabs). Large batches are better served by dequantizing a tile of rows (qm_dequantize_range) and an
 // optimized GEMM; the caller picks by M.
 //
 // The arithmetic (quant_kernel.cpp) is compiled five times: AVX-512 with VNNI and BF16, with
@@ -129,6 +130,13 @@ const qm::Kernels* pick(int isa) {
 // (measured then: a batch-1 step 20% slower than with one thread).
 constexpr int64_t kMinWorkPerThread = 1 << 12;
 
+// Rows of x past the last whole slab of 16 that the row tiles take; from one more, a slab padded
+// with zeros is faster. A step of the default model with 17-19 rows took 0.66-0.78x the time
+// of padding to 32, with 20-24 rows about as long, with 25-28 rows 1.05-1.2x as long (AMD EPYC
+// Zen 3, AVX2, bench/step_cost.py --decodes 1): the tiles read the chunk's weight rows again,
+// from cache, right after its panels.
+constexpr int64_t kMaxRowsPastSlabs = 8;
+
 int threads_for(int64_t work, int64_t chunks) {
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({omp_get_max_threads(), chunks,
                                                                       work / kMinWorkPerThread})));
@@ -163,6 +171,18 @@ void round_to_int16(const float* x, int64_t count, int16_t* q, float* scale, flo
         scale[xb] = d;
         sum[xb] = d * static_cast<float>(total);
     }
+}
+
+// Each block's sum of x for rows [r0, r1) (Job::xsum: the row tiles fold the blocks' offsets
+// through them).
+void row_sums(const float* x, int64_t r0, int64_t r1, int64_t k, float* xsum) {
+    const int64_t blocks = k / 32;
+    for (int64_t r = r0; r < r1; ++r)
+        for (int64_t b = 0; b < blocks; ++b) {
+            float s = 0.f;
+            for (int i = 0; i < 32; ++i) s += x[r * k + b * 32 + i];
+            xsum[r * blocks + b] = s;
+        }
 }
 
 // kFixedOrder: fp32 activations through the row tiles alone, whatever m (qm_linear_rows).
@@ -208,19 +228,24 @@ int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_
         job.xsum = xsum.get();
     } else if (activations == Activations::kFixedOrder && dense(type)) {
         // (plain weights: no offsets to fold)
-    } else if (activations != Activations::kFixedOrder && m >= qm::kPanelMinRows && kern->to_slabs != nullptr) {  // x transposed, in slabs of 16 rows, for the panels
-        xt = scratch<float>(k * m_pad);
-        kern->to_slabs(x, m, k, xt.get());
+    } else if (activations != Activations::kFixedOrder && m >= qm::kPanelMinRows && kern->to_slabs != nullptr) {
+        // x transposed, in slabs of 16 rows, for the panels; up to kMaxRowsPastSlabs rows past
+        // the last whole slab are multiplied in row tiles (linear_rows) rather than in a slab
+        // padded with zeros
+        const int64_t rest = m % 16;
+        const int64_t m_panels = rest <= kMaxRowsPastSlabs ? m - rest : m_pad;
+        xt = scratch<float>(k * m_panels);
+        kern->to_slabs(x, std::min(m, m_panels), k, xt.get());
         job.xt = xt.get();
-        job.m_pad = m_pad;
+        job.m_pad = m_panels;
+        if (m_panels < m) {
+            xsum = scratch<float>(m * blocks);
+            row_sums(x, m_panels, m, k, xsum.get());
+            job.xsum = xsum.get();
+        }
     } else {  // the row tiles fold the blocks' offsets through the sums of x
         xsum = scratch<float>(m * blocks);
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t b = 0; b < blocks; ++b) {
-                float s = 0.f;
-                for (int i = 0; i < 32; ++i) s += x[r * k + b * 32 + i];
-                xsum[r * blocks + b] = s;
-            }
+        row_sums(x, 0, m, k, xsum.get());
         job.xsum = xsum.get();
     }
     // Chunks of 16 output rows (48 for the panel products: whole panels of 6, or of 12 for the
