@@ -158,17 +158,20 @@ def test_the_page_loads_and_streams_an_answer_equal_to_the_apis(live, browser):
     open_page(browser, live)
     wait(lambda: browser.find_element("id", "stats-running").text.isdigit(), 30, "the engine panel")
     assert console_errors(browser) == []
+    # The answer's lengths as the page shows them, taken in the page after each change (a poll
+    # from here sees fewer when the browser or this process is slow to answer)
+    browser.execute_script(
+        "window.answerLengths = [];"
+        "new MutationObserver(() => {"
+        "  const m = document.querySelectorAll('#messages .message.assistant .content');"
+        "  const n = m.length ? m[m.length - 1].textContent.length : 0;"
+        "  if (n && window.answerLengths.at(-1) !== n) window.answerLengths.push(n);"
+        "}).observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});")
     ask(browser, QUESTION)
-    lengths = []
-    while True:  # the text grows as tokens come
-        text = last_answer(browser)
-        if text and (not lengths or len(text) != lengths[-1]):
-            lengths.append(len(text))
-        if not streaming(browser) and text is not None:
-            break
-        time.sleep(0.005)
+    wait(lambda: not streaming(browser) and last_answer(browser) is not None, 120, "the answer")
     answer = last_answer(browser)
-    assert len(lengths) >= 5, lengths  # seen growing, not appearing at once
+    lengths = browser.execute_script("return window.answerLengths")
+    assert len(lengths) >= 5 and lengths[-1] == len(answer), lengths  # seen growing, not appearing at once
     api = httpx.post(live.base_url + "/v1/chat/completions", timeout=120, json={
         "model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 48})
     assert answer == api.json()["choices"][0]["message"]["content"]

@@ -107,6 +107,38 @@ async def test_the_engines_start_up_error_reaches_the_caller_unchanged():
     assert error.value.param == "max_model_len" and "does not fit in the KV cache" in str(error.value)
 
 
+async def test_a_broken_link_names_how_the_process_ended_even_when_its_exit_comes_late():
+    """The link of a dying process breaks before its exit status is known: the front waits for
+    it (bounded), so the error says the process was killed, not that it stopped answering."""
+    from engine.messages import EngineStats
+    from engine.transport.remote import RemoteCore, RemoteCoreActor
+
+    class LateExit:  # killed, its status known 0.3 s after its link broke (a loaded machine)
+        code = None
+
+        def poll(self):
+            return self.code
+
+        async def wait(self):
+            await trio.sleep(0.3)
+            self.code = -9
+            return self.code
+
+    class BrokenLink:
+        async def receive(self):
+            raise trio.BrokenResourceError
+
+    core = object.__new__(RemoteCore)
+    core.rank, core.pid, core._process, core._receive = 0, 4321, LateExit(), BrokenLink()
+    core._stats = EngineStats(1, 0, 3, 10, 0, 0, 0, 0, 0, 0)
+    inbox_send, inbox = trio.open_memory_channel(1)
+    outbox, _ = trio.open_memory_channel(1)
+    with trio.fail_after(5), pytest.raises(EngineDeadError, match=r"\(engine 0, pid 4321\) was killed by SIGKILL"):
+        async with inbox_send:
+            await RemoteCoreActor(core, inbox, outbox).run()
+    assert core.stats().kv_blocks_used == 0
+
+
 async def test_a_killed_engine_process_fails_every_stream_and_nothing_is_left():
     import signal
 

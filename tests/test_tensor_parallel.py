@@ -29,12 +29,13 @@ pytestmark = pytest.mark.slow
 FP32 = dict(backend="cpu", dtype="float32", kv_cache_dtype="float32", activation_quantization="none")
 
 
-def random_llama(directory, num_kv_heads: int, vocab_size: int = 250) -> str:
+def random_llama(directory, num_kv_heads: int, vocab_size: int = 250, max_positions: int = 512) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=num_kv_heads, head_dim=16,
-                         max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+                         max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=1,
+                         eos_token_id=2)
     torch.manual_seed(num_kv_heads)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -149,7 +150,8 @@ def test_two_nodes_serve_and_the_loss_of_one_ends_every_stream(tmp_path):
     from engine.models.loader import default_model_path
     from tests.test_server import child_pids, free_port, gone, start_server, stream_until_it_ends
 
-    model = random_llama(tmp_path, 4, vocab_size=49152)  # (the default tokenizer's ids)
+    # (the default tokenizer's ids; room for streams long enough to outlast the kill)
+    model = random_llama(tmp_path, 4, vocab_size=49152, max_positions=1024)
     flags = ["--model", model, "--tokenizer", str(default_model_path()), "--tensor-parallel-size", "2",
              "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--backend", "cpu",
              "--dtype", "float32", "--kv-cache-dtype", "float32", "--num-kv-blocks", "256",
@@ -164,7 +166,8 @@ def test_two_nodes_serve_and_the_loss_of_one_ends_every_stream(tmp_path):
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
             started = threading.Semaphore(0)
             with ThreadPoolExecutor(max_workers=4) as pool:
-                futures = [pool.submit(stream_until_it_ends, base, started, 400) for _ in range(4)]
+                # (4 x 900 tokens fit the 256 blocks of 16: no stream waits for another's blocks)
+                futures = [pool.submit(stream_until_it_ends, base, started, 900) for _ in range(4)]
                 for _ in range(4):
                     assert started.acquire(timeout=60)
                 node.kill()

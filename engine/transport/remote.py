@@ -40,6 +40,9 @@ from engine.transport.protocol import EngineFailed, EngineReady, Heartbeat, Requ
 
 log = logging.getLogger(__name__)
 
+# How long a front waits for an engine process whose link broke to exit, to say how it ended.
+EXIT_STATUS_WAIT_S = 2.0
+
 
 class RemoteCore:
     """The front's stand-in for an ``EngineCore`` running in an engine process."""
@@ -87,6 +90,13 @@ class RemoteCore:
     def actor(self, inbox: trio.MemoryReceiveChannel, outbox: trio.MemorySendChannel) -> RemoteCoreActor:
         return RemoteCoreActor(self, inbox, outbox)
 
+    async def _wait_for_exit(self) -> None:
+        """Give a process whose link broke a moment to exit, so that ``_died`` can say how it
+        ended (a link breaks as its process dies: the exit status comes a little after)."""
+        if self._process is not None:
+            with trio.move_on_after(EXIT_STATUS_WAIT_S):
+                await self._process.wait()
+
     def _died(self, cause: BaseException) -> EngineDeadError:
         code = self._process.poll() if self._process is not None else None
         how = (f"exited with status {code}" if code is not None and code >= 0 else
@@ -126,11 +136,12 @@ class RemoteCoreActor:
                 core._stats = message.stats
                 await self._outbox.send(message)
         except trio.BrokenResourceError as exc:
-            await trio.sleep(0.05)  # the process's exit status, if it is exiting
+            await core._wait_for_exit()
             raise core._died(exc) from None
         finally:  # a gone engine runs nothing and holds no block (/metrics, the activity line)
             core._stats = attrs.evolve(core._stats, num_running=0, num_waiting=0, kv_blocks_used=0)
         # Only the front ends the link in order; an engine that ends it has stopped.
+        await core._wait_for_exit()
         raise core._died(EngineDeadError("the engine process closed the link"))
 
     async def _next_message(self):
