@@ -5,9 +5,9 @@
 // threads when there is enough work (kMinWorkPerThread). Below 8 rows the offsets of
 // Q4_0/Q4_1/Q8_M are folded out of the inner loop: sum_i (d q_i + m) x_i =
 // d * sum_i q_i x_i + m * sum_i x_i, with the block sums of x computed once per call. From 8
-// rows (AVX2) each block is dequantized in registers once and feeds 8 rows of x. From 16 rows
-// (the vector paths) whole slabs of 16 rows of x are multiplied in panels, and a few rows past
-// the last slab in the row tiles (kMaxRowsPastSlabs). Large batches are better served by dequantizing a tile of rows (qm_dequantize_range) and an
+// rows (AVX2) each block is dequantized in registers once and feeds 8 to 12 rows of x. From 13
+// rows (the vector paths, kPanelMinRows) slabs of 16 rows of x are multiplied in panels, and a
+// few rows past the last whole slab in the row tiles (kMaxRowsPastSlabs). Large batches are better served by dequantizing a tile of rows (qm_dequantize_range) and an
 // optimized GEMM; the caller picks by M.
 //
 // The arithmetic (quant_kernel.cpp) is compiled five times: AVX-512 with VNNI and BF16, with
