@@ -138,7 +138,7 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-address", default="127.0.0.1",
                    help="where the server listens for engines of other machines, and where --headless "
                         "engines connect (the link is not authenticated: keep it on a private network)")
-    p.add_argument("--data-parallel-rpc-port", type=int, default=29550, help="the port of --data-parallel-address")
+    p.add_argument("--data-parallel-rpc-port", type=_meeting_port, default=29550, help="the port of --data-parallel-address")
     p.add_argument("--api-server-count", type=_at_least_one, default=1,
                    help="HTTP front processes accepting on the one listening socket, each linked to every "
                         "engine process (which then runs apart from them); /metrics covers them all")
@@ -201,7 +201,7 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                         "run with --headless (default: $NODE_RANK or 0)")
     p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    help="node 0's address, where the ranks meet (default: $MASTER_ADDR or 127.0.0.1)")
-    p.add_argument("--master-port", type=int, default=os.environ.get("MASTER_PORT", "29500"),
+    p.add_argument("--master-port", type=_meeting_port, default=os.environ.get("MASTER_PORT", "29500"),
                    help="node 0's port for the ranks' rendezvous (default: $MASTER_PORT or 29500)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens and logprobs are the same bits whatever else runs (batch size, "
@@ -271,6 +271,15 @@ def _port(text: str) -> int:
     value = _number(int, text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0 to 65535; got {value}")
+    return value
+
+
+def _meeting_port(text: str) -> int:
+    """A port other processes are told to meet at: not 0 (a port the system picks, which they
+    could not know)."""
+    value = _number(int, text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port to meet at is 1 to 65535; got {value}")
     return value
 
 

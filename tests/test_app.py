@@ -1014,6 +1014,8 @@ async def test_a_stream_interval_sends_fewer_larger_events_of_the_same_text(tiny
 
 @pytest.mark.parametrize("argv, words", [
     (["--port", "70000"], "argument --port: a port is 0 to 65535; got 70000"),
+    (["--master-port", "0"], "argument --master-port: a port to meet at is 1 to 65535; got 0"),
+    (["--data-parallel-rpc-port", "65536"], "argument --data-parallel-rpc-port: a port to meet at is 1 to 65535"),
     (["--seed", str(1 << 70)], "argument --seed: a seed is a 64-bit integer"),
     (["--shutdown-timeout", "nan"], "argument --shutdown-timeout: seconds are a number, 0 or more; got nan"),
     (["--request-timeout", "0"], "argument --request-timeout: seconds must be more than 0"),
