@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from engine.structured_outputs import StructuredOutputManager
 from engine.tools import (ARGUMENTS_BEGIN, CALL_BEGIN, ToolCallParser, parse_tool_calls, plan_tools, prepare_messages,
                           template_renders_tools)
-from tests.conftest import ThreadedServer
+from tests.conftest import NEAR_TIE, ThreadedServer
 
 
 def function(name: str, parameters: dict, description: str = "") -> dict:
@@ -231,16 +231,24 @@ def live(llm):
     server.close()
 
 
-def ask(client, stream: bool, **body):
+def ask(client, stream: bool, tokens: list | None = None, **body):
     """One chat completion; a stream is put back together the way OpenAI's SDK users do,
-    checking that each call's id, type and name come once, in its first delta."""
+    checking that each call's id, type and name come once, in its first delta. With ``tokens``
+    (and ``logprobs`` asked for), each token and its logprob are added to it."""
+    def keep(logprobs) -> None:
+        if tokens is not None:
+            tokens.extend((entry.token, entry.logprob) for entry in logprobs.content)
+
     if not stream:
         choice = client.chat.completions.create(model="tiny", **body).choices[0]
+        keep(choice.logprobs)
         calls = [c.model_dump() for c in choice.message.tool_calls or []]
         return choice.message.content, calls, choice.finish_reason
     content, calls, finish = "", [], None
     for chunk in client.chat.completions.create(model="tiny", stream=True, **body):
         for choice in chunk.choices:
+            if choice.logprobs is not None:
+                keep(choice.logprobs)
             content += choice.delta.content or ""
             for call in choice.delta.tool_calls or []:
                 if call.id is not None:
@@ -261,15 +269,16 @@ MATRIX = [(choice, parallel, stream) for choice in ("none", "auto", "required", 
 @pytest.mark.slow
 def test_the_tool_matrix_through_the_openai_client(live):
     client = openai.OpenAI(base_url=live.base_url + "/v1", api_key="none", max_retries=0, timeout=300)
+    tokens = [[] for _ in MATRIX]
 
-    def one(case):
-        choice, parallel, stream = case
+    def one(i):
+        choice, parallel, stream = MATRIX[i]
         tool_choice = choice if choice != "add" else {"type": "function", "function": {"name": "add"}}
-        return ask(client, stream, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
-                   parallel_tool_calls=parallel, temperature=0, max_tokens=200)
+        return ask(client, stream, tokens[i], messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
+                   parallel_tool_calls=parallel, temperature=0, max_tokens=200, logprobs=True)
 
     with ThreadPoolExecutor(len(MATRIX)) as pool:
-        results = list(pool.map(one, MATRIX))
+        results = list(pool.map(one, range(len(MATRIX))))
     for (choice, parallel, stream), (content, calls, finish) in zip(MATRIX, results):
         label = f"{choice} parallel={parallel} stream={stream}: {content!r} {calls}"
         assert_well_formed(calls, label)
@@ -283,9 +292,17 @@ def test_the_tool_matrix_through_the_openai_client(live):
             assert calls and content is None and finish == "tool_calls", label
         else:
             assert [c["function"]["name"] for c in calls] == ["add"] and content is None and finish == "stop", label
-    # A stream says what the same request says at once (greedy).
+    # A stream says what the same request says at once (greedy), up to a near-tie: the 16 requests
+    # share steps as they arrive, and fp32 products differ in the last bits across batch shapes.
     for i in range(0, len(MATRIX), 2):
         (content, calls, finish), (s_content, s_calls, s_finish) = results[i], results[i + 1]
+        assert tokens[i] and tokens[i + 1], MATRIX[i]  # (each token's logprobs came)
+        parted = next((p for p, (a, b) in enumerate(zip(tokens[i], tokens[i + 1])) if a[0] != b[0]), None)
+        if parted is not None:  # each took its own greedy choice there: two near-equal logprobs
+            gap = abs(tokens[i][parted][1] - tokens[i + 1][parted][1])
+            assert gap < NEAR_TIE, (MATRIX[i], parted, tokens[i][parted], tokens[i + 1][parted])
+            continue
+        assert [t for t, _ in tokens[i + 1]] == [t for t, _ in tokens[i]], MATRIX[i]
         assert (s_content, s_finish) == (content, finish), MATRIX[i]
         assert [c["function"] for c in s_calls] == [c["function"] for c in calls], MATRIX[i]
 
