@@ -107,9 +107,11 @@ async def test_the_engines_start_up_error_reaches_the_caller_unchanged():
     assert error.value.param == "max_model_len" and "does not fit in the KV cache" in str(error.value)
 
 
-async def test_a_broken_link_names_how_the_process_ended_even_when_its_exit_comes_late():
-    """The link of a dying process breaks before its exit status is known: the front waits for
-    it (bounded), so the error says the process was killed, not that it stopped answering."""
+@pytest.mark.parametrize("end", [trio.BrokenResourceError, trio.EndOfChannel])
+async def test_a_lost_link_names_how_the_process_ended_even_when_its_exit_comes_late(end):
+    """The link of a dying process breaks (or is closed) before its exit status is known: the
+    front waits for it (bounded), so the error says the process was killed, not that it stopped
+    answering; its counts are zero meanwhile."""
     from engine.messages import EngineStats
     from engine.transport.remote import RemoteCore, RemoteCoreActor
 
@@ -120,16 +122,19 @@ async def test_a_broken_link_names_how_the_process_ended_even_when_its_exit_come
             return self.code
 
         async def wait(self):
+            assert core.stats().kv_blocks_used == 0  # (zero already while the front waits)
             await trio.sleep(0.3)
             self.code = -9
             return self.code
 
-    class BrokenLink:
+    process = LateExit()
+
+    class LostLink:
         async def receive(self):
-            raise trio.BrokenResourceError
+            raise end
 
     core = object.__new__(RemoteCore)
-    core.rank, core.pid, core._process, core._receive = 0, 4321, LateExit(), BrokenLink()
+    core.rank, core.pid, core._process, core._receive = 0, 4321, process, LostLink()
     core._stats = EngineStats(1, 0, 3, 10, 0, 0, 0, 0, 0, 0)
     inbox_send, inbox = trio.open_memory_channel(1)
     outbox, _ = trio.open_memory_channel(1)

@@ -136,13 +136,13 @@ class RemoteCoreActor:
                 core._stats = message.stats
                 await self._outbox.send(message)
         except trio.BrokenResourceError as exc:
-            await core._wait_for_exit()
-            raise core._died(exc) from None
+            cause: BaseException = exc
+        else:  # only the front ends the link in order; an engine that ends it has stopped
+            cause = EngineDeadError("the engine process closed the link")
         finally:  # a gone engine runs nothing and holds no block (/metrics, the activity line)
             core._stats = attrs.evolve(core._stats, num_running=0, num_waiting=0, kv_blocks_used=0)
-        # Only the front ends the link in order; an engine that ends it has stopped.
         await core._wait_for_exit()
-        raise core._died(EngineDeadError("the engine process closed the link"))
+        raise core._died(cause) from None
 
     async def _next_message(self):
         """The engine's next message, or None at the end of the link.

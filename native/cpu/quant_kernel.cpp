@@ -658,7 +658,6 @@ void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
 }
 #endif
 
-
 // Rows m0.. of x in tiles of 7 rows and one tile of what is left (folded offsets). Each row's
 // sums run in the same order whatever its tile (rows_tile).
 template <int Type>

@@ -7,8 +7,9 @@
 // d * sum_i q_i x_i + m * sum_i x_i, with the block sums of x computed once per call. From 8
 // rows (AVX2) each block is dequantized in registers once and feeds 8 to 12 rows of x. From 13
 // rows (the vector paths, kPanelMinRows) slabs of 16 rows of x are multiplied in panels, and a
-// few rows past the last whole slab in the row tiles (kMaxRowsPastSlabs). Large batches are better served by dequantizing a tile of rows (qm_dequantize_range) and an
-// optimized GEMM; the caller picks by M.
+// few rows past the last whole slab in the row tiles (kMaxRowsPastSlabs). Large batches are
+// better served by dequantizing a tile of rows (qm_dequantize_range) and an optimized GEMM; the
+// caller picks by M.
 //
 // The arithmetic (quant_kernel.cpp) is compiled five times: AVX-512 with VNNI and BF16, with
 // VNNI, AVX-512 (F/BW/VL/DQ), AVX2+FMA+F16C and portable. The best one the CPU runs and the OS
