@@ -138,7 +138,8 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-parallel-address", default="127.0.0.1",
                    help="where the server listens for engines of other machines, and where --headless "
                         "engines connect (the link is not authenticated: keep it on a private network)")
-    p.add_argument("--data-parallel-rpc-port", type=_meeting_port, default=29550, help="the port of --data-parallel-address")
+    p.add_argument("--data-parallel-rpc-port", type=_meeting_port, default=29550,
+                   help="the port of --data-parallel-address")
     p.add_argument("--api-server-count", type=_at_least_one, default=1,
                    help="HTTP front processes accepting on the one listening socket, each linked to every "
                         "engine process (which then runs apart from them); /metrics covers them all")

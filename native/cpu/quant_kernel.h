@@ -22,7 +22,8 @@ struct Job {
     const float* x;
     int64_t m;
     float* y;
-    const float* xsum;  // [m, k / 32]: each block's sum of x, for the rows in row tiles (else null); with xq16, xd * sum qx
+    // [m, k / 32]: each block's sum of x, for the rows in row tiles (else null); with xq16, xd * sum qx
+    const float* xsum;
     // x transposed in slabs of 16 rows, [m_pad / 16][k][16] with rows past m zero (m_pad a
     // multiple of 16), for the panel products of larger batches (vector paths); null below
     // kPanelMinRows rows. A slab is contiguous, so a product walks it in order (a plain
