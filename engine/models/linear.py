@@ -24,10 +24,11 @@ from engine.errors import ConfigError
 # Up to a crossover in rows of x, the packed kernel (each block read once for every row) beats
 # dequantizing the weight and a GEMM; above it, the weight is dequantized a tile of rows at a
 # time into a scratch buffer and multiplied by torch's GEMM. The kernel (AVX2): up to 12 rows,
-# each block is dequantized in registers and fed to 8-12 rows at once; from 13 rows, six output
-# rows at a time are dequantized into an L1 panel and multiplied as a small GEMM (16 x 6
-# blocks of y in registers, slabs of 16 rows of x; up to 8 rows past the last whole slab in the
-# row tiles); AVX-512 widens only the tiles of up to 7 rows (quant_kernel.cpp says why). The
+# each block is dequantized in registers and fed to 5-12 rows at once (under 5, its offset is
+# folded out); from 13 rows, six output rows at a time are dequantized into an L1 panel and
+# multiplied as a small GEMM (16 x 6 blocks of y in registers, slabs of 16 rows of x; up to 8
+# rows past the last whole slab in the row tiles); AVX-512 widens only the folded tiles, of up
+# to 7 rows there (quant_kernel.cpp says why). The
 # crossover differs by machine, so it is measured once per process (packed_max_rows). Measured
 # on the default model's layer shapes (2 threads): AMD EPYC Zen 3, ms for four layers: M=64
 # kernel 3.22-3.26 / tiled 3.68 / fp32 3.09; M=96 5.04 / 4.87 / 4.31; M=128 7.1 / 6.1 / 5.5

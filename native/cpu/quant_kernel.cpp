@@ -159,8 +159,8 @@ struct Simd8 {
     }
 };
 
-// The row tiles (up to 7 rows, memory-bound) take the widest vectors. The 8-row tile and the
-// panels (compute-bound) stay at 8 lanes even with AVX-512: on Zen 4, where a 512-bit FMA is
+// The folded row tiles (few rows, memory-bound) take the widest vectors. The dequantized tiles
+// and the panels (compute-bound) stay at 8 lanes even with AVX-512: on Zen 4, where a 512-bit FMA is
 // two 256-bit halves, 16-lane versions of them (a 16 x 12 panel) ran 0.75-0.94x as fast on
 // Llama-3-8B's shapes (bench/packed.py --paths), and 1.0-1.1x on the default model's.
 #if QM_AVX512
@@ -637,6 +637,15 @@ void bf16_rows(const Job& j, int64_t n0, int64_t n1) {
 // Larger batches: each block is dequantized in registers once (d * q + m, rounded as GGUF's
 // reference does) and multiplied into T rows of x, one accumulator per row: per block and
 // row, kVecs fused multiply-adds and no per-block scaling or offset work.
+// From this many rows the row products dequantize each block once for all of them. The folded
+// tiles of AVX-512 take 16 lanes (three multiply-adds a row and block): there from 8 rows, as
+// measured before (not timed at 5-7 rows on an AVX-512 CPU).
+#if QM_AVX512
+constexpr int64_t kDequantizedMinRows = 8;
+#else
+constexpr int64_t kDequantizedMinRows = 5;
+#endif
+
 template <int Type, int T>
 void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
     const int64_t blocks = j.k / 32;
@@ -689,16 +698,21 @@ void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
         panel_rows<Type>(j, n0, n1);
         m0 = std::min(j.m, j.m_pad);
     }
-    // One tile of 8 to 12 rows (dequantized blocks; 12 accumulators and a block's four vectors
-    // fill AVX2's sixteen registers, x read as the multiply-adds' memory operand), then one tile of
-    // what is left (folded offsets), so every row shares each block's unpacked values: unpacking is
-    // most of a few rows' cost. Tiles of 4 and 1 for 5 rows took 1.5x the time of one tile of 8
-    // (AMD EPYC family 23, the default model's gate/up product; a step verifying 4 proposed
-    // tokens computes 5 rows); 9-12 rows as one tile took 0.85-0.91x the time of a tile of 8 and
-    // a folded one (AMD EPYC Zen 3, the default model's four layer products). Each output is
-    // summed in the same order whatever its tile.
-    for (int64_t rows; (rows = std::min<int64_t>(j.m - m0, 12)) >= 8; m0 += rows) {
+    // One tile of 5 (AVX2) or 8 (AVX-512) to 12 rows (dequantized blocks; 12 accumulators and a
+    // block's four vectors fill AVX2's sixteen registers, x read as the multiply-adds' memory
+    // operand), then one tile of what is left (folded offsets), so every row shares each block's
+    // unpacked values: unpacking is most of a few rows' cost. Tiles of 4 and 1 for 5 rows took 1.5x
+    // the time of one tile of 8 (AMD EPYC family 23, the default model's gate/up product; a step
+    // verifying 4 proposed tokens computes 5 rows); 9-12 rows as one tile took 0.85-0.91x the time
+    // of a tile of 8 and a folded one, and 5-7 rows dequantized 0.77-0.91x the folded tile's (AMD
+    // EPYC Zen 3, the default model's four layer products: per row and block four multiply-adds
+    // against the folded tile's five and a scalar offset term; at 3-4 rows the dequantizing is
+    // not paid back). Each output is summed in the same order whatever its tile.
+    for (int64_t rows; (rows = std::min<int64_t>(j.m - m0, 12)) >= kDequantizedMinRows; m0 += rows) {
         switch (rows) {
+            case 5: rows_tile_dequantized<Type, 5>(j, n0, n1, m0); break;
+            case 6: rows_tile_dequantized<Type, 6>(j, n0, n1, m0); break;
+            case 7: rows_tile_dequantized<Type, 7>(j, n0, n1, m0); break;
             case 8: rows_tile_dequantized<Type, 8>(j, n0, n1, m0); break;
             case 9: rows_tile_dequantized<Type, 9>(j, n0, n1, m0); break;
             case 10: rows_tile_dequantized<Type, 10>(j, n0, n1, m0); break;
@@ -707,7 +721,7 @@ void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
         }
     }
 #endif
-    folded_rows_from<Type>(j, n0, n1, m0);  // (no tile of 8 without AVX2)
+    folded_rows_from<Type>(j, n0, n1, m0);  // (no dequantized tiles without AVX2)
 }
 
 // qm_linear_rows: the folded row tiles whatever m, so a row of y does not depend on the other
