@@ -33,7 +33,7 @@ KINDS = ("Q4_0", "Q4_1", "Q8_0")  # (what gguf quantizes; Q8_M is this project's
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("libraries", nargs="+", type=Path, help="copies of libqm_cpu.so")
-    parser.add_argument("--rows", default="1,4,8,9,12,13,16,17,20,24,32", help="rows of x")
+    parser.add_argument("--rows", default="1,4,5,7,8,9,12,13,16,17,20,24,32", help="rows of x")
     parser.add_argument("--type", default="Q8_0", choices=KINDS, help="the weights' packing")
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()

@@ -101,7 +101,7 @@ def kernels(shapes, label: str, bandwidth: float, rows=(1, 8, 32, 128)) -> None:
 PATH_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # the types --paths compares (those GGUF files hold)
 
 
-def vector_paths(shapes, label: str, rows=(1, 2, 8, 16, 64, 128)) -> None:
+def vector_paths(shapes, label: str, rows=(1, 2, 5, 8, 16, 64, 128)) -> None:
     """Every vector path this CPU runs on the same weights and x, alternated call by call, as
     ratios to AVX2 (int16: ``--activation-quantization int16``'s kernel, at up to 2 rows; bf16:
     ``--activation-quantization bf16``'s, from 16 rows, where the CPU has AVX512_BF16)."""

@@ -1,6 +1,7 @@
 """Speculative decoding with n-gram (or a draft model's) proposals against none, in the engine (no
-HTTP), alternated (at concurrency 1 prompt by prompt, which first alternating: two runs of a
-round's eight prompts in turn read 1.11-1.42x on one tree, this machine's drift between them).
+HTTP), alternated (at concurrency 1 prompt by prompt, which core goes first alternating: running
+each core's eight prompts back to back read 1.11-1.42x on one tree, this machine's drift between
+the halves).
 
 Two workloads on the default model (chat-templated prompts, greedy, ``ignore_eos`` off so
 answers end where the model ends them, at most ``--max-tokens``):

@@ -634,9 +634,6 @@ void bf16_rows(const Job& j, int64_t n0, int64_t n1) {
 }
 #endif
 
-// Larger batches: each block is dequantized in registers once (d * q + m, rounded as GGUF's
-// reference does) and multiplied into T rows of x, one accumulator per row: per block and
-// row, kVecs fused multiply-adds and no per-block scaling or offset work.
 // From this many rows the row products dequantize each block once for all of them. The folded
 // tiles of AVX-512 take 16 lanes (three multiply-adds a row and block): there from 8 rows, as
 // measured before (not timed at 5-7 rows on an AVX-512 CPU).
@@ -646,6 +643,9 @@ constexpr int64_t kDequantizedMinRows = 8;
 constexpr int64_t kDequantizedMinRows = 5;
 #endif
 
+// Larger batches: each block is dequantized in registers once (d * q + m, rounded as GGUF's
+// reference does) and multiplied into T rows of x, one accumulator per row: per block and
+// row, kVecs fused multiply-adds and no per-block scaling or offset work.
 template <int Type, int T>
 void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
     const int64_t blocks = j.k / 32;
@@ -687,7 +687,7 @@ void folded_rows_from(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
 template <int Type>
 void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
     int64_t m0 = 0;
-    if (j.xq16 != nullptr) {  // int16 activations (from 8 rows fp32 is faster: no tile of 8)
+    if (j.xq16 != nullptr) {  // int16 activations (up to 2 rows: fp32 is as fast from 4; no dequantized tiles)
         for (; m0 + 4 <= j.m; m0 += 4) rows_tile<Type, 4, true>(j, n0, n1, m0);
         for (; m0 + 2 <= j.m; m0 += 2) rows_tile<Type, 2, true>(j, n0, n1, m0);
         for (; m0 < j.m; ++m0) rows_tile<Type, 1, true>(j, n0, n1, m0);
