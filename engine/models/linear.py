@@ -28,12 +28,12 @@ from engine.errors import ConfigError
 # folded out); from 13 rows, six output rows at a time are dequantized into an L1 panel and
 # multiplied as a small GEMM (16 x 6 blocks of y in registers, slabs of 16 rows of x; up to 8
 # rows past the last whole slab in the row tiles); AVX-512 widens only the folded tiles, of up
-# to 7 rows there (quant_kernel.cpp says why). The
-# crossover differs by machine, so it is measured once per process (packed_max_rows). Measured
-# on the default model's layer shapes (2 threads): AMD EPYC Zen 3, ms for four layers: M=64
-# kernel 3.22-3.26 / tiled 3.68 / fp32 3.09; M=96 5.04 / 4.87 / 4.31; M=128 7.1 / 6.1 / 5.5
-# (crossover ~90). AMD EPYC family 23, the seven layers of a block: M=64 8.30 / 11.78 / 9.35;
-# M=128 16.6 / 20.7 / 18.8; M=256 33.5 / 34.3 / 31.9 (the kernel ahead up to 256). There, after the kernel's later work, GFLOP/s kernel /
+# to 7 rows there (quant_kernel.cpp says why). The crossover differs by machine, so it is
+# measured once per process (packed_max_rows). Measured on the default model's layer shapes (2
+# threads): AMD EPYC Zen 3, ms for four layers: M=64 kernel 3.22-3.26 / tiled 3.68 / fp32 3.09;
+# M=96 5.04 / 4.87 / 4.31; M=128 7.1 / 6.1 / 5.5 (crossover ~90). AMD EPYC family 23, the seven
+# layers of a block: M=64 8.30 / 11.78 / 9.35; M=128 16.6 / 20.7 / 18.8; M=256 33.5 / 34.3 / 31.9
+# (the kernel ahead up to 256). There, after the kernel's later work, GFLOP/s kernel /
 # tiled at M=512 and 1024: 960 x 576 144 / 107, 139 / 106; 3072 x 576 (gate + up) 119 / 101,
 # 120 / 96; 576 x 1536 119 / 112, 109 / 126 (the one shape the probe's 1536 x 576 does not speak
 # for): prefill steps of 512 / 1024 prompt tokens ran 1.13-1.20x / 1.12-1.13x as fast with the

@@ -160,8 +160,8 @@ struct Simd8 {
 };
 
 // The folded row tiles (few rows, memory-bound) take the widest vectors. The dequantized tiles
-// and the panels (compute-bound) stay at 8 lanes even with AVX-512: on Zen 4, where a 512-bit FMA is
-// two 256-bit halves, 16-lane versions of them (a 16 x 12 panel) ran 0.75-0.94x as fast on
+// and the panels (compute-bound) stay at 8 lanes even with AVX-512: on Zen 4, where a 512-bit
+// FMA is two 256-bit halves, 16-lane versions of them (a 16 x 12 panel) ran 0.75-0.94x as fast on
 // Llama-3-8B's shapes (bench/packed.py --paths), and 1.0-1.1x on the default model's.
 #if QM_AVX512
 using Simd = Simd16;
@@ -687,7 +687,7 @@ void folded_rows_from(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
 template <int Type>
 void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
     int64_t m0 = 0;
-    if (j.xq16 != nullptr) {  // int16 activations (up to 2 rows: fp32 is as fast from 4; no dequantized tiles)
+    if (j.xq16 != nullptr) {  // int16 activations (up to 2 rows; no dequantized tiles)
         for (; m0 + 4 <= j.m; m0 += 4) rows_tile<Type, 4, true>(j, n0, n1, m0);
         for (; m0 + 2 <= j.m; m0 += 2) rows_tile<Type, 2, true>(j, n0, n1, m0);
         for (; m0 < j.m; ++m0) rows_tile<Type, 1, true>(j, n0, n1, m0);

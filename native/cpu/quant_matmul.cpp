@@ -5,8 +5,8 @@
 // threads when there is enough work (kMinWorkPerThread). Below 5 rows (8 with AVX-512) the
 // offsets of Q4_0/Q4_1/Q8_M are folded out of the inner loop: sum_i (d q_i + m) x_i =
 // d * sum_i q_i x_i + m * sum_i x_i, with the block sums of x computed once per call. From there
-// (the vector paths) each block is dequantized in registers once and feeds 5 (8) to 12 rows of x. From 13
-// rows (the vector paths, kPanelMinRows) slabs of 16 rows of x are multiplied in panels, and a
+// (the vector paths) each block is dequantized in registers once and feeds 5 (8) to 12 rows of
+// x. From 13 rows (kPanelMinRows) slabs of 16 rows of x are multiplied in panels, and a
 // few rows past the last whole slab in the row tiles (kMaxRowsPastSlabs). Large batches are
 // better served by dequantizing a tile of rows (qm_dequantize_range) and an optimized GEMM; the
 // caller picks by M.
