@@ -230,7 +230,7 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
                         'response_format, structured_outputs or the guided_* fields')
     p.add_argument("--speculative-config", default=None,
                    help='JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, '
-                        '"prompt_lookup_max": 5, "disable_by_batch_size": 4}: propose tokens from the request\'s own '
+                        '"prompt_lookup_max": 5, "disable_by_batch_size": 3}: propose tokens from the request\'s own '
                         'prompt and output, verified exactly in one forward pass (the same output, faster for '
                         'few streams; no proposals while more than disable_by_batch_size requests run); or '
                         '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}: proposals by a smaller '

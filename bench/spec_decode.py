@@ -10,10 +10,11 @@ answers end where the model ends them, at most ``--max-tokens``):
   what prompt lookup is for);
 - ``chat``: plain questions (little to look up).
 
-At concurrency 1 the prompts run one at a time; at ``--streams`` (64) they are all queued at
-once, where proposals stop (``disable_by_batch_size``) unless ``--force`` sets it above the
-batch. Printed: output tok/s per configuration, the ratio to no proposals from the same round,
-and the mean tokens per drafted step (kept drafts + 1).
+At concurrency 1 the prompts run one at a time; at ``--streams`` N (64) every prompt runs
+(repeated up to N of them), N in flight, the next joining as one ends (which core goes first
+alternating by round). Above ``disable_by_batch_size`` running requests proposals stop, unless
+``--force`` sets it to N. Printed: output tok/s per configuration, the ratio to no proposals from
+the same round, and the mean tokens per drafted step (kept drafts + 1).
 
 With the cpu backend's default int8 cache the two runs' texts can part: a verifying step computes
 its rows in one pass, so their keys and values differ from one-row steps' in the last bits, and
@@ -90,25 +91,29 @@ class Run:
         return self
 
 
-def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams, at_once: bool) -> Run:
-    """The prompts all queued at once, or one after the other."""
+def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams, concurrency: int = 1) -> Run:
+    """The prompts in order, ``concurrency`` of them in flight (the next one joining as one ends)."""
     result, start = Run(), time.perf_counter()
-    batches = [prompts] if at_once else [[p] for p in prompts]
-    for batch in batches:
-        for i, prompt in enumerate(batch):
-            core.add_request(f"{time.perf_counter_ns()}-{i}", prompt, params)
-        first = True
-        while core.has_unfinished_requests:
-            step_start = time.perf_counter()
-            tokens = sum(len(d.new_token_ids) for d in core.step())
-            took = time.perf_counter() - step_start
-            result.tokens += tokens
-            if first:  # (a prompt's steps up to its first token; only meaningful one at a time)
-                result.prefill_seconds += took
-                first = tokens == 0
-            else:
-                result.decode_steps += 1
-                result.decode_seconds += took
+    waiting, in_flight = list(prompts), 0
+    first = True  # (one prompt at a time: its steps up to its first token are its prefill)
+    while waiting or in_flight:
+        while waiting and in_flight < concurrency:
+            core.add_request(f"{time.perf_counter_ns()}-{len(waiting)}", waiting.pop(0), params)
+            in_flight += 1
+        step_start = time.perf_counter()
+        deltas = core.step()
+        took = time.perf_counter() - step_start
+        tokens = sum(len(d.new_token_ids) for d in deltas)
+        result.tokens += tokens
+        if first and concurrency == 1:
+            result.prefill_seconds += took
+            first = tokens == 0
+        else:
+            result.decode_steps += 1
+            result.decode_seconds += took
+        ended = sum(d.finish_reason is not None for d in deltas)
+        in_flight -= ended
+        first = first or ended > 0
     result.seconds = time.perf_counter() - start
     return result
 
@@ -137,18 +142,19 @@ def speculative_config(args: argparse.Namespace) -> dict:
     return spec
 
 
-def compare(cores: dict[str, EngineCore], batch: list[list[int]], params: SamplingParams, at_once: bool,
-            tag: str) -> None:
+def compare(cores: dict[str, EngineCore], batch: list[list[int]], params: SamplingParams, concurrency: int,
+            tag: str, round_: int = 0) -> None:
     """One round: each core over ``batch`` (one prompt at a time: in turns, prompt by prompt), its
     rate printed, then the ratio (and, one prompt at a time, where the time went and the ceiling)."""
     method = [key for key in cores if key != "none"][0]
     before = {key: core.stats() for key, core in cores.items()}
     runs = {key: Run() for key in cores}
     # One prompt at a time, the cores take turns per prompt (the first one alternating), so that
-    # this machine's drift over a round falls on both alike.
-    for i, part in enumerate([batch] if at_once else [[prompt] for prompt in batch]):
+    # this machine's drift over a round falls on both alike; several at once, the first alternates by round.
+    one = concurrency == 1
+    for i, part in enumerate([[prompt] for prompt in batch] if one else [batch], start=round_):
         for key in (list(cores) if i % 2 == 0 else list(cores)[::-1]):
-            runs[key] += run(cores[key], part, params, at_once)
+            runs[key] += run(cores[key], part, params, concurrency)
     rates = {}
     for key, core in cores.items():
         result, after = runs[key], core.stats()
@@ -159,7 +165,7 @@ def compare(cores: dict[str, EngineCore], batch: list[list[int]], params: Sampli
         print(f"{tag}: {key:11s} {rates[key]:7.1f} output tok/s ({result.tokens} tokens){per_step}")
     none, drafted = runs["none"], runs[method]
     line = f"{tag}: {method} / none = {rates[method] / rates['none']:.2f}x"
-    if not at_once:
+    if one:
         line += (f"; prefill {none.prefill_seconds / none.seconds:.0%} of none's time, "
                  f"{drafted.tokens / (drafted.decode_steps + len(batch)):.2f} tokens a step with "
                  f"proposals, {none.tokens / (none.decode_steps + len(batch)):.2f} without; "
@@ -201,11 +207,13 @@ def main() -> None:
         prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False,
                                                                   add_generation_prompt=True), add_special_tokens=False)
                    for m in messages]
-        shapes = {"1": ("1 stream", prompts, False),
-                  "streams": (f"{args.streams} streams", (prompts * args.streams)[:args.streams], True)}
-        for label, batch, at_once in (shapes[c] for c in args.concurrency.split(",")):
-            for round_ in range(args.rounds if not at_once else 1):
-                compare(cores, batch, params, at_once, f"{name:5s} {label:11s} round {round_ + 1}")
+        # N streams: every prompt (repeated up to N of them), N in flight.
+        shapes = {"1": ("1 stream", prompts, 1),
+                  "streams": (f"{args.streams} streams", (prompts * args.streams)[:max(args.streams, len(prompts))],
+                              args.streams)}
+        for label, batch, concurrency in (shapes[c] for c in args.concurrency.split(",")):
+            for round_ in range(args.rounds):
+                compare(cores, batch, params, concurrency, f"{name:5s} {label:11s} round {round_ + 1}", round_)
 
 
 if __name__ == "__main__":
