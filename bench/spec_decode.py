@@ -8,7 +8,8 @@ answers end where the model ends them, at most ``--max-tokens``):
 
 - ``edit``: copy a piece of code or text with one change (most of the answer is in the prompt:
   what prompt lookup is for);
-- ``chat``: plain questions (little to look up).
+- ``chat``: plain questions (little to look up);
+- ``file``: the same with whole small files (20-30 lines; ``--max-tokens 512``), not run by default.
 
 At concurrency 1 the prompts run one at a time; at ``--streams`` N (64) every prompt runs
 (repeated up to N of them), N in flight, the next joining as one ends (which core goes first
@@ -56,11 +57,36 @@ CODE = [
     "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n",
     "x = load('data.csv')\ny = clean(x)\nz = train(y, epochs=3)\nsave(z, 'model.bin')\nprint('done')\n",
 ]
-TEXT = [
-    "The keeper climbed the stairs every evening to light the lamp. He had done so for twenty years, "
-    "through storms and calm nights, and never once missed a night.",
-    "Dear Sam, thank you for the books you sent. I read the first one twice and liked it very much; "
-    "the second is on my desk and I will start it this weekend.",
+# Whole small files (20-30 lines): answers of ~100-500 tokens, most of them copied (run with
+# --max-tokens 512).
+FILES = [
+    "import json\nimport os\n\n\ndef load_config(path):\n    \"\"\"Read the settings file and fill in defaults.\"\"\"\n"
+    "    with open(path) as handle:\n        config = json.load(handle)\n    config.setdefault(\"host\", \"localhost\")\n"
+    "    config.setdefault(\"port\", 8080)\n    config.setdefault(\"debug\", False)\n    return config\n\n\n"
+    "def save_config(config, path):\n    tmp = path + \".tmp\"\n    with open(tmp, \"w\") as handle:\n"
+    "        json.dump(config, handle, indent=2)\n    os.replace(tmp, path)\n\n\ndef main():\n"
+    "    config = load_config(\"settings.json\")\n    if config[\"debug\"]:\n        print(\"debug mode on\")\n"
+    "    save_config(config, \"settings.json\")\n\n\nif __name__ == \"__main__\":\n    main()\n",
+    "class Inventory:\n    def __init__(self):\n        self.items = {}\n\n    def add(self, name, count=1):\n"
+    "        self.items[name] = self.items.get(name, 0) + count\n\n    def remove(self, name, count=1):\n"
+    "        if self.items.get(name, 0) < count:\n            raise ValueError(\"not enough \" + name)\n"
+    "        self.items[name] -= count\n        if self.items[name] == 0:\n            del self.items[name]\n\n"
+    "    def total(self):\n        return sum(self.items.values())\n\n    def report(self):\n"
+    "        for name, count in sorted(self.items.items()):\n            print(name, count)\n\n\n"
+    "store = Inventory()\nstore.add(\"apple\", 3)\nstore.add(\"pear\")\nstore.remove(\"apple\")\nstore.report()\n",
+    "def parse_line(line):\n    parts = line.strip().split(\",\")\n    name = parts[0]\n    age = int(parts[1])\n"
+    "    city = parts[2]\n    return {\"name\": name, \"age\": age, \"city\": city}\n\n\ndef read_people(path):\n"
+    "    people = []\n    with open(path) as handle:\n        for line in handle:\n"
+    "            if line.startswith(\"#\"):\n                continue\n            people.append(parse_line(line))\n"
+    "    return people\n\n\ndef oldest(people):\n    best = None\n    for person in people:\n"
+    "        if best is None or person[\"age\"] > best[\"age\"]:\n            best = person\n    return best\n\n\n"
+    "people = read_people(\"people.csv\")\nprint(oldest(people))\n",
+    "function fetchUser(id) {\n  return fetch(\"/api/users/\" + id)\n    .then(function (response) {\n"
+    "      if (!response.ok) {\n        throw new Error(\"request failed: \" + response.status);\n      }\n"
+    "      return response.json();\n    })\n    .then(function (user) {\n      console.log(\"loaded\", user.name);\n"
+    "      return user;\n    });\n}\n\nfunction showUser(user) {\n  const box = document.getElementById(\"user\");\n"
+    "  box.textContent = user.name + \" (\" + user.email + \")\";\n}\n\n"
+    "fetchUser(42).then(showUser).catch(function (error) {\n  console.error(error);\n});\n",
 ]
 EDITS = ["rename the variables", "add a comment at the top", "use single quotes"]
 QUESTIONS = ["Tell me about the sea.", "What is a lighthouse?", "Why do leaves fall in autumn?",
@@ -70,8 +96,8 @@ QUESTIONS = ["Tell me about the sea.", "What is a lighthouse?", "Why do leaves f
 
 def workloads() -> dict[str, list[str]]:
     edit = [f"Copy this with one change ({change}):\n\n{code}" for code in CODE for change in EDITS[:2]]
-    edit += [f"Rewrite this, changing only the name: {text}" for text in TEXT]
-    return {"edit": edit[:8], "chat": QUESTIONS}
+    file = [f"Copy this with one change ({change}):\n\n{code}" for code in FILES for change in EDITS[:2]]
+    return {"edit": edit, "chat": QUESTIONS, "file": file}
 
 
 @attrs.define
@@ -185,7 +211,7 @@ def main() -> None:
     parser.add_argument("--prompt-lookup-min", type=int, default=3)
     parser.add_argument("--prompt-lookup-max", type=int, default=5)
     parser.add_argument("--force", action="store_true", help="proposals at --streams too (disable_by_batch_size)")
-    parser.add_argument("--workloads", default="edit,chat", help="comma-separated: edit, chat")
+    parser.add_argument("--workloads", default="edit,chat", help="comma-separated: edit, chat, file")
     parser.add_argument("--concurrency", default="1,streams", help="comma-separated: 1, streams")
     parser.add_argument("--draft-model", help="a draft model's proposals instead of n-gram ('default': the model)")
     parser.add_argument("--kv-cache-dtype", default="auto",
