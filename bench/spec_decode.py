@@ -3,13 +3,13 @@ HTTP), alternated (at concurrency 1 prompt by prompt, which core goes first alte
 each core's eight prompts back to back read 1.11-1.42x on one tree, this machine's drift between
 the halves).
 
-Two workloads on the default model (chat-templated prompts, greedy, ``ignore_eos`` off so
+Three workloads on the default model (chat-templated prompts, greedy, ``ignore_eos`` off so
 answers end where the model ends them, at most ``--max-tokens``):
 
-- ``edit``: copy a piece of code or text with one change (most of the answer is in the prompt:
+- ``edit``: copy a few lines of code with one change (most of the answer is in the prompt:
   what prompt lookup is for);
 - ``chat``: plain questions (little to look up);
-- ``file``: the same with whole small files (20-30 lines; ``--max-tokens 512``), not run by default.
+- ``file``: as ``edit``, with whole small files (20-30 lines; ``--max-tokens 512``); not run by default.
 
 At concurrency 1 the prompts run one at a time; at ``--streams`` N (64) every prompt runs
 (repeated up to N of them), N in flight, the next joining as one ends (which core goes first
@@ -27,7 +27,7 @@ float32 cache), which flips near-ties. The run says so when the token counts dif
 model instead (speculative method ``draft_model``), ``--num-speculative-tokens`` a step.
 
     python bench/spec_decode.py [--rounds 2] [--max-tokens 128] [--streams 64] [--force]
-        [--workloads edit,chat] [--concurrency 1,streams] [--draft-model PATH] [--kv-cache-dtype auto]
+        [--workloads edit,chat,file] [--concurrency 1,streams] [--draft-model PATH] [--kv-cache-dtype auto]
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ CODE = [
 # --max-tokens 512).
 FILES = [
     "import json\nimport os\n\n\ndef load_config(path):\n    \"\"\"Read the settings file and fill in defaults.\"\"\"\n"
-    "    with open(path) as handle:\n        config = json.load(handle)\n    config.setdefault(\"host\", \"localhost\")\n"
+    "    with open(path) as handle:\n        config = json.load(handle)\n"
+    "    config.setdefault(\"host\", \"localhost\")\n"
     "    config.setdefault(\"port\", 8080)\n    config.setdefault(\"debug\", False)\n    return config\n\n\n"
     "def save_config(config, path):\n    tmp = path + \".tmp\"\n    with open(tmp, \"w\") as handle:\n"
     "        json.dump(config, handle, indent=2)\n    os.replace(tmp, path)\n\n\ndef main():\n"
@@ -139,6 +140,7 @@ def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams, conc
             result.decode_seconds += took
         ended = sum(d.finish_reason is not None for d in deltas)
         in_flight -= ended
+        assert in_flight == 0 or core.has_unfinished_requests, "a request ended without a finishing delta"
         first = first or ended > 0
     result.seconds = time.perf_counter() - start
     return result

@@ -37,9 +37,9 @@ from engine.errors import ConfigError
 METHODS = ("ngram", "draft_model")
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 # Proposals stop while more requests than this run (a step then costs about its tokens here).
-# Measured on AMD EPYC Zen 3 (AVX2; bench/spec_decode.py --force, 8 rounds, every prompt N at a
-# time), proposals / none, mean: 2 streams edit 1.19x chat 1.01x, 3 streams 1.10x / 1.00x,
-# 4 streams 1.04x / 0.93x (chat lost 7% where edits gained 4%).
+# Measured on AMD EPYC Zen 3 (AVX2; bench/spec_decode.py --force --kv-cache-dtype float16, 8
+# rounds, every prompt N at a time), proposals / none, mean: 2 streams edit 1.19x, chat 1.01x;
+# 3 streams 1.10x / 1.00x; 4 streams 1.04x / 0.93x (chat lost 7% where edits gained 4%).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 3
 
 
