@@ -24,13 +24,13 @@ when proposals resume).
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 
 from engine.errors import ConfigError
 
@@ -137,24 +137,62 @@ def _object(value: str | dict) -> dict[str, Any]:
     return value
 
 
-def ngram_drafts(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
-    """Up to ``num_drafts`` tokens that followed an earlier occurrence of the longest suffix of
-    ``token_ids`` of ``max_n`` .. ``min_n`` tokens that occurs before; [] if none. The
-    occurrence is the latest with ``num_drafts`` tokens after it, or else the first (in a
-    repeating text the latest may be too near the end to say much).
+class NgramIndex:
+    """Where each n-gram of a growing token list starts, for prompt lookup: kept up to date as
+    tokens are appended (each new token adds one start per n), so that a step's lookup is a few
+    dict reads instead of a scan of the whole prompt and output (a scan with numpy took 0.2-0.35
+    ms a step at 300-2,000 tokens on AMD EPYC Zen 3: 2-4% of a one-stream decode step, per
+    decoding request).
 
-    The search is over numpy arrays (a comparison per n-gram length over every position),
-    about 30 us for 2,000 tokens."""
-    size = len(token_ids)
-    if num_drafts < 1 or size <= min_n:
+    One per request (``Request.ngram_index``, made at its first lookup: ~2 ms for 2,000 tokens,
+    ~0.6 KB a token for lookup 3..5): ``token_ids`` is its prompt + output, which only grows
+    between calls (a shorter list is indexed again from the start)."""
+
+    __slots__ = ("min_n", "max_n", "_starts", "_size")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its starts, in order
+        self._size = 0  # the list's length when last indexed
+
+    def drafts(self, token_ids: Sequence[int], num_drafts: int) -> list[int]:
+        """Up to ``num_drafts`` tokens that followed an earlier occurrence of the longest suffix of
+        ``token_ids`` of ``max_n`` .. ``min_n`` tokens that occurs before; [] if none. The
+        occurrence is the latest with ``num_drafts`` tokens after it, or else the first (in a
+        repeating text the latest may be too near the end to say much)."""
+        size = len(token_ids)
+        if num_drafts < 1 or size <= self.min_n:
+            return []
+        self._index(token_ids, size)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            starts = self._starts.get(tuple(token_ids[size - n:]))
+            if starts:
+                roomy = bisect.bisect_right(starts, size - n - num_drafts)  # (starts with room: before it)
+                start = (starts[roomy - 1] if roomy else starts[0]) + n
+                return list(token_ids[start:start + num_drafts])
         return []
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        # Windows starting at 0 .. size - n - 1: each has at least one token after it.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:size - 1], n)
-        hits = np.flatnonzero((windows == tokens[size - n:]).all(axis=1))
-        if hits.size:
-            roomy = hits[hits + n + num_drafts <= size]
-            start = int(roomy[-1] if roomy.size else hits[0]) + n
-            return tokens[start:start + num_drafts].tolist()
-    return []
+
+    def _index(self, token_ids: Sequence[int], size: int) -> None:
+        """Add the n-grams that now have a token after them (an n-gram is a place to copy from
+        only then): those starting at ``size - n - 1`` and before, not yet in."""
+        if size < self._size:
+            self._starts.clear()
+            self._size = 0
+        starts = self._starts
+        for n in range(self.min_n, self.max_n + 1):
+            first, last = max(0, self._size - n), size - n - 1
+            if last < first:
+                continue
+            grams = zip(*(token_ids[first + j:last + 1 + j] for j in range(n)))
+            for at, gram in enumerate(grams, first):
+                places = starts.get(gram)
+                if places is None:
+                    starts[gram] = [at]
+                else:
+                    places.append(at)
+        self._size = size
+
+
+def ngram_drafts(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """``NgramIndex.drafts`` of a list indexed once (what a request's own index proposes)."""
+    return NgramIndex(min_n, max_n).drafts(token_ids, num_drafts)

@@ -6,6 +6,7 @@ blocks after rejections, preemption and aborts, and the counters."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.errors import ConfigError
 from engine.sampling_params import SamplingParams
-from engine.speculative import SpeculativeConfig, ngram_drafts
+from engine.speculative import NgramIndex, SpeculativeConfig, ngram_drafts
 from tests.conftest import NEAR_TIE, run_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -37,6 +38,43 @@ def test_ngram_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix
     assert ngram_drafts([1, 2, 3], 3, 2, 4) == []  # nothing occurs twice
     assert ngram_drafts([5, 6, 5, 6], 8, 2, 4) == [5, 6]  # as many as there are
     assert ngram_drafts([5, 6, 5, 6], 0, 2, 4) == []
+
+
+def _drafts_by_scan(tokens: list[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """What prompt lookup proposes, by the plainest scan: the longest suffix of max_n .. min_n
+    tokens that occurs earlier with a token after it; its latest such place with num_drafts
+    tokens after it, else its first."""
+    size = len(tokens)
+    if num_drafts < 1:
+        return []
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        places = [i for i in range(size - n) if tokens[i:i + n] == tokens[size - n:]]
+        if places:
+            roomy = [i for i in places if i + n + num_drafts <= size]
+            start = (roomy[-1] if roomy else places[0]) + n
+            return tokens[start:start + num_drafts]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_request_s_ngram_index_proposes_what_a_scan_of_its_tokens_does_as_they_grow(seed):
+    """One index per request, fed its growing list (a token or a few kept drafts at a time):
+    at every length it proposes what a scan of the whole list does (few symbols: many repeats,
+    so the latest-with-room and first-occurrence rules are both exercised)."""
+    rng = random.Random(seed)
+    min_n = rng.randint(1, 3)
+    max_n = rng.randint(min_n, 5)
+    index, tokens = NgramIndex(min_n, max_n), []
+    checked = proposed = 0
+    while len(tokens) < 300:
+        tokens += [rng.randrange(4) for _ in range(rng.choice((1, 1, 1, 2, 5)))]
+        num_drafts = rng.randint(0, 6)
+        expected = _drafts_by_scan(tokens, num_drafts, min_n, max_n)
+        assert index.drafts(tokens, num_drafts) == expected, (len(tokens), num_drafts)
+        checked, proposed = checked + 1, proposed + bool(expected)
+    assert proposed > checked // 2
+    # A shorter list (not a request's: its tokens only grow) is indexed again from its start.
+    assert index.drafts(tokens[:40], 3) == _drafts_by_scan(tokens[:40], 3, min_n, max_n)
 
 
 @pytest.mark.parametrize("value, words", [

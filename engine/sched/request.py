@@ -81,6 +81,9 @@ class Request:
     # A draft model's proposals after the last known token, from the step that sampled it
     # (speculative method draft_model): what the next step's drafts are taken from.
     proposed_token_ids: tuple[int, ...] = ()
+    # Where each n-gram of token_ids starts (speculative method ngram: engine.speculative's
+    # NgramIndex), made at its first lookup and kept up to date by each one after it.
+    ngram_index: Any = None
 
     def __attrs_post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -18,7 +18,7 @@ import attrs
 from engine.plan import NewRequest, StepPlan
 from engine.sched.kv_cache import BlockManager
 from engine.sched.request import Request, RequestStatus
-from engine.speculative import SpeculativeConfig, ngram_drafts
+from engine.speculative import NgramIndex, SpeculativeConfig
 
 
 class ScheduledChunk(NamedTuple):
@@ -443,7 +443,9 @@ class Scheduler:
             return []
         if spec.method == "draft_model":
             return list(request.proposed_token_ids[:most])
-        return ngram_drafts(request.token_ids, most, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if request.ngram_index is None:
+            request.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return request.ngram_index.drafts(request.token_ids, most)
 
     def _pick_victim(self) -> Request:
         if self.priority_policy:
