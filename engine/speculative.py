@@ -145,8 +145,9 @@ class NgramIndex:
     decoding request).
 
     One per request (``Request.ngram_index``, made at its first lookup: ~2 ms for 2,000 tokens,
-    ~0.6 KB a token for lookup 3..5): ``token_ids`` is its prompt + output, which only grows
-    between calls (a shorter list is indexed again from the start)."""
+    ~0.6 KB a token for lookup 3..5, kept while the request runs): ``token_ids`` is its prompt +
+    output, which only grows between calls (a shorter list is indexed again from the start; a
+    list changed in place is not seen)."""
 
     __slots__ = ("min_n", "max_n", "_starts", "_size")
 
@@ -161,6 +162,9 @@ class NgramIndex:
         occurrence is the latest with ``num_drafts`` tokens after it, or else the first (in a
         repeating text the latest may be too near the end to say much)."""
         size = len(token_ids)
+        if size < self._size:  # (not a request's list: indexed again from its start)
+            self._starts.clear()
+            self._size = 0
         if num_drafts < 1 or size <= self.min_n:
             return []
         self._index(token_ids, size)
@@ -175,9 +179,6 @@ class NgramIndex:
     def _index(self, token_ids: Sequence[int], size: int) -> None:
         """Add the n-grams that now have a token after them (an n-gram is a place to copy from
         only then): those starting at ``size - n - 1`` and before, not yet in."""
-        if size < self._size:
-            self._starts.clear()
-            self._size = 0
         starts = self._starts
         for n in range(self.min_n, self.max_n + 1):
             first, last = max(0, self._size - n), size - n - 1

@@ -73,8 +73,14 @@ def test_a_request_s_ngram_index_proposes_what_a_scan_of_its_tokens_does_as_they
         assert index.drafts(tokens, num_drafts) == expected, (len(tokens), num_drafts)
         checked, proposed = checked + 1, proposed + bool(expected)
     assert proposed > checked // 2
-    # A shorter list (not a request's: its tokens only grow) is indexed again from its start.
-    assert index.drafts(tokens[:40], 3) == _drafts_by_scan(tokens[:40], 3, min_n, max_n)
+    # Each place of each n-gram with a token after it is held once (as of a lookup).
+    index.drafts(tokens, 1)
+    assert sum(map(len, index._starts.values())) == sum(len(tokens) - n for n in range(min_n, max_n + 1))
+    # A shorter list (not a request's: its tokens only grow) is indexed again from its start,
+    # even when it asks for nothing.
+    assert index.drafts(tokens[:2], 0) == []
+    other = [rng.randrange(4, 8) for _ in range(40)]
+    assert index.drafts(other, 3) == _drafts_by_scan(other, 3, min_n, max_n)
 
 
 @pytest.mark.parametrize("value, words", [
