@@ -192,8 +192,3 @@ class NgramIndex:
                 else:
                     places.append(at)
         self._size = size
-
-
-def ngram_drafts(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
-    """``NgramIndex.drafts`` of a list indexed once (what a request's own index proposes)."""
-    return NgramIndex(min_n, max_n).drafts(token_ids, num_drafts)

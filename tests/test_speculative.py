@@ -17,13 +17,18 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.errors import ConfigError
 from engine.sampling_params import SamplingParams
-from engine.speculative import NgramIndex, SpeculativeConfig, ngram_drafts
+from engine.speculative import NgramIndex, SpeculativeConfig
 from tests.conftest import NEAR_TIE, run_prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 # ---- the proposer ----
+
+def ngram_drafts(token_ids: list[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """What a request's index proposes for a list it sees whole."""
+    return NgramIndex(min_n, max_n).drafts(token_ids, num_drafts)
+
 
 def test_ngram_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
     assert ngram_drafts([1, 2, 3, 4, 5, 9, 9, 1, 2, 3], 3, 2, 4) == [4, 5, 9]
