@@ -61,8 +61,8 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
         if args.launcher_fd is not None:
             nursery.start_soon(_stop_with_the_launcher, args.launcher_fd, shutdown)
 
-        async def http() -> None:
-            await serve(app, hc, shutdown_trigger=stop_http.wait)
+        async def http(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            await serve(app, hc, shutdown_trigger=stop_http.wait, task_status=task_status)
             nursery.cancel_scope.cancel()  # the engine goes down with the HTTP server
 
         # One server alone listens at once (/health says 503 while the model loads). A front of
@@ -70,15 +70,15 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
         # fronts that are ready take every connection.
         shared_socket = args.listen_fd is not None
         if not shared_socket:
-            nursery.start_soon(http)
+            urls = await nursery.start(http)  # (hypercorn's "http://host:port": the port bound, with --port 0 too)
         log.info("loading %s (backend %s)...", source.path, config.backend)
         async with open_engine(config, engine_fds=args.engine_fd) as client:
             state.attach(client)
             if not args.disable_log_stats:
                 nursery.start_soon(_log_stats, client)
             if shared_socket:
-                nursery.start_soon(http)
-            _log_ready(app, state, client, args, config)
+                urls = await nursery.start(http)
+            _log_ready(app, state, client, config, urls[0])
             task_status.started()
             failed = await _wait_for_shutdown(shutdown, client, args.on_engine_failure)
             state.draining = True
@@ -124,14 +124,14 @@ async def _log_stats(client, interval: float = LOG_STATS_INTERVAL_S) -> None:
         before = now
 
 
-def _log_ready(app, state: ServerState, client, args: argparse.Namespace, config: EngineConfig) -> None:
+def _log_ready(app, state: ServerState, client, config: EngineConfig, url: str) -> None:
     stats = client.stats()
-    log.info("serving %s as %r on http://%s:%d with backend %s; KV cache %d blocks x %d tokens = %d tokens",
-             resolve_model(config.model).path.name, state.model_name, args.host, args.port, client.backend_name,
+    log.info("serving %s as %r on %s with backend %s; KV cache %d blocks x %d tokens = %d tokens",
+             resolve_model(config.model).path.name, state.model_name, url, client.backend_name,
              stats.kv_blocks_total, config.block_size, stats.kv_blocks_total * config.block_size)
     log.info("routes: %s", ", ".join(sorted(str(r.rule) for r in app.url_map.iter_rules())))
     if state.frontend:
-        log.info("chat page: http://%s:%d/ (--disable-frontend turns it off)", args.host, args.port)
+        log.info("chat page: %s/ (--disable-frontend turns it off)", url)
 
 
 async def _stop_on_signals(shutdown: trio.Event, grace: float) -> None:

@@ -334,6 +334,28 @@ def test_a_backend_this_machine_cannot_run_is_one_clear_line():
     assert "error: the cuda backend cannot run" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_port_0_serves_on_the_port_the_ready_line_names():
+    """``--port 0`` binds a port the system picks; the start-up lines name that port, not 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "engine.api", "--port", "0", "--backend", "torch",
+                             "--num-kv-blocks", "64"],
+                            cwd=os.path.dirname(os.path.dirname(__file__)), stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in iter(proc.stderr.readline, ""):
+            lines.append(line)
+            if "engine.server: serving" in line or len(lines) > 200:
+                break
+        ready = next(line for line in lines if "engine.server: serving" in line)
+        url = ready.split(" on ")[1].split()[0]
+        assert url.startswith("http://127.0.0.1:") and not url.endswith(":0"), ready
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        page = proc.stderr.readline() + proc.stderr.readline()
+        assert f"chat page: {url}/ " in page, page
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
 def torch_cuda_available() -> bool:
     import torch
 
