@@ -627,6 +627,29 @@ def test_the_counters_appear_in_metrics_and_add_up(tiny_model):
     assert "spec_decode" not in Metrics(lambda: [plain], "m").exposition().decode()
 
 
+def test_a_prompt_whose_first_step_keeps_drafts_is_counted_once(tiny_model, monkeypatch):
+    """vllm:prompt_tokens counts a sequence's prompt at its first token, also when that step
+    verifies drafts and keeps them: a prompt found in the prefix cache but for its last token
+    computes that token and the drafts in one step."""
+    from engine.sched.scheduler import Scheduler
+
+    prompt = list(range(10, 43))  # two blocks of 16 and one token
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    [(greedy, _)] = _run(_tiny_core(tiny_model, speculative_config=None), [prompt], params)
+
+    def always_right(self, request, room):  # the greedy continuation, as much as fits
+        done = request.num_output_tokens
+        return greedy[done:done + min(room, 4, len(greedy) - done - 1)]
+
+    monkeypatch.setattr(Scheduler, "_drafts", always_right)
+    core = _tiny_core(tiny_model)
+    assert [out for out, _ in _run(core, [prompt], params)] == [greedy]
+    assert [out for out, _ in _run(core, [prompt], params)] == [greedy]  # 32 tokens from the cache
+    stats = core.stats()
+    assert stats.prefix_cache_hits >= 32 and stats.spec_num_accepted_tokens > 0
+    assert stats.num_request_prompt_tokens == 2 * len(prompt)
+
+
 @pytest.mark.slow
 def test_a_stop_token_among_kept_drafts_ends_the_output_there(model, tokenizer):
     """The model copies a text, so its drafts (from the prompt) are kept: a stop token from the

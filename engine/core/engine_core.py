@@ -430,9 +430,11 @@ class EngineCore:
             if failed_parents and request.parent_id in failed_parents:
                 continue
             token = sampled.get(request.request_id)
-            if token is not None and start < num_prompt and len(request.token_ids) == num_prompt + 1:
+            drafted = bool(accepted) and request.request_id in accepted  # (it appended token_ids[start + 1:])
+            known_before = start + 1 if drafted else len(request.token_ids) - 1
+            if token is not None and start < num_prompt and known_before == num_prompt:
                 self._num_request_prompt_tokens += num_prompt  # (its first token: once a sequence, as vLLM)
-            if accepted and request.request_id in accepted:
+            if drafted:
                 deltas.append(self._drafted_delta(request, start, logprobs.get(request.request_id),
                                                   result.accepted_logprobs.get(request.request_id, ())))
                 continue
