@@ -405,6 +405,26 @@ def test_a_draft_model_through_preemptions_and_a_prefix_cache_gives_the_same_tok
     assert [tokens for tokens, _ in drafted] == [tokens for tokens, _ in plain]
 
 
+def test_a_draft_model_s_context_ending_one_past_a_block_ends_requests_cleanly(tiny_model, tmp_path):
+    """A draft of 33 positions (two blocks of 16 and one) sets max_model_len: in the step that
+    reaches it, the last sampled token would sit in a block the target does not hold yet (no
+    proposal follows it, so no scratch blocks either); the request ends at the length limit with
+    the tokens of the engine without proposals."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=33,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    core = _tiny_core(tiny_model, speculative_config={**_draft(str(tmp_path)), "disable_by_batch_size": 8})
+    assert core.max_model_len == 33
+    prompt, params = list(range(10, 30)), SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    [(drafted, _)] = _run(core, [prompt], params)
+    [(plain, _)] = _run(_tiny_core(tiny_model, speculative_config=None, max_model_len=33), [prompt], params)
+    assert drafted == plain and len(drafted) == 13 and core.stats().spec_num_drafts > 0
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -163,8 +163,15 @@ class Drafter:
         if not rows:
             return {}
         limit = self.model.config.max_position_embeddings
-        proposing = [i for i, row in enumerate(rows) if row.propose and num_proposals > 0
-                     and row.start + len(row.token_ids) < limit]
+        # A row whose sampled token reaches the end of the draft's context proposes nothing, and
+        # that token (the target computes it next step) stays out too: it may sit past the
+        # target's blocks, where only a proposing row's scratch blocks would hold it.
+        rows = [row if not row.propose or (num_proposals > 0 and row.start + len(row.token_ids) < limit)
+                else attrs.evolve(row, token_ids=row.token_ids[:-1], propose=False) for row in rows]
+        rows = [row for row in rows if row.token_ids]
+        if not rows:
+            return {}
+        proposing = [i for i, row in enumerate(rows) if row.propose]
         scratch = {i: n for n, i in enumerate(proposing)}
         tables = [self._table(row, scratch.get(i)) for i, row in enumerate(rows)]
         positions = [range(row.start, row.start + len(row.token_ids)) for row in rows]
