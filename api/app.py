@@ -7,7 +7,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from typing import Any
 
@@ -76,7 +76,7 @@ from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.reasoning import ReasoningParser, check_budget
-from engine.tokenizer import content_text, render_chat_template, template_switches
+from engine.tokenizer import content_text, render_chat_template, template_switches, token_bytes
 from engine.tools import ToolPlan, plan_tools, render_inputs
 
 log = logging.getLogger(__name__)
@@ -272,6 +272,8 @@ class _Handlers:
         self._openapi = openapi_document(VERSION)
         self._page = load_static() if state.frontend else {}
         self._throughput = Throughput()
+        self._vocab_bytes: tuple[bytes, ...] | None = None  # each token's bytes, read at the first need
+        self._vocab_bytes_lock = trio.Lock()
 
     # ---- helpers ----
 
@@ -285,6 +287,14 @@ class _Handlers:
         if self.state.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         return client
+
+    async def vocab_bytes(self) -> tuple[bytes, ...]:
+        """Each token id's bytes (chat logprobs' ``bytes``), read from the vocabulary once, in a
+        thread (~0.5 s), by the first request that asks."""
+        async with self._vocab_bytes_lock:
+            if self._vocab_bytes is None:
+                self._vocab_bytes = await trio.to_thread.run_sync(token_bytes, self.client.tokenizer)
+        return self._vocab_bytes
 
     async def body(self, cls: type) -> Any:
         raw = await request.get_data()
@@ -510,6 +520,7 @@ class _Handlers:
         tracker = UsageTracker(len(ids))
         echo = self._chat_echo(req)
         tools = plan is not None and plan.may_call
+        vocab_bytes = await self.vocab_bytes() if req.logprobs else ()
         beam = beam_search_params(req, params.max_tokens or self.client.max_model_len - len(ids))
         if beam is not None:
             (final,) = await self._beam_search([ids], [beam], request_id, req.priority, tracker)
@@ -519,7 +530,7 @@ class _Handlers:
                                                                      request_id=request_id, priority=req.priority))
             if req.stream:
                 return self.sse_response(self._chat_chunks(req, request_id, stream, tracker, echo, plan, reasoning,
-                                                           ids), stream)
+                                                           ids, vocab_bytes), stream)
             final = await self._final(stream, tracker)
         choices, splitters = [], []
         for c in final.outputs:
@@ -539,7 +550,7 @@ class _Handlers:
                 message["reasoning_content"] = message["reasoning"] = text
             choice = {"index": c.index, "message": message, "finish_reason": finish_reason,
                       "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0,
-                                                req.return_tokens_as_token_ids) if req.logprobs else None,
+                                                req.return_tokens_as_token_ids, vocab_bytes) if req.logprobs else None,
                       "stop_reason": c.stop_reason}
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
@@ -587,7 +598,8 @@ class _Handlers:
         return ""
 
     async def _chat_chunks(self, req, request_id: str, stream, tracker: UsageTracker, echo: str,
-                           plan: ToolPlan | None, reasoning: ReasoningPlan | None, prompt_token_ids: list[int]):
+                           plan: ToolPlan | None, reasoning: ReasoningPlan | None, prompt_token_ids: list[int],
+                           vocab_bytes: Sequence[bytes]):
         chunk = ChunkWriter(request_id, "chat.completion.chunk", self.state.model_name, req.stream_options, tracker)
         tools = plan is not None and plan.may_call
         splitters = [OutputSplitter(reasoning, tools, plan is not None and plan.calls_only) for _ in range(req.n)]
@@ -612,7 +624,7 @@ class _Handlers:
                     finish_reason = plan.finish_reason(finish_reason, splitter.tools.num_complete)
                 choice = {"index": c.index, "delta": delta,
                           "logprobs": chat_logprobs(c.logprobs, c.token_ids, req.top_logprobs or 0,
-                                                    req.return_tokens_as_token_ids) if req.logprobs else None,
+                                                    req.return_tokens_as_token_ids, vocab_bytes) if req.logprobs else None,
                           "finish_reason": finish_reason}
                 if req.return_token_ids:
                     choice["token_ids"] = c.token_ids

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -50,18 +50,27 @@ def _token(token_id: int, text: str | None, as_ids: bool) -> str | None:
     return f"token_id:{token_id}" if as_ids else text
 
 
-def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: int, as_ids: bool = False) -> dict:
+def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: int, as_ids: bool = False,
+                  vocab_bytes: Sequence[bytes] = ()) -> dict:
     """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal": null}``
-    (``as_ids``: tokens named ``token_id:N``)."""
+    (``as_ids``: tokens named ``token_id:N``). Each ``bytes`` is the token's own from
+    ``vocab_bytes`` (``engine.tokenizer.token_bytes``): OpenAI's "useful in instances where
+    characters are represented by multiple tokens and their byte representations must be
+    combined", where the token's text is a replacement character (vLLM gives that text's bytes)."""
+    def token_bytes(token_id: int, text: str | None) -> list[int]:
+        if 0 <= token_id < len(vocab_bytes):
+            return list(vocab_bytes[token_id])
+        return _token_bytes(text or "")
+
     content = []
     for token_id, position in zip(token_ids, positions):
         text = position[token_id].decoded_token
         alternatives = sorted(position.items(), key=lambda item: item[1].rank)[:top]
-        content.append({  # (the sampled token's bytes are its text's even when named by id, as vLLM's)
+        content.append({
             "token": _token(token_id, text, as_ids), "logprob": _logprob(position[token_id].logprob),
-            "bytes": _token_bytes(text or ""),
-            "top_logprobs": [{"token": (name := _token(t, lp.decoded_token, as_ids)), "logprob": _logprob(lp.logprob),
-                              "bytes": _token_bytes(name or "")} for t, lp in alternatives],
+            "bytes": token_bytes(token_id, text),
+            "top_logprobs": [{"token": _token(t, lp.decoded_token, as_ids), "logprob": _logprob(lp.logprob),
+                              "bytes": token_bytes(t, lp.decoded_token)} for t, lp in alternatives],
         })
     return {"content": content, "refusal": None}
 

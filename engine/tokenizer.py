@@ -55,6 +55,16 @@ def tokenizer_for(config) -> Any:
     return load_tokenizer(resolve_model(config.model), config.tokenizer)
 
 
+def token_bytes(tokenizer) -> tuple[bytes, ...]:
+    """Each token id's own bytes, which may be part of a character (byte-level BPE, SentencePiece
+    byte fallback or plain pieces, as xgrammar reads the vocabulary): what a logprobs entry's
+    ``bytes`` holds, so that a character split over tokens is whole again when they are joined.
+    ~0.5 s for a 49k vocabulary."""
+    import xgrammar
+
+    return tuple(xgrammar.TokenizerInfo.from_huggingface(tokenizer).decoded_vocab)
+
+
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
     """A transformers tokenizer for ``source`` (or for the explicit ``tokenizer`` path), read
     from local files only.

@@ -223,6 +223,31 @@ def test_n_stop_logprobs_seed(client, schemas):
     assert len(legacy.choices[0].logprobs.tokens) == 3
 
 
+def test_chat_logprobs_bytes_join_into_characters_split_over_tokens(server):
+    """Each token's ``bytes`` are its own (OpenAI: "useful in instances where characters are
+    represented by multiple tokens and their byte representations must be combined"): emoji come
+    in pieces of two tokens, each piece's text a replacement character, and the joined bytes
+    are the answer's text, streamed or not; an alternative's bytes are its own too."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "\U0001f63a" * 8}], "max_tokens": 12,
+            "temperature": 0, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    answer = httpx.post(server[0] + "/v1/chat/completions", json=body, headers=headers, timeout=120).json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    joined = b"".join(bytes(t["bytes"]) for t in content)
+    assert "\U0001f63a" in answer["choices"][0]["message"]["content"]
+    assert joined.decode("utf-8", errors="replace") == answer["choices"][0]["message"]["content"]
+    pieces = [bytes(t["bytes"]) for t in content]
+    assert any(piece.decode("utf-8", errors="replace") != piece.decode("utf-8", errors="ignore") for piece in pieces)
+    for token in content:  # named by id: the sampled token's bytes are its own among the alternatives too
+        same = [alt for alt in token["top_logprobs"] if alt["token"] == token["token"]]
+        assert all(alt["bytes"] == token["bytes"] for alt in same) and token["token"].startswith("token_id:")
+    events = sse_events(httpx.post(server[0] + "/v1/chat/completions", json={**body, "stream": True},
+                                   headers=headers, timeout=120))
+    streamed = [t for e in events if e != "[DONE]" for c in e["choices"] if c["logprobs"]
+                for t in c["logprobs"]["content"]]
+    assert streamed == content
+
+
 def test_prefix_cache_shows_in_usage(client):
     system = [{"role": "system", "content": "You are a terse assistant. " * 20}]
     client.chat.completions.create(model=MODEL, messages=system + CHAT, max_tokens=2)
