@@ -59,10 +59,16 @@ def token_bytes(tokenizer) -> tuple[bytes, ...]:
     """Each token id's own bytes, which may be part of a character (byte-level BPE, SentencePiece
     byte fallback or plain pieces, as xgrammar reads the vocabulary): what a logprobs entry's
     ``bytes`` holds, so that a character split over tokens is whole again when they are joined.
-    ~0.5 s for a 49k vocabulary."""
+    ~0.5 s for a 49k vocabulary. Empty where xgrammar cannot read the tokenizer (logprobs then
+    carry the bytes of each token's text, as vLLM's do)."""
     import xgrammar
 
-    return tuple(xgrammar.TokenizerInfo.from_huggingface(tokenizer).decoded_vocab)
+    try:
+        return tuple(xgrammar.TokenizerInfo.from_huggingface(tokenizer).decoded_vocab)
+    except Exception as exc:  # (any failure of a third-party reader: the text's bytes still serve)
+        log.warning("logprobs' bytes will be the UTF-8 of each token's text: xgrammar cannot read this "
+                    "tokenizer's vocabulary (%s)", exc)
+        return ()
 
 
 def load_tokenizer(source: ModelSource, tokenizer: str | None = None):

@@ -305,3 +305,28 @@ def test_a_tokenizer_path_that_is_not_there_or_holds_none_is_a_config_error_nami
     (tmp_path / "tokenizer.json").write_text('{"model": 1}')  # (the tokenizers library's own exception)
     with pytest.raises(ConfigError, match="no tokenizer read there"):
         load_tokenizer(source, str(tmp_path))
+
+
+def test_each_token_s_bytes_are_its_own_and_join_into_the_text(tokenizer, caplog):
+    """``token_bytes``: pieces of a character are the character's bytes in parts (each alone no
+    UTF-8), and a tokenizer xgrammar cannot read gives none (logprobs fall back to the text's)."""
+    from engine.tokenizer import token_bytes
+
+    table = token_bytes(tokenizer)
+    assert len(table) == len(tokenizer)
+    text = "caf\u00e9 \U0001f63a \u65e5\u672c"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(table[i] for i in ids) == text.encode()
+    assert any(not _utf8(table[i]) for i in ids)  # (some token is part of a character)
+    assert table[tokenizer.convert_tokens_to_ids("<|im_end|>")] == b"<|im_end|>"
+    with caplog.at_level("WARNING"):
+        assert token_bytes(object()) == ()
+    assert "xgrammar cannot read" in caplog.text
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
