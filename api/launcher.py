@@ -56,6 +56,7 @@ async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
         raise SystemExit("error: --api-server-count does not combine with engines on other machines "
                          "(--data-parallel-size-local) yet")
     listener = socket.create_server((args.host, args.port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
+    host, port = listener.getsockname()[:2]  # (the port bound: --port 0 too)
     engines, per_front = await start_engines_for_fronts(config, config.data_parallel_size, args.api_server_count)
     fronts, lifelines = [], []
     with tempfile.TemporaryDirectory(prefix="engine-metrics-") as metrics_dir:
@@ -73,8 +74,7 @@ async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
                 for s in sockets:
                     s.close()
             listener.close()
-            log.info("%d API servers on %s:%d, %d engine process(es)", len(fronts), args.host, args.port,
-                     len(engines))
+            log.info("%d API servers on %s:%d, %d engine process(es)", len(fronts), host, port, len(engines))
             stopping = _Stop(fronts)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(stopping.on_signals)

@@ -60,7 +60,7 @@ def token_bytes(tokenizer) -> tuple[bytes, ...]:
     byte fallback or plain pieces, as xgrammar reads the vocabulary): what a logprobs entry's
     ``bytes`` holds, so that a character split over tokens is whole again when they are joined.
     ~0.5 s for a 49k vocabulary. Empty where xgrammar cannot read the tokenizer (logprobs then
-    carry the bytes of each token's text, as vLLM's do)."""
+    carry the UTF-8 of each token's text, as vLLM's sampled tokens do)."""
     import xgrammar
 
     try:

@@ -217,8 +217,8 @@ async def test_the_server_gives_the_same_samples_alone_and_under_load(tokenizer)
         return [(c["text"], c["logprobs"]["token_logprobs"], c["logprobs"]["top_logprobs"])
                 for c in response.json()["choices"]]
 
-    # (each answer comes whole when its last token does: on a busy 2-core machine 32 streams of
-    # the invariant engine took more than the client's usual 30 s; fail_after below bounds it all)
+    # (each answer comes whole when its last token does: on a busy 2-core machine 32 requests to
+    # the invariant engine took more than the client's usual 30 s; fail_after bounds the load)
     wait = 240
     async with serve_http(core, tokenizer) as server:
         alone = choices(await server.http.post("/v1/completions", json=body, timeout=wait))

@@ -432,7 +432,7 @@ class EngineCore:
             token = sampled.get(request.request_id)
             drafted = bool(accepted) and request.request_id in accepted  # (it appended token_ids[start + 1:])
             known_before = start + 1 if drafted else len(request.token_ids) - 1
-            if token is not None and start < num_prompt and known_before == num_prompt:
+            if token is not None and start < num_prompt and known_before == num_prompt < len(request.token_ids):
                 self._num_request_prompt_tokens += num_prompt  # (its first token: once a sequence, as vLLM)
             if drafted:
                 deltas.append(self._drafted_delta(request, start, logprobs.get(request.request_id),

@@ -166,11 +166,9 @@ class Drafter:
         # A row whose sampled token reaches the end of the draft's context proposes nothing, and
         # that token (the target computes it next step) stays out too: it may sit past the
         # target's blocks, where only a proposing row's scratch blocks would hold it.
+        # (a proposing row holds at least one computed token before the sampled one)
         rows = [row if not row.propose or (num_proposals > 0 and row.start + len(row.token_ids) < limit)
                 else attrs.evolve(row, token_ids=row.token_ids[:-1], propose=False) for row in rows]
-        rows = [row for row in rows if row.token_ids]
-        if not rows:
-            return {}
         proposing = [i for i, row in enumerate(rows) if row.propose]
         scratch = {i: n for n, i in enumerate(proposing)}
         tables = [self._table(row, scratch.get(i)) for i, row in enumerate(rows)]
