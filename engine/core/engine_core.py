@@ -431,9 +431,10 @@ class EngineCore:
                 continue
             token = sampled.get(request.request_id)
             drafted = bool(accepted) and request.request_id in accepted  # (it appended token_ids[start + 1:])
-            known_before = start + 1 if drafted else len(request.token_ids) - 1
-            if token is not None and start < num_prompt and known_before == num_prompt < len(request.token_ids):
-                self._num_request_prompt_tokens += num_prompt  # (its first token: once a sequence, as vLLM)
+            if token is not None and start < num_prompt:  # (a decoding row skips this at the first test)
+                known_before = start + 1 if drafted else len(request.token_ids) - 1
+                if known_before == num_prompt < len(request.token_ids):
+                    self._num_request_prompt_tokens += num_prompt  # (its first token: once a sequence, as vLLM)
             if drafted:
                 deltas.append(self._drafted_delta(request, start, logprobs.get(request.request_id),
                                                   result.accepted_logprobs.get(request.request_id, ())))
