@@ -57,7 +57,7 @@ def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: 
     ``vocab_bytes`` (``engine.tokenizer.token_bytes``): OpenAI's "useful in instances where
     characters are represented by multiple tokens and their byte representations must be
     combined", where the token's text is a replacement character (vLLM gives that text's bytes)."""
-    def token_bytes(token_id: int, text: str | None) -> list[int]:
+    def bytes_of(token_id: int, text: str | None) -> list[int]:
         if 0 <= token_id < len(vocab_bytes):
             return list(vocab_bytes[token_id])
         return _token_bytes(text or "")
@@ -68,9 +68,9 @@ def chat_logprobs(positions: list[PositionLogprobs], token_ids: list[int], top: 
         alternatives = sorted(position.items(), key=lambda item: item[1].rank)[:top]
         content.append({
             "token": _token(token_id, text, as_ids), "logprob": _logprob(position[token_id].logprob),
-            "bytes": token_bytes(token_id, text),
+            "bytes": bytes_of(token_id, text),
             "top_logprobs": [{"token": _token(t, lp.decoded_token, as_ids), "logprob": _logprob(lp.logprob),
-                              "bytes": token_bytes(t, lp.decoded_token)} for t, lp in alternatives],
+                              "bytes": bytes_of(t, lp.decoded_token)} for t, lp in alternatives],
         })
     return {"content": content, "refusal": None}
 
