@@ -174,7 +174,7 @@ def test_vllm_call_forms_of_the_offline_api(llm):
                          False, None, [0, 0])
     assert first[0].outputs[0].token_ids == first[1].outputs[0].token_ids and first[1].prompt_token_ids == ids
     second = llm.generate("Hi", SamplingParams(max_tokens=1), False)
-    assert len({o.request_id for o in first + second}) == 3  # (ids went 0, 1, then 0 again)
+    assert len({o.request_id for o in first + second}) == 3  # (each call's ids once began again at 0)
     assert (first[0].metrics, first[0].lora_request, first[0].encoder_prompt, first[0].outputs[0].lora_request) == \
         (None,) * 4
     assert SamplingParams(seed=-1).seed is None and SamplingParams(logprobs=True, prompt_logprobs=True).logprobs == 1

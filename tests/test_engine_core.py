@@ -34,7 +34,8 @@ def tokens(deltas) -> list[int]:
 
 
 def test_child_ids_cannot_collide_with_caller_ids(tiny_core):
-    assert child_id("0_x", 0) != child_id("x", 0) and child_id("x", 0) != child_id("0_x", 0)
+    pairs = [(r, i) for r in ("x", "0_x", "1_x", "0", "", "_", "1_", "10_x") for i in (0, 1, 10)]
+    assert len({child_id(r, i) for r, i in pairs}) == len(pairs)
     tiny_core.add_request("0_x", prompt(1), GREEDY)
     tiny_core.add_request("x", prompt(2), SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))
     deltas = run_to_end(tiny_core)

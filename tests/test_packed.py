@@ -188,10 +188,20 @@ def test_each_vector_path_agrees_with_the_portable_one(isa):
         assert torch.allclose(fast, portable, rtol=1e-4, atol=1e-4)  # the same sums; fused multiply-adds
 
 
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or "QM_CPU_ISA" in os.environ,
+                    reason="reads the CPU's flags from /proc/cpuinfo (and QM_CPU_ISA would cap the path)")
 def test_the_library_runs_the_best_path_this_cpu_has():
-    assert packed.isa() == {"portable": "portable", "avx2": "avx2+fma"}.get(ISAS[-1], ISAS[-1])
-    for isa in ISAS:
-        assert packed.isa_supported(isa)
+    """The library's own detection (CPUID and XCR0) against the flags Linux reports, which it
+    clears for registers the OS does not save."""
+    flags = next((set(line.split(":", 1)[1].split()) for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), set())
+    expected = "portable"
+    for isa, needs in (("avx2+fma", {"avx2", "fma", "f16c"}), ("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+                       ("avx512+vnni", {"avx512_vnni"}), ("avx512+vnni+bf16", {"avx512_bf16"})):
+        if not needs <= flags:
+            break
+        expected = isa
+    assert packed.isa() == expected
 
 
 def test_qm_cpu_isa_caps_the_path_and_an_unknown_one_is_a_clear_error():

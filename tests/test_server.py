@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 
+from engine.tokenizer import token_bytes
 from tests.conftest import load_script
 from tests.openapi_schemas import OpenAISchemas
 
@@ -223,7 +224,7 @@ def test_n_stop_logprobs_seed(client, schemas):
     assert len(legacy.choices[0].logprobs.tokens) == 3
 
 
-def test_chat_logprobs_bytes_join_into_characters_split_over_tokens(server):
+def test_chat_logprobs_bytes_join_into_characters_split_over_tokens(server, tokenizer):
     """Each token's ``bytes`` are its own (OpenAI: "useful in instances where characters are
     represented by multiple tokens and their byte representations must be combined"): emoji come
     in pieces of two tokens, each piece's text a replacement character, and the joined bytes
@@ -238,9 +239,10 @@ def test_chat_logprobs_bytes_join_into_characters_split_over_tokens(server):
     assert joined.decode("utf-8", errors="replace") == answer["choices"][0]["message"]["content"]
     pieces = [bytes(t["bytes"]) for t in content]
     assert any(piece.decode("utf-8", errors="replace") != piece.decode("utf-8", errors="ignore") for piece in pieces)
-    for token in content:  # named by id: the sampled token's bytes are its own among the alternatives too
-        same = [alt for alt in token["top_logprobs"] if alt["token"] == token["token"]]
-        assert all(alt["bytes"] == token["bytes"] for alt in same) and token["token"].startswith("token_id:")
+    vocabulary = token_bytes(tokenizer)
+    for token in content:  # named by id ("token_id:N"): each alternative's bytes are its own token's
+        for entry in (token, *token["top_logprobs"]):
+            assert bytes(entry["bytes"]) == vocabulary[int(entry["token"].removeprefix("token_id:"))], entry
     events = sse_events(httpx.post(server[0] + "/v1/chat/completions", json={**body, "stream": True},
                                    headers=headers, timeout=120))
     streamed = [t for e in events if e != "[DONE]" for c in e["choices"] if c["logprobs"]

@@ -106,11 +106,10 @@ def test_a_hung_rank_fails_the_step_within_the_timeout(tmp_path):
         run_prompts(core, prompts(250)[:1], SamplingParams(temperature=0, max_tokens=2))  # (the ranks work)
         os.kill(rank.pid, signal.SIGSTOP)  # hung: alive, answering nothing
         core.add_request("x", prompts(250)[0], SamplingParams(temperature=0, max_tokens=4))
-        start = time.monotonic()
-        with pytest.raises(Exception):
+        # distributed_timeout is what ends the wait (gloo's words; NCCL's watchdog names the timeout)
+        with pytest.raises(RuntimeError, match=r"Timed out waiting 10000ms|Timeout\(ms\)=10000\b"):
             while core.has_unfinished_requests:
                 core.step()
-        assert time.monotonic() - start < 10.0 + 10.0
     finally:
         os.kill(rank.pid, signal.SIGKILL)
         core.close()
