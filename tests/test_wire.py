@@ -80,18 +80,20 @@ async def test_every_message_round_trips_equal():
     async with open_link(left, CODEC, role="front") as (send, _), open_link(right, CODEC, role="engine") as (_, recv):
         for message in samples():
             await send.send(message)
-            assert await recv.receive() == message
+            received = await recv.receive()
+            assert received == message and repr(received) == repr(message)  # (repr: 20 is not 20.0)
 
 
 @pytest.mark.parametrize("window", [None, 4096])
 async def test_the_engine_processs_ready_message_round_trips_with_its_cache(window):
-    ready = EngineReady("m", 8192, 49152, "cpu", {"temperature": 0.6}, (2, 7),
+    ready = EngineReady("m", 8192, 49152, "cpu", {"temperature": 0.6, "top_k": 20}, (2, 7),
                         KVCacheInfo(16, 2048, "int8", 11520, True, window), samples()[3].stats, 1234)
     left, right = await stream_pair()
     async with open_link(left, PROTOCOL, role="engine") as (send, _), \
             open_link(right, PROTOCOL, role="front") as (_, recv):
         await send.send(ready)
-        assert await recv.receive() == ready
+        received = await recv.receive()
+        assert received == ready and repr(received) == repr(ready)  # top_k stays an int (a float is refused)
 
 
 async def test_a_rejection_keeps_its_error_class_param_and_text():

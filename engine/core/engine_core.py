@@ -325,7 +325,7 @@ class EngineCore:
         return eos + tuple(t for t in self.model.config.extra_eos_token_ids if t != self.eos_token_id)
 
     @property
-    def sampling_defaults(self) -> dict[str, float]:
+    def sampling_defaults(self) -> dict[str, int | float]:
         """The sampling values a request gets where it sets none (``--generation-config auto``:
         the model's generation_config.json; ``vllm``: none)."""
         return dict(self.model.config.sampling_defaults) if self.config.generation_config == "auto" else {}

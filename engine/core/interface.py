@@ -25,7 +25,7 @@ class Core(Protocol):
     max_model_len: int
     vocab_size: int
     backend_name: str
-    sampling_defaults: dict[str, float]
+    sampling_defaults: dict[str, int | float]
     eos_token_ids: tuple[int, ...]  # the model's end tokens (its EOS, then generation_config's others)
     fault: BaseException | None  # set once a step failed: the core must not run again
 

@@ -66,7 +66,7 @@ class LlamaConfig:
     extra_eos_token_ids: tuple[int, ...] = ()
     # generation_config.json's sampling values (temperature, top_p, top_k, min_p,
     # repetition_penalty): the API's defaults under --generation-config auto.
-    sampling_defaults: Mapping[str, float] = attrs.field(factory=dict, eq=False, hash=False)
+    sampling_defaults: Mapping[str, int | float] = attrs.field(factory=dict, eq=False, hash=False)
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], generation: Mapping[str, Any] | None = None) -> LlamaConfig:

@@ -17,7 +17,7 @@ class EngineReady:
     max_model_len: int
     vocab_size: int
     backend_name: str
-    sampling_defaults: dict[str, float]
+    sampling_defaults: dict[str, int | float]  # (top_k an int: msgspec would make it a float)
     eos_token_ids: tuple[int, ...]
     kv_cache_info: KVCacheInfo
     stats: EngineStats
