@@ -54,9 +54,8 @@ async def engine_processes(config: EngineConfig, count: int = 1) -> AsyncIterato
                 front_socket.close()
                 raise
             streams.append(trio.SocketStream(trio.socket.from_stdlib_socket(front_socket)))
-        if count > local:  # the others join over TCP (python -m engine.api --headless, elsewhere)
-            streams += await _accept_engines(config, count - local)
-        async with _engines(config, streams, processes) as cores:
+        # (the others join over TCP: python -m engine.api --headless, elsewhere)
+        async with _engines(config, streams, processes, joining=count - local) as cores:
             yield cores
     finally:
         with trio.CancelScope(shield=True):
@@ -81,14 +80,18 @@ async def attached_engines(config: EngineConfig, fds: list[int]) -> AsyncIterato
 
 
 @asynccontextmanager
-async def _engines(config: EngineConfig, streams: list[trio.SocketStream],
-                   processes: list) -> AsyncIterator[list[RemoteCore]]:
-    """Links over ``streams`` (the first ones to ``processes``), each engine's EngineReady, and
-    an orderly end of every link when the block is left."""
+async def _engines(config: EngineConfig, streams: list[trio.SocketStream], processes: list,
+                   joining: int = 0) -> AsyncIterator[list[RemoteCore]]:
+    """Links over ``streams`` (the first ones to ``processes``) and to ``joining`` engines that
+    join over TCP, each engine's EngineReady, and an orderly end of every link when the block
+    is left."""
     startup_error: BaseException | None = None
     async with AsyncExitStack() as links:
-        # (the handshake runs in the link's tasks: opening one does not wait for its engine)
+        # (the handshake runs in the link's tasks: opening one sends this side's Hello at once,
+        # so no engine's wait for it runs out while others join, and does not wait for its engine)
         ends = [await links.enter_async_context(open_link(stream, CODEC, role="front")) for stream in streams]
+        if joining:
+            ends += await _join_engines(config, joining, links)
         cores = []
         for rank, (send, receive) in enumerate(ends):
             process = processes[rank] if rank < len(processes) else None
@@ -272,22 +275,51 @@ async def _first_message(receive, process) -> EngineReady | EngineFailed:
                                             f"{exc}"))
 
 
-async def _accept_engines(config: EngineConfig, count: int) -> list[trio.SocketStream]:
-    """Wait for ``count`` headless engines to connect to ``data_parallel_address:rpc_port``."""
+async def _join_engines(config: EngineConfig, count: int, links: AsyncExitStack) -> list[tuple]:
+    """Links (entered into ``links``) to ``count`` headless engines that connect to
+    ``data_parallel_address:data_parallel_rpc_port``, on every address that resolves to.
+
+    A connection whose peer is not an engine of this version (a port scan, a health probe,
+    another program) is dropped with a warning, and the wait goes on. The port has no other
+    check of who joins: keep it on a trusted network (as vLLM's data-parallel port)."""
     address, port = config.data_parallel_address, config.data_parallel_rpc_port
     listeners = await trio.open_tcp_listeners(port, host=address)
-    streams = []
+    joined = []
     try:
         log.info("waiting for %d engine(s) to join at %s:%d (python -m engine.api --headless ...)", count, address, port)
-        while len(streams) < count:
-            stream = await listeners[0].accept()
-            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            streams.append(stream)
-            log.info("engine %d of %d joined from %s", len(streams), count, stream.socket.getpeername())
+        while len(joined) < count:
+            for stream in await _accept(listeners):
+                stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                peer = stream.socket.getpeername()
+                link = AsyncExitStack()
+                ends = await link.enter_async_context(open_link(stream, CODEC, role="front"))
+                try:
+                    await ends[1].handshake()
+                except trio.BrokenResourceError as exc:
+                    await link.aclose()
+                    log.warning("dropped a connection from %s: not an engine of this version (%s)", peer,
+                                exc.__cause__ or exc)
+                    continue
+                links.push_async_exit(link)
+                joined.append(ends)
+                log.info("engine %d of %d joined from %s", len(joined), count, peer)
     finally:
         for listener in listeners:
             await listener.aclose()
-    return streams
+    return joined
+
+
+async def _accept(listeners: list[trio.SocketListener]) -> list[trio.SocketStream]:
+    """The next connection on any of ``listeners`` (two, if two came at once)."""
+    accepted = []
+    async with trio.open_nursery() as nursery:
+        async def take(listener: trio.SocketListener) -> None:
+            accepted.append(await listener.accept())
+            nursery.cancel_scope.cancel()
+
+        for listener in listeners:
+            nursery.start_soon(take, listener)
+    return accepted
 
 
 async def reap(process, timeout: float) -> None:

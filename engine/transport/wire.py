@@ -175,6 +175,13 @@ class RemoteSendChannel(trio.abc.SendChannel):
         self.close()
         await trio.lowlevel.checkpoint()
 
+    async def abandon(self, reason: str) -> None:
+        """End the link now, as if it had broken (the peer stopped reading, say): both halves
+        raise ``BrokenResourceError`` from here on, and the peer sees its stream cut."""
+        self._link.broken(trio.BrokenResourceError(reason))
+        self._frames.close()
+        await trio.aclose_forcefully(self._link.stream)
+
     def close(self) -> None:
         self.closed = True
         self._frames.close()
@@ -186,6 +193,12 @@ class RemoteReceiveChannel(trio.abc.ReceiveChannel):
     def __init__(self, link: _Link, messages: trio.MemoryReceiveChannel) -> None:
         self._link = link
         self._messages = messages
+
+    async def handshake(self) -> None:
+        """Wait until the peer's Hello has been checked: ``BrokenResourceError`` if the link broke
+        first (a peer of another version, or not speaking this protocol at all)."""
+        await self._link.peer_checked.wait()
+        self._link.check()
 
     async def receive(self) -> Any:
         try:
