@@ -72,23 +72,38 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
         if not shared_socket:
             urls = await nursery.start(http)  # (hypercorn's "http://host:port": the port bound, with --port 0 too)
         log.info("loading %s (backend %s)...", source.path, config.backend)
-        async with open_engine(config, engine_fds=args.engine_fd) as client:
-            state.attach(client)
-            if not args.disable_log_stats:
-                nursery.start_soon(_log_stats, client)
-            if shared_socket:
-                urls = await nursery.start(http)
-            _log_ready(app, state, client, config, urls[0])
-            task_status.started()
-            failed = await _wait_for_shutdown(shutdown, client, args.on_engine_failure)
-            state.draining = True
-            with trio.move_on_after(args.shutdown_timeout):
-                await client.wait_idle()
-            if client.num_unfinished:
-                log.warning("shutdown: ending %d unfinished requests", client.num_unfinished)
+        starting, engine_ready = trio.CancelScope(), False
+
+        async def stop_the_start() -> None:
+            """A signal before the engine is ready (its processes still load, or the front waits
+            for headless engines to join) ends the start: there is nothing to drain yet."""
+            await shutdown.wait()
+            if not engine_ready:
+                starting.cancel()
+
+        nursery.start_soon(stop_the_start)
+        with starting:
+            async with open_engine(config, engine_fds=args.engine_fd) as client:
+                engine_ready = True
+                state.attach(client)
+                if not args.disable_log_stats:
+                    nursery.start_soon(_log_stats, client)
+                if shared_socket:
+                    urls = await nursery.start(http)
+                _log_ready(app, state, client, config, urls[0])
+                task_status.started()
+                failed = await _wait_for_shutdown(shutdown, client, args.on_engine_failure)
+                state.draining = True
+                with trio.move_on_after(args.shutdown_timeout):
+                    await client.wait_idle()
+                if client.num_unfinished:
+                    log.warning("shutdown: ending %d unfinished requests", client.num_unfinished)
         # Leaving open_engine ended every open request with EngineShutdownError: their handlers
         # answer 503 or an error event while hypercorn still runs; then it closes.
         stop_http.set()
+        if starting.cancelled_caught:
+            log.info("stopped before the engine was ready")
+            return False
         return failed
     return False  # cancelled before the engine started
 

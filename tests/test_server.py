@@ -837,6 +837,36 @@ def test_sigterm_past_the_grace_period_ends_requests_cleanly_and_exits_0():
         proc.kill()
 
 
+def test_sigterm_while_waiting_for_a_headless_engine_exits_0_with_every_child():
+    """A front waiting for an engine to join over TCP (which may never come) stops on SIGTERM:
+    the wait ended only with two SIGINTs, its local engine left behind."""
+    for _ in range(5):  # (another process may take a free port first: then with others)
+        proc = subprocess.Popen([sys.executable, "-m", "engine.api", "--port", str(free_port()), "--backend", "torch",
+                                 "--num-kv-blocks", "64", "--data-parallel-size", "2", "--data-parallel-size-local",
+                                 "1", "--data-parallel-rpc-port", str(free_port())],
+                                cwd=os.path.dirname(os.path.dirname(__file__)), stderr=subprocess.PIPE, text=True)
+        seen: list[str] = []
+        tee = threading.Thread(target=_tee, args=(proc.stderr, seen), daemon=True)
+        tee.start()
+        deadline = time.monotonic() + 120
+        while not any("to join at" in line for line in seen) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no wait for the headless engine"
+            time.sleep(0.05)
+        if proc.poll() is None:
+            break
+        tee.join(timeout=10)
+        assert any(ADDRESS_IN_USE in line for line in seen), "the server exited during start-up"
+    try:
+        children = child_pids(proc.pid)
+        assert children  # (the local engine)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert all_exit(children, 15)
+        assert any("stopped before the engine was ready" in line for line in seen)
+    finally:
+        proc.kill()
+
+
 def test_a_second_sigint_exits_at_once():
     base, proc, _ = start_server("--shutdown-timeout", "60")
     try:
