@@ -13,8 +13,10 @@ from engine.errors import InvalidParameterError
 
 # The most alternatives a caller may ask for per position (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
-# Seeds are signed 64-bit integers, as in OpenAI's API description.
-MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# Seeds are signed 64-bit integers, as in OpenAI's API description; so is every other integer of
+# a request (a larger one cannot cross the wire to an engine process: it was refused there).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MIN_SEED, MAX_SEED = INT64_MIN, INT64_MAX
 # Bounds on what one request may ask for, so that no single request can flood the engine:
 # completions per request (vLLM's VLLM_MAX_N_SEQUENCES; the HTTP API holds n to OpenAI's 128,
 # and a server queues at most max_waiting_requests), and stop strings (each is searched for,
@@ -42,7 +44,8 @@ def _check(param: str, ok: bool, message: str) -> None:
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (not a bool) of 64 bits."""
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
 
 
 def _is_number(value: Any) -> bool:
@@ -218,6 +221,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __attrs_post_init__(self) -> None:
+        self._check_kinds()
         self._check_counts()
         self._check_probabilities()
         self._check_stops()
@@ -226,6 +230,12 @@ class SamplingParams:
         self._check_salt()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidParameterError(PARAM_STRUCTURED, "structured_outputs must be a StructuredOutputsParams")
+
+    def _check_kinds(self) -> None:
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            _check(name, isinstance(getattr(self, name), bool), f"must be a boolean; got {getattr(self, name)!r}")
+        _check("output_kind", isinstance(self.output_kind, RequestOutputKind),
+               f"must be a RequestOutputKind; got {self.output_kind!r}")
 
     def _check_counts(self) -> None:
         _check("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"must be an integer in [1, {MAX_N}]; got {self.n!r}")

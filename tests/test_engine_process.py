@@ -5,6 +5,7 @@ engine's own start-up errors, and no process left behind."""
 from __future__ import annotations
 
 import os
+import socket
 
 import attrs
 import pytest
@@ -98,6 +99,24 @@ async def test_bad_requests_are_refused_in_the_front_with_the_engines_limits():
             client.submit([5] * 80)
         with pytest.raises(InvalidParameterError, match="outside the vocabulary"):
             client.submit([10**7])
+        # Values that cannot cross the wire (past 64 bits, or of the wrong type: the engine's
+        # decoder refused them and the broken link failed every request of the engine)
+        big = StructuredOutputsParams(json={"type": "integer", "maximum": 10**30})
+        with pytest.raises(InvalidParameterError, match="cannot be sent to the engine process") as error:
+            client.submit("Hi", SamplingParams(structured_outputs=big))
+        assert error.value.param == "structured_outputs"
+        with pytest.raises(InvalidParameterError, match="priority must be a 64-bit integer"):
+            client.submit("Hi", priority=2**70)
+        with pytest.raises(InvalidParameterError, match="request_id must be a string"):
+            client.submit("Hi", request_id=7)
+        with pytest.raises(InvalidParameterError, match="ignore_eos must be a boolean"):
+            SamplingParams(ignore_eos="yes")
+        with pytest.raises(InvalidParameterError, match="max_tokens must be an integer"):
+            SamplingParams(max_tokens=2**70)
+        with pytest.raises(InvalidParameterError, match="output_kind must be a RequestOutputKind"):
+            SamplingParams(output_kind=1)
+        tokens = [o.outputs[0].token_ids async for o in client.generate("Hi", SamplingParams(max_tokens=2))][-1]
+        assert len(tokens) == 2 and client.stats().num_running == 0  # (the engine serves on)
 
 
 async def test_the_engines_start_up_error_reaches_the_caller_unchanged():
@@ -381,3 +400,133 @@ def test_a_configuration_error_in_the_engine_process_is_one_line_and_exit_2():
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(f"error: {said}")
     assert "Traceback" not in done.stderr and f"the engine could not start: {said}" in done.stderr
+
+
+class _TwoFamilies(trio.abc.HostnameResolver):
+    """``dualhost`` resolves to 127.0.0.1 and ::1 (a name with an A and an AAAA record)."""
+
+    async def getaddrinfo(self, host, port, family=0, type=0, proto=0, flags=0):
+        if host in (b"dualhost", "dualhost"):
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", int(port))),
+                    (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", int(port), 0, 0))]
+        return await trio.to_thread.run_sync(socket.getaddrinfo, host, port, family, type, proto, flags)
+
+    async def getnameinfo(self, sockaddr, flags):
+        return socket.getnameinfo(sockaddr, flags)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+async def test_headless_engines_join_past_strangers_on_every_address_and_hear_the_front_at_once():
+    """The front's data-parallel port (``--data-parallel-size-local`` below the size): a port
+    scan's connection and another program's bytes are dropped and the wait goes on (they ended
+    the start); an engine reaching the front over the name's second address (IPv6) joins (only
+    the first was accepted); and an engine that joined hears the front's Hello at once, not when
+    the last one joins (local engines' 30 s handshake ran out while a node was late)."""
+    from engine.config import EngineConfig
+    from engine.messages import EngineStats, KVCacheInfo
+    from engine.transport.processes import engine_processes
+    from engine.transport.protocol import CODEC, EngineReady
+    from engine.transport.wire import open_link
+
+    trio.socket.set_custom_hostname_resolver(_TwoFamilies())
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = EngineConfig(data_parallel_size=2, data_parallel_size_local=0, data_parallel_address="dualhost",
+                          data_parallel_rpc_port=port)
+    heard = {}
+
+    async def engine(host: str, pid: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with open_link(await until_connected(host), CODEC, role="engine") as (send, receive):
+            with trio.fail_after(10):
+                await receive.handshake()
+            heard[pid] = True
+            task_status.started()
+            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), KVCacheInfo(16, 64, "float32", 1, True, None),
+                                        EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0), pid))
+            async for _ in receive:  # until the front ends the link
+                pass
+            await send.aclose()
+
+    async def until_connected(host: str) -> trio.SocketStream:
+        while True:
+            try:
+                return await trio.open_tcp_stream(host, port)
+            except OSError:
+                await trio.sleep(0.05)
+
+    async def strangers() -> None:
+        (await until_connected("127.0.0.1")).socket.close()  # connects and goes (a port scan)
+        garbage = await until_connected("127.0.0.1")
+        await garbage.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await trio.sleep(0.5)
+        await nursery.start(engine, "127.0.0.1", 101)  # (it hears the front before the second joins)
+        await nursery.start(engine, "::1", 102)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(strangers)
+            async with engine_processes(config, 2) as cores:
+                assert sorted(core.pid for core in cores) == [101, 102] and heard == {101: True, 102: True}
+
+
+async def test_a_front_that_stops_reading_is_dropped_and_the_others_go_on(monkeypatch):
+    """--api-server-count: the step outputs went to each front in turn, so one front that read
+    nothing (wedged, stopped) held every other front's streams, for good (its heartbeats still
+    came, so no front saw the engine as dead). After FRONT_STALL_LIMIT_S of waiting its link is
+    cut, its inlet aborts its requests, and the other fronts get every step."""
+    import engine.transport.engine_process as engine_process
+    from engine.messages import AbortRequest, EngineStats, StepOutput
+    from engine.transport.protocol import CODEC
+    from engine.transport.wire import open_link
+
+    monkeypatch.setattr(engine_process, "FRONT_STALL_LIMIT_S", 0.5)
+    stats = EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0)
+    steps = 500  # (more than a link and its socket hold)
+
+    async def pair():
+        a, b = trio.socket.socketpair()
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        return trio.SocketStream(a), trio.SocketStream(b)
+
+    (engine_a, front_a), (engine_b, front_b) = await pair(), await pair()
+    with trio.fail_after(30):
+        async with open_link(engine_a, CODEC, role="engine") as (send_a, receive_a), \
+                open_link(engine_b, CODEC, role="engine") as (send_b, receive_b), \
+                open_link(front_a, CODEC, role="front") as (_, from_engine_a), \
+                open_link(front_b, CODEC, role="front") as (_, from_engine_b):
+            fronts = engine_process.Fronts(None, [send_a, send_b])
+            steps_send, steps_receive = trio.open_memory_channel(0)
+            sent = trio.Event()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fronts.outlet, steps_receive, sent)
+                inbox_send, inbox_receive = trio.open_memory_channel(100)
+                nursery.start_soon(fronts.inlet, 1, receive_b, inbox_send)
+                received = []
+
+                async def front_a() -> None:  # reads everything; front B never reads
+                    async for step in from_engine_a:
+                        received.append(step)
+                        if len(received) == steps:
+                            return
+
+                nursery.start_soon(front_a)
+                async with steps_send:
+                    for _ in range(steps):
+                        await steps_send.send(StepOutput((), (), stats, 0, 0, None))
+                await sent.wait()
+            assert len(received) == steps
+            assert fronts._live == [True, False]
+            with pytest.raises(trio.BrokenResourceError):
+                await send_b.send(StepOutput((), (), stats, 0, 0, None))
+            assert inbox_receive.receive_nowait() == AbortRequest(())  # (B's inlet: its requests, none here)

@@ -467,6 +467,8 @@ class EngineClient:
         request_id = request_id or uuid.uuid4().hex
         if engine.error is not None:
             raise engine.error
+        if not isinstance(request_id, str):
+            raise InvalidParameterError("request_id", f"request_id must be a string; got {request_id!r}")
         if request_id in engine.registry:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt)

@@ -33,7 +33,8 @@ from engine.core.engine_core import EngineCore
 from engine.errors import BackendUnavailableError, InvalidParameterError, RequestFailedError
 from engine.messages import AbortRequest, AddRequest, RequestRejected, StopRequest
 from engine.models.loader import resolve_model
-from engine.transport.protocol import CODEC, HEARTBEAT_S, EngineFailed, EngineReady, Heartbeat, RequestOwners
+from engine.transport.protocol import (CODEC, HEARTBEAT_S, SILENCE_LIMIT_S, EngineFailed, EngineReady, Heartbeat,
+                                       RequestOwners)
 from engine.transport.wire import open_link
 
 log = logging.getLogger("engine.transport.engine_process")
@@ -89,6 +90,12 @@ async def serve(fds: list[int], config: EngineConfig) -> int:
         for front, (send, _) in enumerate(links):
             await _send_last(send, None if failure is None else EngineFailed(failure))
     return 0 if failure is None else 1
+
+
+# How long the step outputs wait for a front whose link is full (a wedged or stopped front
+# process) before its link is dropped: meanwhile every other front waits too. (A front gives
+# an engine that says nothing as long before it declares it dead.)
+FRONT_STALL_LIMIT_S = SILENCE_LIMIT_S
 
 
 class Fronts:
@@ -189,9 +196,15 @@ class Fronts:
                         rejected=tuple(r for r in step.rejected if self._owners.get(r.request_id) == front),
                         decodes=step.decodes.select(lambda request_id: self._owners.get(request_id) == front))
                     try:
-                        await send.send(share)
+                        with trio.move_on_after(FRONT_STALL_LIMIT_S) as waiting:
+                            await send.send(share)
                     except trio.BrokenResourceError:
                         self.gone(front)
+                    if waiting.cancelled_caught:  # (it stopped reading: the others must not wait on it)
+                        log.warning("front %d read nothing for %g s: dropping its link (its requests are aborted)",
+                                    front, FRONT_STALL_LIMIT_S)
+                        self.gone(front)
+                        await send.abandon(f"the front read nothing for {FRONT_STALL_LIMIT_S:g} s")
                 self._owners.forget_finished(step)
         finally:
             sent.set()

@@ -32,9 +32,9 @@ import trio
 
 from engine.config import EngineConfig
 from engine.core.engine_core import validate_request
-from engine.errors import EngineDeadError, ungrouped
-from engine.messages import AbortRequest, AddRequest, EngineStats, KVCacheInfo
-from engine.sampling_params import SamplingParams
+from engine.errors import EngineDeadError, InvalidParameterError, ungrouped
+from engine.messages import AbortRequest, AddRequest, EngineStats, KVCacheInfo, RequestRejected, StepOutput
+from engine.sampling_params import PARAM_STRUCTURED, SamplingParams
 from engine.transport import protocol
 from engine.transport.protocol import EngineFailed, EngineReady, Heartbeat, RequestOwners
 
@@ -65,9 +65,11 @@ class RemoteCore:
         self._process = process
 
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
-        return validate_request(prompt, params, priority, max_model_len=self.max_model_len,
-                                vocab_size=self.vocab_size, scheduling_policy=self.config.scheduling_policy,
-                                eos_token_ids=self.eos_token_ids)
+        max_tokens = validate_request(prompt, params, priority, max_model_len=self.max_model_len,
+                                      vocab_size=self.vocab_size, scheduling_policy=self.config.scheduling_policy,
+                                      eos_token_ids=self.eos_token_ids)
+        check_crossing(prompt, params, priority)
+        return max_tokens
 
     def stats(self) -> EngineStats:
         """The engine's counters as of its latest step."""
@@ -104,6 +106,18 @@ class RemoteCore:
         error = EngineDeadError(f"the engine process (engine {self.rank}, pid {self.pid}) {how}: {cause}")
         error.__cause__ = cause
         return error
+
+
+def check_crossing(prompt: list[int], params: SamplingParams, priority: int) -> None:
+    """Refuse a request that cannot be sent to an engine process (a value msgpack cannot hold,
+    such as an integer past 64 bits in a JSON schema): it would otherwise fail the link, and
+    with it every request of the engine."""
+    try:
+        protocol.CODEC.encode(AddRequest("", tuple(prompt), params, priority))
+    except (OverflowError, TypeError, ValueError) as exc:
+        param = PARAM_STRUCTURED if params.structured_outputs is not None else "sampling_params"
+        raise InvalidParameterError(param, f"the request holds a value that cannot be sent to the engine "
+                                           f"process: {exc}") from None
 
 
 class RemoteCoreActor:
@@ -170,6 +184,13 @@ class RemoteCoreActor:
                 await self._core._send.send(message)
             except trio.BrokenResourceError:
                 return  # the receiving side reports how the engine died
+            except (OverflowError, TypeError, ValueError) as exc:
+                if not isinstance(message, AddRequest):
+                    raise
+                # (validate refuses such a request first: this one alone fails, not the link)
+                error = InvalidParameterError("sampling_params", f"the request cannot be sent to the engine process: {exc}")
+                await self._outbox.send(StepOutput((), (RequestRejected(message.request_id, error),),
+                                                   self._core._stats, 0, 0, None))
 
 
 class DataParallelCore:
