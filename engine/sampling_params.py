@@ -232,7 +232,8 @@ class SamplingParams:
             raise InvalidParameterError(PARAM_STRUCTURED, "structured_outputs must be a StructuredOutputsParams")
 
     def _check_kinds(self) -> None:
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+        flags = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+        for name in flags:
             _check(name, isinstance(getattr(self, name), bool), f"must be a boolean; got {getattr(self, name)!r}")
         _check("output_kind", isinstance(self.output_kind, RequestOutputKind),
                f"must be a RequestOutputKind; got {self.output_kind!r}")
@@ -241,9 +242,9 @@ class SamplingParams:
         _check("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"must be an integer in [1, {MAX_N}]; got {self.n!r}")
         if self.max_tokens is not None:
             _check("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1,
-                   f"must be an integer >= 1; got {self.max_tokens!r}")
+                   f"must be an integer >= 1 (of 64 bits); got {self.max_tokens!r}")
         _check("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0,
-               f"must be an integer >= 0; got {self.min_tokens!r}")
+               f"must be an integer >= 0 (of 64 bits); got {self.min_tokens!r}")
         if self.max_tokens is not None:
             _check("min_tokens", self.min_tokens <= self.max_tokens,
                    f"({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
@@ -261,7 +262,7 @@ class SamplingParams:
                f"must be a number >= 0; got {self.temperature!r}")
         _check("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, f"must be in (0, 1]; got {self.top_p!r}")
         _check("top_k", _is_int(self.top_k) and self.top_k >= -1,
-               f"must be an integer >= -1 (0 or -1 disable it); got {self.top_k!r}")
+               f"must be an integer >= -1 of 64 bits (0 or -1 disable it); got {self.top_k!r}")
         _check("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, f"must be in [0, 1]; got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -276,7 +277,7 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None:
             _check("truncate_prompt_tokens", _is_int(self.truncate_prompt_tokens)
                    and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1),
-                   f"must be an integer >= 1, or -1 (max_model_len); got {self.truncate_prompt_tokens!r}")
+                   f"must be an integer >= 1 of 64 bits, or -1 (max_model_len); got {self.truncate_prompt_tokens!r}")
 
     def _check_salt(self) -> None:
         if self.cache_salt is not None:

@@ -451,8 +451,9 @@ async def test_headless_engines_join_past_strangers_on_every_address_and_hear_th
                 await receive.handshake()
             heard[pid] = True
             task_status.started()
-            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), KVCacheInfo(16, 64, "float32", 1, True, None),
-                                        EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0), pid))
+            cache = KVCacheInfo(16, 64, "float32", 1, True, None)
+            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0),
+                                        pid))
             async for _ in receive:  # until the front ends the link
                 pass
             await send.aclose()

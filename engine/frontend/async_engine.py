@@ -511,8 +511,9 @@ class EngineClient:
         """
         limit = self._engine.core.config.max_waiting_requests
         if num_sequences > limit:
-            raise InvalidParameterError(param, f"this request asks for {num_sequences} sequences (prompts x n), more "
-                                             f"than this server queues at once ({limit}, max_waiting_requests)")
+            raise InvalidParameterError(param, f"this request asks for {num_sequences} sequences (prompts x n, or "
+                                             f"beams), more than this server queues at once ({limit}, "
+                                             "max_waiting_requests)")
         waiting = self.num_waiting_sequences
         if waiting + num_sequences > limit:
             raise EngineOverloadedError(f"the server is overloaded: {waiting} sequences are waiting and this request "

@@ -188,7 +188,8 @@ class RemoteCoreActor:
                 if not isinstance(message, AddRequest):
                     raise
                 # (validate refuses such a request first: this one alone fails, not the link)
-                error = InvalidParameterError("sampling_params", f"the request cannot be sent to the engine process: {exc}")
+                error = InvalidParameterError("sampling_params",
+                                              f"the request cannot be sent to the engine process: {exc}")
                 await self._outbox.send(StepOutput((), (RequestRejected(message.request_id, error),),
                                                    self._core._stats, 0, 0, None))
 
