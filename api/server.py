@@ -103,6 +103,8 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
         stop_http.set()
         if starting.cancelled_caught:
             log.info("stopped before the engine was ready")
+            if shared_socket:  # (its HTTP server never started: nothing else ends the nursery)
+                nursery.cancel_scope.cancel()
             return False
         return failed
     return False  # cancelled before the engine started

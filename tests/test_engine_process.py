@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 
 import attrs
 import pytest
@@ -115,8 +116,12 @@ async def test_bad_requests_are_refused_in_the_front_with_the_engines_limits():
             SamplingParams(max_tokens=2**70)
         with pytest.raises(InvalidParameterError, match="output_kind must be a RequestOutputKind"):
             SamplingParams(output_kind=1)
-        tokens = [o.outputs[0].token_ids async for o in client.generate("Hi", SamplingParams(max_tokens=2))][-1]
-        assert len(tokens) == 2 and client.stats().num_running == 0  # (the engine serves on)
+        import numpy as np
+
+        # (the engine serves on; numpy's integers are integers)
+        tokens = [o.outputs[0].token_ids
+                  async for o in client.generate("Hi", SamplingParams(max_tokens=2), priority=np.int64(0))][-1]
+        assert len(tokens) == 2 and client.stats().num_running == 0
 
 
 async def test_the_engines_start_up_error_reaches_the_caller_unchanged():
@@ -424,6 +429,18 @@ def _ipv6_loopback() -> bool:
         return False
 
 
+def _free_on_both_loopbacks() -> int:
+    """A port free a moment ago on 127.0.0.1 and on ::1 (the front listens on both)."""
+    while True:
+        with socket.socket() as four, socket.socket(socket.AF_INET6) as six:
+            four.bind(("127.0.0.1", 0))
+            try:
+                six.bind(("::1", four.getsockname()[1]))
+            except OSError:
+                continue
+            return four.getsockname()[1]
+
+
 @pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
 async def test_headless_engines_join_past_strangers_on_every_address_and_hear_the_front_at_once():
     """The front's data-parallel port (``--data-parallel-size-local`` below the size): a port
@@ -438,9 +455,7 @@ async def test_headless_engines_join_past_strangers_on_every_address_and_hear_th
     from engine.transport.wire import open_link
 
     trio.socket.set_custom_hostname_resolver(_TwoFamilies())
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_on_both_loopbacks()
     config = EngineConfig(data_parallel_size=2, data_parallel_size_local=0, data_parallel_address="dualhost",
                           data_parallel_rpc_port=port)
     heard = {}
@@ -467,6 +482,9 @@ async def test_headless_engines_join_past_strangers_on_every_address_and_hear_th
 
     async def strangers() -> None:
         (await until_connected("127.0.0.1")).socket.close()  # connects and goes (a port scan)
+        reset = await until_connected("127.0.0.1")  # goes with a reset (nmap -sT; gone before or after the accept)
+        reset.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        reset.socket.close()
         garbage = await until_connected("127.0.0.1")
         await garbage.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         await trio.sleep(0.5)

@@ -867,6 +867,47 @@ def test_sigterm_while_waiting_for_a_headless_engine_exits_0_with_every_child():
         proc.kill()
 
 
+async def test_a_front_of_several_stops_before_its_engine_is_ready_when_the_launcher_goes(monkeypatch):
+    """A front of --api-server-count starts its HTTP server only once its engine is ready: a
+    shutdown before then (here its launcher gone; SIGTERM sets the same event) must still end
+    it, or the launcher waits on it for good."""
+    import contextlib
+
+    import trio
+
+    import api.server as server
+    from api.cli import build_parser
+
+    @contextlib.asynccontextmanager
+    async def loading_for_good(config, engine_fds=None):
+        await trio.sleep_forever()
+        yield
+
+    monkeypatch.setattr(server, "open_engine", loading_for_good)
+    listener = socket.create_server(("127.0.0.1", 0))
+    read_end, write_end = os.pipe()
+    try:
+        args = build_parser().parse_args(["--listen-fd", str(listener.fileno()), "--launcher-fd", str(read_end)])
+        async with trio.open_nursery() as nursery:
+            returned = []
+
+            async def run() -> None:
+                returned.append(await server.run_server(args))
+
+            nursery.start_soon(run)
+            await trio.sleep(0.2)
+            os.close(write_end)  # the launcher is gone
+            write_end = None
+            with trio.fail_after(10):
+                while not returned:
+                    await trio.sleep(0.05)
+        assert returned == [False]
+    finally:
+        listener.close()
+        if write_end is not None:
+            os.close(write_end)
+
+
 def test_a_second_sigint_exits_at_once():
     base, proc, _ = start_server("--shutdown-timeout", "60")
     try:

@@ -469,6 +469,8 @@ class EngineClient:
             raise engine.error
         if not isinstance(request_id, str):
             raise InvalidParameterError("request_id", f"request_id must be a string; got {request_id!r}")
+        if isinstance(priority, numbers.Integral) and not isinstance(priority, bool):
+            priority = int(priority)  # (numpy's integers: validate_request takes Python's)
         if request_id in engine.registry:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt)

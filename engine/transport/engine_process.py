@@ -33,8 +33,8 @@ from engine.core.engine_core import EngineCore
 from engine.errors import BackendUnavailableError, InvalidParameterError, RequestFailedError
 from engine.messages import AbortRequest, AddRequest, RequestRejected, StopRequest
 from engine.models.loader import resolve_model
-from engine.transport.protocol import (CODEC, HEARTBEAT_S, SILENCE_LIMIT_S, EngineFailed, EngineReady, Heartbeat,
-                                       RequestOwners)
+from engine.transport.protocol import (CODEC, ENGINE_HANDSHAKE_TIMEOUT_S, HEARTBEAT_S, SILENCE_LIMIT_S, EngineFailed,
+                                       EngineReady, Heartbeat, RequestOwners)
 from engine.transport.wire import open_link
 
 log = logging.getLogger("engine.transport.engine_process")
@@ -47,7 +47,8 @@ async def serve(fds: list[int], config: EngineConfig) -> int:
         links = []
         for fd in fds:
             stream = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=fd)))
-            links.append(await stack.enter_async_context(open_link(stream, CODEC, role="engine")))
+            links.append(await stack.enter_async_context(
+                open_link(stream, CODEC, role="engine", handshake_timeout=ENGINE_HANDSHAKE_TIMEOUT_S)))
         try:
             core = await trio.to_thread.run_sync(EngineCore, config)
         except Exception as exc:

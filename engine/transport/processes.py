@@ -280,8 +280,10 @@ async def _join_engines(config: EngineConfig, count: int, links: AsyncExitStack)
     ``data_parallel_address:data_parallel_rpc_port``, on every address that resolves to.
 
     A connection whose peer is not an engine of this version (a port scan, a health probe,
-    another program) is dropped with a warning, and the wait goes on. The port has no other
-    check of who joins: keep it on a trusted network (as vLLM's data-parallel port)."""
+    another program) is dropped with a warning, and the wait goes on; one that says nothing
+    holds the joins up for the link's handshake timeout (an engine waits longer for the
+    front's Hello: ``ENGINE_HANDSHAKE_TIMEOUT_S``). The port has no other check of who joins:
+    keep it on a trusted network (as vLLM's data-parallel port)."""
     address, port = config.data_parallel_address, config.data_parallel_rpc_port
     listeners = await trio.open_tcp_listeners(port, host=address)
     joined = []
@@ -289,23 +291,29 @@ async def _join_engines(config: EngineConfig, count: int, links: AsyncExitStack)
         log.info("waiting for %d engine(s) to join at %s:%d (python -m engine.api --headless ...)", count, address, port)
         while len(joined) < count:
             for stream in await _accept(listeners):
-                stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                peer = stream.socket.getpeername()
-                link = AsyncExitStack()
-                ends = await link.enter_async_context(open_link(stream, CODEC, role="front"))
                 try:
-                    await ends[1].handshake()
-                except trio.BrokenResourceError as exc:
-                    await link.aclose()
-                    log.warning("dropped a connection from %s: not an engine of this version (%s)", peer,
-                                exc.__cause__ or exc)
+                    if len(joined) == count:
+                        raise OSError("every engine has joined")
+                    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    peer = stream.socket.getpeername()
+                except OSError as exc:  # (reset before it was taken, or one too many)
+                    log.warning("dropped a connection: %s", exc)
+                    await trio.aclose_forcefully(stream)
                     continue
-                links.push_async_exit(link)
+                async with AsyncExitStack() as link:
+                    ends = await link.enter_async_context(open_link(stream, CODEC, role="front"))
+                    try:
+                        await ends[1].handshake()
+                    except trio.BrokenResourceError as exc:
+                        log.warning("dropped a connection from %s: not an engine of this version (%s)", peer,
+                                    exc.__cause__ or exc)
+                        continue
+                    links.push_async_exit(link.pop_all())
                 joined.append(ends)
                 log.info("engine %d of %d joined from %s", len(joined), count, peer)
     finally:
         for listener in listeners:
-            await listener.aclose()
+            listener.socket.close()  # (at once: an awaited close stops at the first under a cancel)
     return joined
 
 

@@ -43,6 +43,10 @@ class Heartbeat:
 # on the device thread (the engine's own watchdog bounds steps: step_timeout).
 HEARTBEAT_S = 1.0
 SILENCE_LIMIT_S = 30.0
+# How long an engine process waits for its front's Hello: the front may be held up by other
+# joins (a connection that says nothing takes the link's 30 s to drop); a front that is gone
+# closes the stream, which ends the wait at once.
+ENGINE_HANDSHAKE_TIMEOUT_S = 300.0
 
 CODEC = Codec([*WIRE_MESSAGES, EngineReady, KVCacheInfo, EngineFailed, Heartbeat])
 
