@@ -466,9 +466,8 @@ async def test_headless_engines_join_past_strangers_on_every_address_and_hear_th
                 await receive.handshake()
             heard[pid] = True
             task_status.started()
-            cache = KVCacheInfo(16, 64, "float32", 1, True, None)
-            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0),
-                                        pid))
+            cache, stats = KVCacheInfo(16, 64, "float32", 1, True, None), EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0)
+            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, pid))
             async for _ in receive:  # until the front ends the link
                 pass
             await send.aclose()
@@ -482,7 +481,7 @@ async def test_headless_engines_join_past_strangers_on_every_address_and_hear_th
 
     async def strangers() -> None:
         (await until_connected("127.0.0.1")).socket.close()  # connects and goes (a port scan)
-        reset = await until_connected("127.0.0.1")  # goes with a reset (nmap -sT; gone before or after the accept)
+        reset = await until_connected("127.0.0.1")  # goes with a reset (nmap -sT), before or after the accept
         reset.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         reset.socket.close()
         garbage = await until_connected("127.0.0.1")
