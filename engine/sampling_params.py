@@ -43,7 +43,7 @@ def _check(param: str, ok: bool, message: str) -> None:
         raise InvalidParameterError(param, f"{param} {message}")
 
 
-def _is_int(value: Any) -> bool:
+def is_int64(value: Any) -> bool:
     """An integer (not a bool) of 64 bits."""
     return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
 
@@ -63,7 +63,7 @@ def _to_list(value: Any) -> list:
 
 
 def _to_seed(value: Any) -> Any:
-    return None if value == -1 and _is_int(value) else value  # (-1: no seed, as vLLM)
+    return None if value == -1 and is_int64(value) else value  # (-1: no seed, as vLLM)
 
 
 def _to_count(value: Any) -> Any:
@@ -239,11 +239,11 @@ class SamplingParams:
                f"must be a RequestOutputKind; got {self.output_kind!r}")
 
     def _check_counts(self) -> None:
-        _check("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"must be an integer in [1, {MAX_N}]; got {self.n!r}")
+        _check("n", is_int64(self.n) and 1 <= self.n <= MAX_N, f"must be an integer in [1, {MAX_N}]; got {self.n!r}")
         if self.max_tokens is not None:
-            _check("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1,
+            _check("max_tokens", is_int64(self.max_tokens) and self.max_tokens >= 1,
                    f"must be an integer >= 1 (of 64 bits); got {self.max_tokens!r}")
-        _check("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0,
+        _check("min_tokens", is_int64(self.min_tokens) and self.min_tokens >= 0,
                f"must be an integer >= 0 (of 64 bits); got {self.min_tokens!r}")
         if self.max_tokens is not None:
             _check("min_tokens", self.min_tokens <= self.max_tokens,
@@ -251,17 +251,17 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(name, _is_int(value) and 0 <= value <= MAX_LOGPROBS,
+                _check(name, is_int64(value) and 0 <= value <= MAX_LOGPROBS,
                        f"must be an integer in [0, {MAX_LOGPROBS}]; got {value!r}")
         if self.seed is not None:
-            _check("seed", _is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED,
+            _check("seed", is_int64(self.seed),
                    f"must be an integer in [{MIN_SEED}, {MAX_SEED}]; got {self.seed!r}")
 
     def _check_probabilities(self) -> None:
         _check("temperature", _is_number(self.temperature) and self.temperature >= 0,
                f"must be a number >= 0; got {self.temperature!r}")
         _check("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, f"must be in (0, 1]; got {self.top_p!r}")
-        _check("top_k", _is_int(self.top_k) and self.top_k >= -1,
+        _check("top_k", is_int64(self.top_k) and self.top_k >= -1,
                f"must be an integer >= -1 of 64 bits (0 or -1 disable it); got {self.top_k!r}")
         _check("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, f"must be in [0, 1]; got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -275,7 +275,7 @@ class SamplingParams:
 
     def _check_truncation(self) -> None:
         if self.truncate_prompt_tokens is not None:
-            _check("truncate_prompt_tokens", _is_int(self.truncate_prompt_tokens)
+            _check("truncate_prompt_tokens", is_int64(self.truncate_prompt_tokens)
                    and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1),
                    f"must be an integer >= 1 of 64 bits, or -1 (max_model_len); got {self.truncate_prompt_tokens!r}")
 
@@ -291,20 +291,20 @@ class SamplingParams:
             _check("stop", isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH,
                    f"must be non-empty strings of at most {MAX_STOP_LENGTH} characters")
         for t in self.stop_token_ids:
-            _check("stop_token_ids", _is_int(t) and t >= 0, f"must be non-negative integers; got {t!r}")
+            _check("stop_token_ids", is_int64(t) and t >= 0, f"must be non-negative integers; got {t!r}")
 
     def _check_restrictions(self) -> None:
         if self.allowed_token_ids is not None:
             _check("allowed_token_ids", len(self.allowed_token_ids) > 0, "must not be empty")
             for t in self.allowed_token_ids:
-                _check("allowed_token_ids", _is_int(t) and t >= 0, f"must be non-negative integers; got {t!r}")
+                _check("allowed_token_ids", is_int64(t) and t >= 0, f"must be non-negative integers; got {t!r}")
         _check("bad_words", len(self.bad_words) <= MAX_BAD_WORDS,
                f"may hold at most {MAX_BAD_WORDS} words; got {len(self.bad_words)}")
         for word in self.bad_words:
             _check("bad_words", isinstance(word, str) and 0 < len(word) <= MAX_STOP_LENGTH,
                    f"must be non-empty strings of at most {MAX_STOP_LENGTH} characters")
         for ids in self.bad_words_token_ids or ():
-            _check("bad_words_token_ids", 0 < len(ids) <= MAX_STOP_LENGTH and all(_is_int(t) and t >= 0 for t in ids),
+            _check("bad_words_token_ids", 0 < len(ids) <= MAX_STOP_LENGTH and all(is_int64(t) and t >= 0 for t in ids),
                    f"must be non-empty lists of at most {MAX_STOP_LENGTH} non-negative token ids")
         if self.allowed_token_ids is not None:
             banned = {ids[0] for ids in self.bad_words_token_ids or () if len(ids) == 1}

@@ -35,7 +35,7 @@ from engine.models.parallel import TensorParallel
 from engine.plan import RunnerOutput, StepPlan
 from engine.runner.drafter import Drafter
 from engine.runner.model_runner import ModelRunner, kv_groups
-from engine.sampling_params import INT64_MAX, INT64_MIN, MIN_SEED, SamplingParams
+from engine.sampling_params import MIN_SEED, SamplingParams, is_int64
 from engine.sched.kv_cache import BlockManager
 from engine.sched.request import Request, RequestStatus
 from engine.sched.scheduler import Scheduler, SchedulerOutput
@@ -588,7 +588,7 @@ def validate_request(prompt: list[int], params: SamplingParams, priority: int, *
     (an engine core and the front of an engine in another process both check with this)."""
     if not prompt:
         raise InvalidParameterError("prompt", "the prompt is empty")
-    if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+    if not is_int64(priority):
         raise InvalidParameterError("priority", f"priority must be a 64-bit integer; got {priority!r}")
     if priority != 0 and scheduling_policy != "priority":
         raise InvalidParameterError("priority", f"priority {priority!r} needs the 'priority' scheduling policy; "
