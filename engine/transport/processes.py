@@ -11,6 +11,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import attrs
 import trio
@@ -291,30 +292,38 @@ async def _join_engines(config: EngineConfig, count: int, links: AsyncExitStack)
         log.info("waiting for %d engine(s) to join at %s:%d (python -m engine.api --headless ...)", count, address, port)
         while len(joined) < count:
             for stream in await _accept(listeners):
-                try:
-                    if len(joined) == count:
-                        raise OSError("every engine has joined")
-                    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    peer = stream.socket.getpeername()
-                except OSError as exc:  # (reset before it was taken, or one too many)
-                    log.warning("dropped a connection: %s", exc)
+                if len(joined) == count:  # (two came at once for the last place)
+                    log.warning("dropped a connection: every engine has joined")
                     await trio.aclose_forcefully(stream)
-                    continue
-                async with AsyncExitStack() as link:
-                    ends = await link.enter_async_context(open_link(stream, CODEC, role="front"))
-                    try:
-                        await ends[1].handshake()
-                    except trio.BrokenResourceError as exc:
-                        log.warning("dropped a connection from %s: not an engine of this version (%s)", peer,
-                                    exc.__cause__ or exc)
-                        continue
-                    links.push_async_exit(link.pop_all())
-                joined.append(ends)
-                log.info("engine %d of %d joined from %s", len(joined), count, peer)
+                elif (linked := await _link_to_engine(stream, links)) is not None:
+                    ends, peer = linked
+                    joined.append(ends)
+                    log.info("engine %d of %d joined from %s", len(joined), count, peer)
     finally:
         for listener in listeners:
             listener.socket.close()  # (at once: an awaited close stops at the first under a cancel)
     return joined
+
+
+async def _link_to_engine(stream: trio.SocketStream, links: AsyncExitStack) -> tuple[tuple, Any] | None:
+    """A link over ``stream`` (entered into ``links``) and the peer's address, once its Hello
+    says it is an engine of this version; else None, the connection dropped with a warning."""
+    try:
+        stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = stream.socket.getpeername()
+    except OSError as exc:  # (reset before it was taken)
+        log.warning("dropped a connection: %s", exc)
+        await trio.aclose_forcefully(stream)
+        return None
+    async with AsyncExitStack() as link:  # (closed here unless the handshake passes)
+        ends = await link.enter_async_context(open_link(stream, CODEC, role="front"))
+        try:
+            await ends[1].handshake()
+        except trio.BrokenResourceError as exc:
+            log.warning("dropped a connection from %s: not an engine of this version (%s)", peer, exc.__cause__ or exc)
+            return None
+        links.push_async_exit(link.pop_all())
+    return ends, peer
 
 
 async def _accept(listeners: list[trio.SocketListener]) -> list[trio.SocketStream]:
