@@ -51,10 +51,7 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
     source = resolve_model(config.model)
     state = server_state(args, source.name)
     app = create_app(state)
-    hc = HypercornConfig()
-    hc.bind = [f"fd://{args.listen_fd}" if args.listen_fd is not None else f"{args.host}:{args.port}"]
-    hc.graceful_timeout = _RESPONSE_FLUSH_S  # requests are drained before hypercorn is told to stop
-    hc.accesslog = None
+    hc = _hypercorn_config(args)
     shutdown, stop_http = trio.Event(), trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, shutdown, args.shutdown_timeout)
@@ -72,19 +69,11 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
         if not shared_socket:
             urls = await nursery.start(http)  # (hypercorn's "http://host:port": the port bound, with --port 0 too)
         log.info("loading %s (backend %s)...", source.path, config.backend)
-        starting, engine_ready = trio.CancelScope(), False
-
-        async def stop_the_start() -> None:
-            """A signal before the engine is ready (its processes still load, or the front waits
-            for headless engines to join) ends the start: there is nothing to drain yet."""
-            await shutdown.wait()
-            if not engine_ready:
-                starting.cancel()
-
-        nursery.start_soon(stop_the_start)
+        starting, engine_ready = trio.CancelScope(), trio.Event()
+        nursery.start_soon(_stop_the_start, shutdown, starting, engine_ready)
         with starting:
             async with open_engine(config, engine_fds=args.engine_fd) as client:
-                engine_ready = True
+                engine_ready.set()
                 state.attach(client)
                 if not args.disable_log_stats:
                     nursery.start_soon(_log_stats, client)
@@ -93,11 +82,7 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
                 _log_ready(app, state, client, config, urls[0])
                 task_status.started()
                 failed = await _wait_for_shutdown(shutdown, client, args.on_engine_failure)
-                state.draining = True
-                with trio.move_on_after(args.shutdown_timeout):
-                    await client.wait_idle()
-                if client.num_unfinished:
-                    log.warning("shutdown: ending %d unfinished requests", client.num_unfinished)
+                await _drain(state, client, args.shutdown_timeout)
         # Leaving open_engine ended every open request with EngineShutdownError: their handlers
         # answer 503 or an error event while hypercorn still runs; then it closes.
         stop_http.set()
@@ -108,6 +93,31 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
             return False
         return failed
     return False  # cancelled before the engine started
+
+
+def _hypercorn_config(args: argparse.Namespace) -> HypercornConfig:
+    hc = HypercornConfig()
+    hc.bind = [f"fd://{args.listen_fd}" if args.listen_fd is not None else f"{args.host}:{args.port}"]
+    hc.graceful_timeout = _RESPONSE_FLUSH_S  # requests are drained before hypercorn is told to stop
+    hc.accesslog = None
+    return hc
+
+
+async def _stop_the_start(shutdown: trio.Event, starting: trio.CancelScope, engine_ready: trio.Event) -> None:
+    """A signal before the engine is ready (its processes still load, or the front waits for
+    headless engines to join) ends the start: there is nothing to drain yet."""
+    await shutdown.wait()
+    if not engine_ready.is_set():
+        starting.cancel()
+
+
+async def _drain(state: ServerState, client, timeout: float) -> None:
+    """New work gets 503 while the requests in flight finish, for up to ``timeout`` seconds."""
+    state.draining = True
+    with trio.move_on_after(timeout):
+        await client.wait_idle()
+    if client.num_unfinished:
+        log.warning("shutdown: ending %d unfinished requests", client.num_unfinished)
 
 
 async def _wait_for_shutdown(shutdown: trio.Event, client, on_engine_failure: str) -> bool:
