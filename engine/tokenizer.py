@@ -83,18 +83,33 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None = None):
         if not path.exists():
             raise ConfigError("tokenizer", f"tokenizer {tokenizer!r} not found: give a model directory or a .gguf "
                                            "file (this server does not download from a hub)")
-        if tokenizer.endswith(".gguf"):  # a GGUF file's vocabulary, built and cached as the model's is
-            return load_tokenizer(ModelSource(path, path.stem))
+        given = ModelSource(path, path.stem)
+        if given.is_gguf:  # a GGUF file's vocabulary, built and cached as the model's is
+            return _from_gguf(given, "tokenizer")
         return _from_directory(path, "tokenizer")
     if not source.is_gguf:
         return _from_directory(source.path, "model")
+    return _from_gguf(source, "model")
+
+
+def _from_gguf(source: ModelSource, param: str):
+    """The tokenizer of a GGUF file's vocabulary, as transformers builds it (cached).
+
+    Raises:
+        ConfigError: naming ``param``, when transformers builds none from the file's metadata.
+    """
     from transformers import AutoTokenizer
 
     cached = cache_dir() / "tokenizers" / _gguf_cache_key(source.path)
     if (cached / "tokenizer.json").exists():
         return AutoTokenizer.from_pretrained(cached)
     log.info("building the tokenizer from %s (once; cached in %s)", source.path.name, cached)
-    tok = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    except Exception as exc:  # (KeyError, ValueError, IndexError...: whatever the metadata lacks)
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(param, f"{param} {source.path.name}: no tokenizer built from its vocabulary "
+                                 f"({type(exc).__name__}: {reason})") from None
     try:
         tok.save_pretrained(cached)
     except OSError as exc:  # a read-only cache only costs the next start some time

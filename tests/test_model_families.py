@@ -32,6 +32,8 @@ FAMILIES = {
     "llama-yarn": ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                       original_max_position_embeddings=64))),
     "llama-dynamic": ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0))),
+    # Llama's attention_bias puts a bias on o as well as on q, k and v; mlp_bias on gate, up and down.
+    "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "mistral": ("mistral", dict(sliding_window=24)),
     "qwen2": ("qwen2", dict()),
     "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1)),
@@ -199,7 +201,7 @@ def write_gguf(model, arch: str, path, packed: bool) -> None:
         step()
 
 
-@pytest.mark.parametrize("family", ["llama-linear", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama-linear", "llama-biases", "qwen2", "qwen3"])
 def test_gguf_files_of_these_families_give_the_safetensors_tokens(family, tmp_path):
     """The same random weights written as GGUF (f32, and Q8_0 kept packed) load to the same model:
     llama's permuted q/k rows come back, qwen3's q/k norms are found."""

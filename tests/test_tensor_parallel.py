@@ -29,13 +29,14 @@ pytestmark = pytest.mark.slow
 FP32 = dict(backend="cpu", dtype="float32", kv_cache_dtype="float32", activation_quantization="none")
 
 
-def random_llama(directory, num_kv_heads: int, vocab_size: int = 250, max_positions: int = 512) -> str:
+def random_llama(directory, num_kv_heads: int, vocab_size: int = 250, max_positions: int = 512,
+                 biases: bool = False) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=num_kv_heads, head_dim=16,
                          max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=1,
-                         eos_token_id=2)
+                         eos_token_id=2, attention_bias=biases, mlp_bias=biases)
     torch.manual_seed(num_kv_heads)
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -58,11 +59,12 @@ def run(size: int, model: str | None, batch, params, **fields) -> tuple[list, En
         core.close()
 
 
-@pytest.mark.parametrize("num_kv_heads", [4, 1])
-def test_two_ranks_give_the_tokens_and_logprobs_of_one(tmp_path, num_kv_heads):
+@pytest.mark.parametrize("num_kv_heads, biases", [(4, False), (1, False), (4, True)])
+def test_two_ranks_give_the_tokens_and_logprobs_of_one(tmp_path, num_kv_heads, biases):
     """32 greedy steps; 16-token steps cut the prompts (chunked prefill), and 24 blocks of 16
-    tokens cannot hold every request at once (preemption)."""
-    model = random_llama(tmp_path, num_kv_heads)
+    tokens cannot hold every request at once (preemption). With biases on every product, the
+    row-split ones (o, down) add theirs once."""
+    model = random_llama(tmp_path, num_kv_heads, biases=biases)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=3)
     batch = prompts(250)
     fields = dict(max_num_batched_tokens=16, num_kv_blocks=14, max_num_seqs=4)

@@ -5,7 +5,7 @@ A family is registered under its Hugging Face ``model_type`` (and its GGUF
 forward read, so that the forward stays one readable function:
 
 - ``llama``, ``mistral``: the skeleton itself (RMSNorm, rotary, GQA, SwiGLU).
-- ``qwen2``: a bias on the q, k and v projections.
+- ``qwen2``: a bias on the q, k and v projections (not o).
 - ``qwen3``: an RMSNorm over each head of q and of k, before the rotary embedding.
 - ``phi3``: q, k and v stored as one ``qkv_proj`` matrix, gate and up as one ``gate_up_proj``
   (the engine fuses them the same way for every family, so only the names differ), and a
@@ -32,11 +32,16 @@ from typing import Any
 import attrs
 import torch
 
+from engine.errors import ConfigError
+
 
 @attrs.frozen
 class Family:
     model_type: str
-    qkv_bias: bool = False  # default of config.attention_bias
+    # The attention's biases as transformers builds them: "config" (q, k, v and o where
+    # config.attention_bias says so), "qkv" (always q, k and v; never o), "none".
+    attention_bias: str = "config"
+    mlp_bias: bool = False  # gate, up and down where config.mlp_bias says so (Llama)
     qk_norm: bool = False
     fused_checkpoint: bool = False  # qkv_proj and gate_up_proj as stored matrices (Phi-3)
     # Which layers transformers gives config.sliding_window: "always" (Mistral, Phi-3: every
@@ -67,11 +72,11 @@ class Family:
 
 GEMMA = dict(norm_plus_one=True, scaled_embeddings=True)
 FAMILIES = {family.model_type: family for family in (
-    Family("llama"),
-    Family("mistral", sliding_window="always"),
-    Family("qwen2", qkv_bias=True, sliding_window="per_layer"),
+    Family("llama", mlp_bias=True),
+    Family("mistral", attention_bias="none", sliding_window="always"),
+    Family("qwen2", attention_bias="qkv", sliding_window="per_layer"),
     Family("qwen3", qk_norm=True, sliding_window="per_layer"),
-    Family("phi3", fused_checkpoint=True, sliding_window="always"),
+    Family("phi3", attention_bias="none", fused_checkpoint=True, sliding_window="always"),
     Family("gemma", **GEMMA),
     Family("gemma2", sliding_window="per_layer", sandwich_norms=True, **GEMMA),
     Family("gemma3_text", qk_norm=True, sliding_window="per_layer", sandwich_norms=True, **GEMMA),
@@ -96,7 +101,7 @@ LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 def family(model_type: str) -> Family:
     if model_type not in FAMILIES:
-        raise ValueError(f"unsupported model_type {model_type!r}: this engine runs {', '.join(FAMILIES)}")
+        raise ConfigError("model", f"unsupported model_type {model_type!r}: this engine runs {', '.join(FAMILIES)}")
     return FAMILIES[model_type]
 
 
@@ -107,7 +112,7 @@ def rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
     rope["rope_type"] = rope.get("rope_type") or rope.pop("type", None) or "default"
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     if rope["rope_type"] not in STATIC_ROPE + LENGTH_DEPENDENT_ROPE:
-        raise ValueError(f"unsupported rope scaling {rope['rope_type']!r} (supported: "
+        raise ConfigError("model", f"unsupported rope scaling {rope['rope_type']!r} (supported: "
                          f"{', '.join(STATIC_ROPE + LENGTH_DEPENDENT_ROPE)})")
     if rope["rope_type"] in ("yarn", "longrope", "llama3"):
         rope.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings")
@@ -129,7 +134,8 @@ def rope_frequencies(rope: Mapping[str, Any], head_dim: int, max_position_embedd
         inv_freq = 1.0 / (rope["rope_theta"] ** exponents)
         if rope_type == "freq_factors":
             if len(rope["factors"]) != dim // 2:
-                raise ValueError(f"rope_freqs holds {len(rope['factors'])} factors, not rotary_dim / 2 = {dim // 2}")
+                raise ConfigError("model", f"rope_freqs holds {len(rope['factors'])} factors, not rotary_dim / 2 = "
+                                           f"{dim // 2}")
             inv_freq = inv_freq / torch.tensor(rope["factors"], dtype=torch.float32)
         return inv_freq, 1.0
     from transformers import LlamaConfig as HFConfig

@@ -44,7 +44,9 @@ class LlamaConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on the q, k and v projections
+    o_proj_bias: bool = False  # and on o (Llama, Qwen3, Gemma with attention_bias; not Qwen2)
+    mlp_bias: bool = False  # on gate, up and down (Llama's mlp_bias)
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     model_type: str = "llama"
@@ -75,6 +77,7 @@ class LlamaConfig:
         model_type = hf.get("model_type", "llama")
         fam = families.family(model_type)
         hf = {**hf, "model_type": model_type}
+        _check_fields(hf)
         resolved = families.transformers_config(hf)  # transformers' defaults for what hf leaves out
         per_layer_type = getattr(resolved, "rope_parameters", None) or {}
         if "full_attention" in per_layer_type:  # Gemma 3: one rotary per kind of layer
@@ -83,12 +86,14 @@ class LlamaConfig:
         else:
             rope, local_rope = families.rope_parameters(hf), {}
         if getattr(resolved, "use_bidirectional_attention", False):
-            raise ValueError("use_bidirectional_attention (an embedding model's attention) is not supported")
+            raise ConfigError("model", "use_bidirectional_attention (an embedding model's attention) is not supported")
         hidden_act = getattr(resolved, "hidden_activation", None) or getattr(resolved, "hidden_act", "silu")
         if hidden_act not in families.ACTIVATIONS:
-            raise ValueError(f"unsupported activation {hidden_act!r} (supported: {', '.join(families.ACTIVATIONS)})")
+            raise ConfigError("model", f"unsupported activation {hidden_act!r} (supported: "
+                                       f"{', '.join(families.ACTIVATIONS)})")
         eos = _ids(hf.get("eos_token_id"))
         more = [t for t in eos[1:] + _ids((generation or {}).get("eos_token_id")) if t not in eos[:1]]
+        attention_bias = {"qkv": True, "none": False}.get(fam.attention_bias, bool(hf.get("attention_bias")))
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -100,8 +105,10 @@ class LlamaConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope["rope_theta"],
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", fam.qkv_bias),
+            tie_word_embeddings=bool(getattr(resolved, "tie_word_embeddings", hf.get("tie_word_embeddings", False))),
+            attention_bias=attention_bias,
+            o_proj_bias=attention_bias and fam.attention_bias == "config",
+            mlp_bias=fam.mlp_bias and bool(hf.get("mlp_bias")),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos[0] if eos else None,
             extra_eos_token_ids=tuple(dict.fromkeys(more)),
@@ -141,6 +148,85 @@ class LlamaConfig:
 
 # What generation_config.json may set for every request, as vLLM reads it.
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+# config.json fields a model of the skeleton cannot go without (transformers would fill in its
+# own defaults, a hidden size of 4096 and the like, which the weights would then not fit).
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_fields(hf: Mapping[str, Any]) -> None:
+    """Refuse a config.json this engine would read wrongly: a required field missing or not a
+    positive integer, or weights quantized by a method it does not read (vLLM's AWQ, GPTQ...)."""
+    for name in REQUIRED_FIELDS:
+        value = hf.get(name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError("model", f"config.json's {name} is {value!r}; a positive integer is needed"
+                              if name in hf else f"config.json has no {name}")
+    quantization = hf.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, Mapping) else "?"
+        raise ConfigError("model", f"the weights are quantized with {method} (config.json's quantization_config), "
+                                   "which this engine does not read: give fp32/fp16/bf16 weights (--quantization "
+                                   "int8 quantizes them at load) or a GGUF file")
+
+
+def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model reads, under its Hugging Face name, with the shape ``config`` gives it."""
+    fam, hidden, inter, d = config.family, config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden),
+                                          "model.norm.weight": (hidden,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+
+    def product(name: str, rows: int, columns: int, bias: bool) -> None:
+        shapes[name + ".weight"] = (rows, columns)
+        if bias:
+            shapes[name + ".bias"] = (rows,)
+
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({f"{p}{name}.weight": (hidden,) for name in fam.layer_norms.values()})
+        if fam.qk_norm:
+            shapes.update({f"{p}self_attn.{x}_norm.weight": (d,) for x in "qk"})
+        attn = {"qkv_proj": q + 2 * kv} if fam.fused_checkpoint else {"q_proj": q, "k_proj": kv, "v_proj": kv}
+        for name, rows in attn.items():
+            product(f"{p}self_attn.{name}", rows, hidden, config.attention_bias)
+        product(p + "self_attn.o_proj", hidden, q, config.o_proj_bias)
+        mlp = {"gate_up_proj": 2 * inter} if fam.fused_checkpoint else {"gate_proj": inter, "up_proj": inter}
+        for name, rows in mlp.items():
+            product(f"{p}mlp.{name}", rows, hidden, config.mlp_bias)
+        product(p + "mlp.down_proj", hidden, inter, config.mlp_bias)
+    return shapes
+
+
+# Tensors a checkpoint may hold that the model does not read: older transformers' saved rotary
+# frequencies (recomputed here), and an LM head beside tied embeddings (as vLLM, ignored).
+_IGNORED_TENSORS = ("rotary_emb.inv_freq",)
+
+
+def check_checkpoint(config: LlamaConfig, shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """Refuse a checkpoint whose tensors (``shapes``: name -> shape) are not the ones ``config``
+    says: missing, of another shape, or more (more layers, biases it does not have), naming them.
+
+    Raises:
+        ConfigError: naming the first tensors that differ, with both shapes.
+    """
+    expected = checkpoint_shapes(config)
+    missing = [name for name in expected if name not in shapes]
+    wrong = [f"{name} is {list(shapes[name])}, not {list(want)}" for name, want in expected.items()
+             if name in shapes and tuple(shapes[name]) != want]
+    extra = [name for name in shapes if name not in expected and not name.endswith(_IGNORED_TENSORS)
+             and not (name == "lm_head.weight" and config.tie_word_embeddings)]
+    shape = (f"{config.num_layers} layers, hidden size {config.hidden_size}, {config.num_heads} heads and "
+             f"{config.num_kv_heads} KV heads of {config.head_dim}, MLP {config.intermediate_size}, "
+             f"vocabulary {config.vocab_size}")
+    for problems, what in ((wrong, "tensors of another shape than its config gives them"),
+                           (missing, "no tensor"), (extra, "tensors its config has no place for")):
+        if problems:
+            more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+            raise ConfigError("model", f"{where} has {what}: {'; '.join(problems[:3])}{more} (the config: {shape})")
 
 
 def _ids(value: int | list[int] | None) -> list[int]:
@@ -250,12 +336,14 @@ class LlamaModel:
             # Phi-3 stores q, k, v and gate, up as single matrices; the others, one per projection.
             attn = [p + "self_attn.qkv_proj"] if fam.fused_checkpoint else [f"{p}self_attn.{x}_proj" for x in "qkv"]
             mlp = [p + "mlp.gate_up_proj"] if fam.fused_checkpoint else [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            o_proj, down = p + "self_attn.o_proj", p + "mlp.down_proj"
             layers.append(LlamaLayer(
                 qkv_proj=linear([a + ".weight" for a in attn], [a + ".bias" for a in attn] if config.attention_bias
                                 else None),
-                o_proj=linear([p + "self_attn.o_proj.weight"]),
-                gate_up_proj=linear([m + ".weight" for m in mlp]),
-                down_proj=linear([p + "mlp.down_proj.weight"]),
+                o_proj=linear([o_proj + ".weight"], [o_proj + ".bias"] if config.o_proj_bias else None),
+                gate_up_proj=linear([m + ".weight" for m in mlp], [m + ".bias" for m in mlp] if config.mlp_bias
+                                    else None),
+                down_proj=linear([down + ".weight"], [down + ".bias"] if config.mlp_bias else None),
                 q_norm=norm(p + "self_attn.q_norm.weight") if fam.qk_norm else None,
                 k_norm=norm(p + "self_attn.k_norm.weight") if fam.qk_norm else None,
                 window=config.window(i),
@@ -263,8 +351,7 @@ class LlamaModel:
                 **{field: norm(f"{p}{name}.weight") for field, name in fam.layer_norms.items()},
             ))
         embed = linear(["model.embed_tokens.weight"])
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        lm_head = embed if tied else linear(["lm_head.weight"])
+        lm_head = embed if config.tie_word_embeddings else linear(["lm_head.weight"])
         return cls(config, embed, layers, norm("model.norm.weight"), lm_head)
 
     @property

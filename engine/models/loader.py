@@ -29,7 +29,7 @@ from engine.models.linear import (
     quantize_q8_m,
 )
 from engine.models.parallel import TensorParallel, parallelize, shard
-from engine.models.llama import LlamaConfig, LlamaModel
+from engine.models.llama import LlamaConfig, LlamaModel, check_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,14 @@ class ModelSource:
 
     @property
     def is_gguf(self) -> bool:
-        return self.path.suffix == ".gguf"
+        """A ``.gguf`` name, or a file that starts as GGUF files do (an ollama blob has no suffix)."""
+        if self.path.suffix.lower() == ".gguf":
+            return True
+        try:
+            with self.path.open("rb") as file:
+                return file.read(4) == b"GGUF"
+        except OSError:  # (a directory, or nothing there)
+            return False
 
 
 # The default model's shape, for --load-format dummy on machines without its file.
@@ -121,6 +128,8 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     if quantization == "int8" and fmt == "gguf":
         raise ConfigError("quantization", f"{source.path.name} is already quantized (GGUF): quantization int8 "
                                           "is for fp32/fp16/bf16 models; use auto (as stored) or none")
+    if reader is not None:  # (before reading: a wrong shape would fail the reading itself)
+        check_checkpoint(config, _gguf_shapes(reader, source.path), source.path.name)
     if fmt == "dummy":
         weights = dict(dummy_weights(config, seed))
     elif fmt == "gguf":
@@ -130,6 +139,11 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
             log.warning("%s is dequantized to %s on %s: %s", source.path.name, dtype, device, unpacked_reason)
     else:
         weights = dict(safetensors_weights(source.path))
+        check_checkpoint(config, {name: tuple(w.shape) for name, w in weights.items()}, str(source.path))
+        integers = [f"{name} ({w.dtype})" for name, w in weights.items() if not w.is_floating_point()]
+        if integers:  # (quantized weights without a quantization_config: their scales are elsewhere)
+            raise ConfigError("model", f"{source.path} holds integer weights, which this engine reads only from "
+                                       f"GGUF files: {', '.join(integers[:3])}")
     log.info("loaded %d weight tensors of %s (%s)", len(weights), source.path, fmt)
     if quantization == "int8":
         weights = {name: quantize_q8_m(w) if _is_layer_matrix(name, w) else w for name, w in weights.items()}
@@ -201,10 +215,22 @@ def read_config(source: ModelSource) -> LlamaConfig:
         return gguf_config(_gguf_reader(source.path))
     config_file = source.path / "config.json"
     if not config_file.exists():
-        raise ConfigError("model", f"{source.path} has no config.json")
+        ggufs = sorted(source.path.glob("*.gguf")) if source.path.is_dir() else []
+        hint = f" (for its GGUF file, give the file: {ggufs[0]})" if ggufs else ""
+        raise ConfigError("model", f"{source.path} has no config.json{hint}")
     generation_file = source.path / "generation_config.json"
-    generation = json.loads(generation_file.read_text()) if generation_file.exists() else None
-    return LlamaConfig.from_hf(json.loads(config_file.read_text()), generation)
+    generation = _json_object(generation_file) if generation_file.exists() else None
+    return LlamaConfig.from_hf(_json_object(config_file), generation)
+
+
+def _json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, OSError) as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise ConfigError("model", f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError("model", f"{path} holds a {type(value).__name__}, not a JSON object")
+    return value
 
 
 # ---- GGUF ----
@@ -250,30 +276,42 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def _positive_field(reader, key: str, default=None) -> int:
+    """An integer the model's shape needs (llama.cpp refuses a file without it, too)."""
+    value = _field(reader, key, default)
+    if isinstance(value, (list, str, bytes, float)) or value is None or int(value) <= 0:
+        raise ConfigError("model", f"the GGUF file has no {key}" if value is None else
+                                   f"the GGUF file's {key} is {value!r}; a positive integer is needed")
+    return int(value)
+
+
 def gguf_config(reader) -> LlamaConfig:
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ConfigError("model", f"unsupported GGUF architecture {arch!r}: this engine runs "
                                    f"{', '.join(GGUF_ARCHITECTURES)}")
-    num_heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
+    num_heads = _positive_field(reader, f"{arch}.attention.head_count")
+    hidden = _positive_field(reader, f"{arch}.embedding_length")
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = _positive_field(reader, f"{arch}.vocab_size", None if tokens is None else len(tokens))
     theta = _field(reader, f"{arch}.rope.freq_base", 10000.0)
     return LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
-        num_layers=_field(reader, f"{arch}.block_count"),
+        intermediate_size=_positive_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=_positive_field(reader, f"{arch}.block_count"),
         num_heads=num_heads,
-        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", num_heads),
-        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
+        num_kv_heads=_positive_field(reader, f"{arch}.attention.head_count_kv", num_heads),
+        head_dim=_positive_field(reader, f"{arch}.attention.key_length", hidden // num_heads),
         rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=theta,
-        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        max_position_embeddings=_positive_field(reader, f"{arch}.context_length", 2048),
         rope_scaling=_gguf_rope_scaling(reader, arch, theta),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        o_proj_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_down.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         model_type=arch,
@@ -318,11 +356,23 @@ _GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.nor
 
 
 def _hf_name(gguf_name: str) -> str:
-    stem, kind = gguf_name.rsplit(".", 1)  # kind: weight | bias
+    """Raises: ConfigError: a tensor this engine does not read (another architecture's, a projector's)."""
+    stem, _, kind = gguf_name.rpartition(".")  # kind: weight | bias
     if stem.startswith("blk."):
-        _, layer, part = stem.split(".", 2)
-        return f"model.layers.{layer}.{_GGUF_NAMES[part]}.{kind}"
-    return f"{_GGUF_TOP_NAMES[stem]}.{kind}"
+        _, layer, part = (stem.split(".", 2) + ["", ""])[:3]
+        hf = _GGUF_NAMES.get(part)
+        name = hf and layer.isdigit() and f"model.layers.{layer}.{hf}.{kind}"
+    else:
+        name = stem in _GGUF_TOP_NAMES and f"{_GGUF_TOP_NAMES[stem]}.{kind}"
+    if not name or kind not in ("weight", "bias"):
+        raise ConfigError("model", f"the GGUF file holds a tensor this engine does not read: {gguf_name}")
+    return name
+
+
+def _gguf_shapes(reader, path: Path) -> dict[str, tuple[int, ...]]:
+    """The file's tensors as ``gguf_weights`` names them, with their shapes (outputs first)."""
+    return {_hf_name(t.name): tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors
+            if t.name != "rope_freqs.weight"}
 
 
 def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -418,11 +468,15 @@ def safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a directory's safetensors files: the shards its index names when it has
     one (a repository may also hold other copies, e.g. Mistral's consolidated.safetensors),
     else every ``*.safetensors`` file."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     index = directory / SAFETENSORS_INDEX
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConfigError("model", f"{index} has no weight_map")
+        shards = sorted(set(map(str, weight_map.values())))
         missing = [name for name in shards if not (directory / name).exists()]
         if missing:
             raise ConfigError("model", f"{directory} lacks {', '.join(missing)}, named by {SAFETENSORS_INDEX}")
@@ -431,8 +485,18 @@ def safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError("model", f"{directory} has no .safetensors files")
+    seen: dict[str, str] = {}
     for file in files:
-        yield from load_file(file).items()
+        try:
+            tensors = load_file(file)
+        except (SafetensorError, OSError) as exc:  # a truncated or foreign file
+            raise ConfigError("model", f"{file} is not a readable safetensors file: {exc}") from None
+        for name, tensor in tensors.items():
+            if name in seen:  # (two copies of a checkpoint side by side, without an index)
+                raise ConfigError("model", f"{name} is in both {seen[name]} and {file.name}: which copy to "
+                                           f"load is unclear (an index, {SAFETENSORS_INDEX}, would say)")
+            seen[name] = file.name
+            yield name, tensor
 
 
 # ---- dummy ----
@@ -459,6 +523,12 @@ def dummy_weights(config: LlamaConfig, seed: int) -> Iterator[tuple[str, torch.T
             if config.attention_bias:
                 attn[f"{x}_proj.bias"] = randn(rows)
         o_proj, gate, up = randn(hidden, config.num_heads * d), randn(inter, hidden), randn(inter, hidden)
+        biases = {}  # (drawn after the weights: a model without them keeps its values)
+        if config.o_proj_bias:
+            biases["self_attn.o_proj.bias"] = randn(hidden)
+        if config.mlp_bias:
+            biases.update({"mlp.gate_proj.bias": randn(inter), "mlp.up_proj.bias": randn(inter),
+                           "mlp.down_proj.bias": randn(hidden)})
         if config.family.fused_checkpoint:  # stored as Phi-3 stores them
             yield p + "self_attn.qkv_proj.weight", torch.cat([attn[f"{x}_proj.weight"] for x in "qkv"])
             yield p + "mlp.gate_up_proj.weight", torch.cat([gate, up])
@@ -471,6 +541,7 @@ def dummy_weights(config: LlamaConfig, seed: int) -> Iterator[tuple[str, torch.T
         if config.family.qk_norm:
             yield p + "self_attn.q_norm.weight", torch.ones(d)
             yield p + "self_attn.k_norm.weight", torch.ones(d)
+        yield from ((p + name, b) for name, b in biases.items())
 
 
 def cache_dir() -> Path:

@@ -97,8 +97,11 @@ def shard(config, weights: Mapping[str, object], tp: TensorParallel, fused_check
             out[name] = _rows(value, kv)
         elif name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):  # Phi-3's fused q, k, v
             out[name] = _cat([_rows(value, q), _rows(value, _shift(kv, q_size)), _rows(value, _shift(kv, q_size + kv_size))])
-        elif name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        elif name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias")):
             out[name] = _rows(value, mlp)
+        elif name.endswith(("self_attn.o_proj.bias", "mlp.down_proj.bias")):
+            # The ranks' partial products are summed: the bias is added once, by rank 0.
+            out[name] = value if tp.rank == 0 else torch.zeros_like(value)
         elif name.endswith("mlp.gate_up_proj.weight"):
             out[name] = _cat([_rows(value, mlp), _rows(value, _shift(mlp, inter))])
         elif name.endswith("self_attn.o_proj.weight"):
