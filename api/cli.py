@@ -226,8 +226,8 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
     """What shapes a response: structured outputs and tool calls (as in vLLM)."""
     p.add_argument("--structured-outputs-config", default=None,
                    help='JSON, as in vLLM: {"backend": "xgrammar", "compile_timeout_s": 10, '
-                        '"max_concurrent_compiles": 2, "cache_size": 512}. Requests constrain their output with '
-                        'response_format, structured_outputs or the guided_* fields')
+                        '"max_concurrent_compiles": 2, "cache_size": 512, "cache_size_mb": 256}. Requests '
+                        'constrain their output with response_format, structured_outputs or the guided_* fields')
     p.add_argument("--speculative-config", default=None,
                    help='JSON, as in vLLM: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, '
                         '"prompt_lookup_max": 5, "disable_by_batch_size": 3}: propose tokens from the request\'s own '

@@ -187,7 +187,7 @@ class EngineConfig:
             still takes whatever is there.
         structured_outputs_config: the grammar backend and its limits, as JSON text or a dict
             (``StructuredOutputsConfig``: backend, compile_timeout_s, max_concurrent_compiles,
-            cache_size).
+            cache_size, cache_size_mb).
         speculative_config: speculative decoding, as JSON text or a dict with vLLM's keys
             (``engine.speculative.SpeculativeConfig``), e.g. ``{"method": "ngram",
             "num_speculative_tokens": 4}``; None: off.

@@ -62,6 +62,8 @@ class Matcher(Protocol):
 
 
 class CompiledGrammar(Protocol):
+    nbytes: int  # memory it holds (its token masks), what the manager's cache counts
+
     def matcher(self, stop_token_ids: Sequence[int]) -> Matcher:
         """A fresh matcher; ``stop_token_ids`` are what it allows once the grammar is complete."""
 
@@ -154,6 +156,10 @@ class _XGrammarMatcher:
 class _XGrammarCompiled:
     backend: XGrammarBackend
     compiled: Any  # xgrammar.CompiledGrammar
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.compiled.memory_size_bytes)
 
     def matcher(self, stop_token_ids: Sequence[int]) -> Matcher:
         import xgrammar
@@ -256,18 +262,22 @@ class StructuredOutputsConfig:
         max_concurrent_compiles: worker threads compiling at once (more requests wait, and
             that wait is not compile time).
         cache_size: compiled constraints (and the compiler's refusals) remembered.
+        cache_size_mb: the most memory the compiled ones may hold (their token masks: ~2.5 MB
+            for a small JSON schema over a 49k vocabulary), as vLLM's VLLM_XGRAMMAR_CACHE_MB
+            bounds xgrammar's cache; the least recently used go first.
     """
 
     backend: str = "xgrammar"
     compile_timeout_s: float = 10.0
     max_concurrent_compiles: int = 2
     cache_size: int = 512
+    cache_size_mb: float = 256
 
     def __attrs_post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError("structured_outputs_config", f"backend must be one of {', '.join(BACKENDS)}; "
                                                            f"got {self.backend!r}")
-        for name in ("compile_timeout_s", "max_concurrent_compiles", "cache_size"):
+        for name in ("compile_timeout_s", "max_concurrent_compiles", "cache_size", "cache_size_mb"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ConfigError("structured_outputs_config", f"{name} must be a positive number; got {value!r}")
@@ -326,6 +336,7 @@ class StructuredOutputManager:
         self._vocab_size = vocab_size
         self._backend: GrammarBackend | None = None
         self._cache: OrderedDict[str, CompiledGrammar | InvalidParameterError] = OrderedDict()
+        self.cache_bytes = 0  # what the cached grammars hold
         self._lock = threading.Lock()
         self._jobs: dict[str, _CompileJob] = {}  # key -> its compile in a worker thread
         self._slot_freed = trio.Event()  # (replaced each time it is set)
@@ -469,11 +480,19 @@ class StructuredOutputManager:
                 del self._jobs[key]
 
     def _remember(self, key: str, value: CompiledGrammar | InvalidParameterError) -> None:
+        """Cache ``value`` under ``key``; the least recently used go while there are more than
+        ``cache_size`` or they hold more than ``cache_size_mb`` (the newest always stays)."""
+        limit = self.config.cache_size_mb * 2**20
         with self._lock:
+            self.cache_bytes -= _nbytes(self._cache.pop(key, None))
             self._cache[key] = value
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.config.cache_size:
-                self._cache.popitem(last=False)
+            self.cache_bytes += _nbytes(value)
+            while len(self._cache) > 1 and (len(self._cache) > self.config.cache_size or self.cache_bytes > limit):
+                self.cache_bytes -= _nbytes(self._cache.popitem(last=False)[1])
+
+
+def _nbytes(cached: CompiledGrammar | InvalidParameterError | None) -> int:
+    return getattr(cached, "nbytes", 0)
 
 
 class GrammarBitmask:

@@ -86,6 +86,23 @@ def test_a_constraint_that_does_not_compile_is_an_invalid_parameter(manager, par
     assert info.value.param == "structured_outputs"
 
 
+def test_the_cache_holds_no_more_memory_than_its_limit(tokenizer):
+    """Compiled grammars hold their token masks (~2.5 MB each for a small schema over this
+    vocabulary): the cache is bounded by bytes as well as by count, dropping the least recent."""
+    from engine.structured_outputs import StructuredOutputsConfig
+
+    limited = StructuredOutputManager(tokenizer, 49152, StructuredOutputsConfig(cache_size_mb=6))
+    schemas = [StructuredOutputsParams(json={"type": "object", "properties": {f"f{i}": {"type": "integer"}},
+                                             "required": [f"f{i}"]}) for i in range(4)]
+    sizes = [limited.compile(params).nbytes for params in schemas]
+    assert min(sizes) > 2**20 and limited.num_compiles == 4
+    assert 0 < limited.cache_bytes <= 6 * 2**20 < sum(sizes)
+    assert limited.cached(schemas[-1]) is not None  # the newest stays
+    assert limited.cached(schemas[0]) is None  # the oldest went
+    limited.compile(schemas[0])
+    assert limited.num_compiles == 5
+
+
 def test_compiles_are_cached_and_so_are_failures(manager):
     params = StructuredOutputsParams(regex=r"[0-9]{4}")
     before = manager.num_compiles
