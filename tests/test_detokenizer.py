@@ -330,3 +330,54 @@ def _utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def sentencepiece_tokenizer():
+    """A Llama-2-style tokenizer (▁ for spaces, byte fallback, and a decoder that strips the
+    space its text begins with), over a few words and the 256 byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    words = ["<unk>", "▁The", "▁capital", "▁is", "▁Paris", ".", "▁café"]
+    vocab = {word: i for i, word in enumerate(words)}
+    vocab.update({f"<0x{b:02X}>": len(words) + b for b in range(256)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok, vocab
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_a_decoder_that_strips_a_leading_space_keeps_the_completions_first_one(kind):
+    """SentencePiece decoders drop the space that begins what they decode: the completion is
+    read after the prompt's last tokens (as vLLM primes its stream), so " Paris" keeps its space
+    and prompt + completion reads as the whole sequence does, streamed or decoded at the end."""
+    tok, vocab = sentencepiece_tokenizer()
+    prompt = [vocab["▁The"], vocab["▁capital"], vocab["▁is"]]
+    emoji = [vocab[f"<0x{b:02X}>"] for b in "🙂".encode()]  # (a character over four byte tokens)
+    completion = [vocab["▁Paris"], vocab["."], *emoji, vocab["▁café"]]
+    whole = tok.decode(prompt + completion)
+    assert whole == "The capital is Paris.🙂 café" and tok.decode(completion).startswith("Paris")
+    detok = IncrementalDetokenizer(tok, SamplingParams(output_kind=kind), prompt)
+    shown = []
+    for token in completion:
+        detok.add_token(token)
+        shown.append(detok.visible_text)
+    detok.finish(completion)
+    assert tok.decode(prompt) + detok.text == whole
+    if kind is RequestOutputKind.DELTA:
+        assert shown[0] == " Paris" and all(detok.text.startswith(s) for s in shown)
+
+
+def test_a_stop_string_in_the_bytes_flushed_at_the_end_is_found(tokenizer):
+    """A completion cut off inside a character flushes its bytes as U+FFFD at the end; a stop
+    string that this completes ends the text there and finishes the completion as 'stop'."""
+    ids = tokenizer.encode("ab🙂", add_special_tokens=False)
+    partial = ids[:-1]  # (the emoji's last byte missing)
+    assert tokenizer.decode(partial).endswith("\ufffd")
+    params = SamplingParams(stop=["b\ufffd"], max_tokens=len(partial), output_kind=RequestOutputKind.FINAL_ONLY)
+    state = RequestState("r", None, [1, 2], params, tokenizer)
+    state.apply(TokenDelta("r", 0, tuple(partial), finish_reason="length"), IterationStats(1.0))
+    completion = state.completions[0]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", "b\ufffd")
+    assert completion.detokenizer.text == "a"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
+from collections.abc import Sequence
 
 from tokenizers.decoders import ByteLevel, DecodeStream
 
@@ -81,7 +82,7 @@ class IncrementalDetokenizer:
     request without stop strings is decoded only at ``finish`` (its text is empty until then).
     """
 
-    def __init__(self, tokenizer, params: SamplingParams) -> None:
+    def __init__(self, tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer.backend_tokenizer if hasattr(tokenizer, "backend_tokenizer") else tokenizer
         self._skip_special = params.skip_special_tokens
         # Nobody reads the text of a final-only request before it ends, and with no stop
@@ -91,7 +92,15 @@ class IncrementalDetokenizer:
         # character are held, else None (and ``_stream`` decides).
         self._byte_texts = _ByteLevelTexts.of(self._tokenizer, params.skip_special_tokens)
         self._texts = self._byte_texts
-        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens) if self._texts is None else None
+        # Other decoders (SentencePiece's, Metaspace) drop the space that begins the text they
+        # decode: the stream starts after the prompt's last tokens (``_prefix``), as vLLM's does,
+        # so that the completion's first word keeps its space.
+        self._prefix = _prompt_tail(self._tokenizer, prompt_token_ids, self._skip_special) if self._texts is None else []
+        self._stream = None
+        if self._texts is None:
+            self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+            for token_id in self._prefix:
+                self._stream.step(self._tokenizer, token_id)
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._longest_stop = max((len(s) for s in self._stops), default=0)
@@ -167,12 +176,26 @@ class IncrementalDetokenizer:
 
     def finish(self, token_ids: list[int]) -> None:
         """The completion ended: nothing is held back any more. Bytes of an unfinished UTF-8
-        character are flushed as the tokenizer's full decode would show them."""
+        character are flushed as the tokenizer's full decode would show them (a stop string
+        they complete is found, and ``stop_hit`` says so)."""
         if self.stop_hit is None:
-            full = self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special)
+            full = self._decode_all(token_ids)
+            previous = self._text.length
             if full.startswith(self.text):
                 self._text.reset(full)
+                if self._stops and not self._tokens_before_stops and self._text.length > previous:
+                    self._find_stop(previous)
         self.num_visible = self._text.length
+
+    def _decode_all(self, token_ids: list[int]) -> str:
+        """The completion's text at once, as the stream reads it (after the prompt's ``_prefix``)."""
+        decode = self._tokenizer.decode
+        if self._prefix:
+            before = decode(self._prefix, skip_special_tokens=self._skip_special)
+            full = decode(self._prefix + list(token_ids), skip_special_tokens=self._skip_special)
+            if full.startswith(before):
+                return full[len(before):]
+        return decode(token_ids, skip_special_tokens=self._skip_special)
 
     def _find_stop(self, previous: int) -> bool:
         window_start = max(0, previous - self._longest_stop + 1)
@@ -192,6 +215,18 @@ class IncrementalDetokenizer:
         if not self._stops:
             return 0
         return longest_stop_prefix(self._text.slice(max(0, self._text.length - self._longest_stop + 1)), self._stops)
+
+
+def _prompt_tail(tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
+    """The prompt's last tokens that decode to whole characters: 4 to 24 of them (vLLM's
+    choice), else the last 24; the whole prompt when it is shorter than 5."""
+    ids = list(prompt_token_ids[-24:])
+    if len(prompt_token_ids) <= 4:
+        return list(prompt_token_ids)
+    for n in range(4, len(ids) + 1):
+        if "\ufffd" not in tokenizer.decode(ids[-n:], skip_special_tokens=skip_special_tokens):
+            return ids[-n:]
+    return ids
 
 
 def longest_stop_prefix(tail: str, stops: list[str]) -> int:

@@ -50,7 +50,8 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.tokenizer = tokenizer
-        self.completions = [CompletionState(IncrementalDetokenizer(tokenizer, params)) for _ in range(params.n)]
+        self.completions = [CompletionState(IncrementalDetokenizer(tokenizer, params, prompt_token_ids))
+                            for _ in range(params.n)]
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.num_cached_tokens = 0
         self.times = RequestTimes(time.monotonic() if arrival is None else arrival)
@@ -156,6 +157,8 @@ class RequestState:
         completion.finish_reason, completion.stop_reason = reason, stop_reason
         self._num_unfinished -= 1
         completion.detokenizer.finish(completion.token_ids[:text_tokens])
+        if completion.detokenizer.stop_hit is not None:  # (in the bytes flushed at the end)
+            completion.finish_reason, completion.stop_reason = "stop", completion.detokenizer.stop_hit
         if self.finished:
             self._record_finish(stats)
 
