@@ -326,12 +326,18 @@ class StructuredOutputManager:
     """
 
     @classmethod
-    def for_engine(cls, tokenizer, vocab_size: int, engine_config) -> StructuredOutputManager:
+    def for_engine(cls, tokenizer, vocab_size: int, engine_config, validate_only: bool = False,
+                   ) -> StructuredOutputManager:
         """The manager an ``EngineConfig`` asks for (its ``structured_outputs_config`` JSON)."""
-        return cls(tokenizer, vocab_size, StructuredOutputsConfig.from_json(engine_config.structured_outputs_config))
+        return cls(tokenizer, vocab_size, StructuredOutputsConfig.from_json(engine_config.structured_outputs_config),
+                   validate_only)
 
-    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputsConfig | None = None,
+                 validate_only: bool = False) -> None:
         self.config = config or StructuredOutputsConfig()
+        # A front of engine processes compiles only to refuse what will not compile before a
+        # request is queued (the engine compiles, and caches, its own): it remembers verdicts.
+        self.validate_only = validate_only
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._backend: GrammarBackend | None = None
@@ -483,6 +489,8 @@ class StructuredOutputManager:
         """Cache ``value`` under ``key``; the least recently used go while there are more than
         ``cache_size`` or they hold more than ``cache_size_mb`` (the newest always stays)."""
         limit = self.config.cache_size_mb * 2**20
+        if self.validate_only and not isinstance(value, InvalidParameterError):
+            value = COMPILES
         with self._lock:
             self.cache_bytes -= _nbytes(self._cache.pop(key, None))
             self._cache[key] = value
@@ -493,6 +501,18 @@ class StructuredOutputManager:
 
 def _nbytes(cached: CompiledGrammar | InvalidParameterError | None) -> int:
     return getattr(cached, "nbytes", 0)
+
+
+class _Compiles:
+    """What a validating manager keeps of a constraint that compiled: the verdict alone."""
+
+    nbytes = 0
+
+    def matcher(self, stop_token_ids: Sequence[int]) -> Matcher:
+        raise RuntimeError("this constraint was only checked here: the engine process compiles its own")
+
+
+COMPILES = _Compiles()
 
 
 class GrammarBitmask:

@@ -96,6 +96,7 @@ async def test_an_abandoned_stream_frees_its_blocks_in_the_engine_process():
 async def test_bad_requests_are_refused_in_the_front_with_the_engines_limits():
     async with open_engine(**CONFIG, engine_process=True, max_model_len=64) as client:
         assert client.max_model_len == 64
+        assert client._engine.structured_outputs.validate_only  # (the engine compiles its own grammars)
         with pytest.raises(InvalidParameterError, match="maximum context length is 64"):
             client.submit([5] * 80)
         with pytest.raises(InvalidParameterError, match="outside the vocabulary"):

@@ -103,6 +103,22 @@ def test_the_cache_holds_no_more_memory_than_its_limit(tokenizer):
     assert limited.num_compiles == 5
 
 
+def test_a_front_of_engine_processes_remembers_only_verdicts(tokenizer):
+    """A front compiles to refuse a bad constraint before queueing it; the engine process
+    compiles its own, so the front's cache keeps no grammar (no memory), only that it compiles."""
+    checks = StructuredOutputManager(tokenizer, 49152, validate_only=True)
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert checks.compile(params).nbytes > 2**20  # (this request's own grammar)
+    assert checks.cache_bytes == 0 and checks.cached(params) is structured_outputs.COMPILES
+    checks.compile(params)
+    assert checks.num_compiles == 1
+    with pytest.raises(InvalidParameterError):
+        checks.compile(StructuredOutputsParams(regex="((("))
+    with pytest.raises(InvalidParameterError):  # (remembered)
+        checks.compile(StructuredOutputsParams(regex="((("))
+    assert checks.num_compiles == 2
+
+
 def test_compiles_are_cached_and_so_are_failures(manager):
     params = StructuredOutputsParams(regex=r"[0-9]{4}")
     before = manager.num_compiles

@@ -604,7 +604,8 @@ async def open_engine(config=None, *, engine_fds: Sequence[int] | None = None,
             async with engines as cores:
                 core = cores[0] if len(cores) == 1 else DataParallelCore(cores)
                 tokenizer = await trio.to_thread.run_sync(tokenizer_for, config)
-                async with Engine(core, tokenizer).serve() as client:
+                checks = StructuredOutputManager.for_engine(tokenizer, core.vocab_size, config, validate_only=True)
+                async with Engine(core, tokenizer, checks).serve() as client:
                     yield client
         return
     core = await trio.to_thread.run_sync(EngineCore, config)
