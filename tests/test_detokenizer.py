@@ -369,6 +369,24 @@ def test_a_decoder_that_strips_a_leading_space_keeps_the_completions_first_one(k
         assert shown[0] == " Paris" and all(detok.text.startswith(s) for s in shown)
 
 
+@pytest.mark.parametrize("prompt", [
+    ["▁The", "<0xE2>"],  # ends inside a character: nothing of it may come out with the completion
+    ["<0x61>", "<0xC3>", "▁The"],  # ids that are no UTF-8 (tokenizers' stream raises on them)
+    [],
+])
+def test_a_prompt_that_does_not_decode_to_whole_characters_leaves_the_completion_alone(prompt):
+    tok, vocab = sentencepiece_tokenizer()
+    completion = [vocab["▁Paris"], vocab["."]]
+    shown = []
+    detok = IncrementalDetokenizer(tok, SamplingParams(output_kind=RequestOutputKind.DELTA),
+                                   [vocab[t] for t in prompt])
+    for token in completion:
+        detok.add_token(token)
+        shown.append(detok.visible_text)
+    detok.finish(completion)
+    assert detok.text.lstrip() == "Paris." and shown[-1] == detok.text
+
+
 def test_a_stop_string_in_the_bytes_flushed_at_the_end_is_found(tokenizer):
     """A completion cut off inside a character flushes its bytes as U+FFFD at the end; a stop
     string that this completes ends the text there and finishes the completion as 'stop'."""

@@ -97,10 +97,14 @@ def test_the_cache_holds_no_more_memory_than_its_limit(tokenizer):
     sizes = [limited.compile(params).nbytes for params in schemas]
     assert min(sizes) > 2**20 and limited.num_compiles == 4
     assert 0 < limited.cache_bytes <= 6 * 2**20 < sum(sizes)
+    assert limited.cache_bytes == sum(grammar.nbytes for grammar in limited._cache.values())
     assert limited.cached(schemas[-1]) is not None  # the newest stays
     assert limited.cached(schemas[0]) is None  # the oldest went
     limited.compile(schemas[0])
     assert limited.num_compiles == 5
+    tiny = StructuredOutputManager(tokenizer, 49152, StructuredOutputsConfig(cache_size_mb=1))
+    tiny.compile(schemas[0])  # (larger than the limit on its own: the newest stays)
+    assert tiny.cached(schemas[0]) is not None and tiny.cache_bytes == sizes[0]
 
 
 def test_a_front_of_engine_processes_remembers_only_verdicts(tokenizer):

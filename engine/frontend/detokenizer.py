@@ -97,10 +97,14 @@ class IncrementalDetokenizer:
         # so that the completion's first word keeps its space.
         self._prefix = _prompt_tail(self._tokenizer, prompt_token_ids, self._skip_special) if self._texts is None else []
         self._stream = None
-        if self._texts is None:
+        if self._texts is None and not self._lazy:
             self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-            for token_id in self._prefix:
-                self._stream.step(self._tokenizer, token_id)
+            try:
+                for token_id in self._prefix:
+                    self._stream.step(self._tokenizer, token_id)
+            except Exception:  # (tokenizers' own, for ids that are no UTF-8: the completion alone, then)
+                self._prefix = []
+                self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self._stops = params.stop
         self._include_stop = params.include_stop_str_in_output
         self._longest_stop = max((len(s) for s in self._stops), default=0)
@@ -169,7 +173,15 @@ class IncrementalDetokenizer:
             # as the stream of the whole text would.
             self._texts = None
             self._stream = DecodeStream(skip_special_tokens=self._skip_special)
-        chunk = self._stream.step(self._tokenizer, token_id)
+        try:
+            chunk = self._stream.step(self._tokenizer, token_id)
+        except Exception as exc:
+            if "Invalid prefix" not in str(exc):
+                raise
+            # tokenizers' stream fails where bytes that are no UTF-8 make the decode of its window
+            # change what it read before (as vLLM, which meets the same): a fresh stream goes on.
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special)
+            chunk = self._stream.step(self._tokenizer, token_id)
         if chunk is not None and self._byte_texts is not None:
             self._texts = self._byte_texts  # it ended on a whole character
         return chunk
@@ -218,15 +230,14 @@ class IncrementalDetokenizer:
 
 
 def _prompt_tail(tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> list[int]:
-    """The prompt's last tokens that decode to whole characters: 4 to 24 of them (vLLM's
-    choice), else the last 24; the whole prompt when it is shorter than 5."""
+    """The prompt's last 4 to 24 tokens (fewer in a shorter prompt) that decode to whole
+    characters, as vLLM chooses them; none where every such tail has U+FFFD (a prompt ending
+    inside a character: the stream would hold its bytes and show them with the completion)."""
     ids = list(prompt_token_ids[-24:])
-    if len(prompt_token_ids) <= 4:
-        return list(prompt_token_ids)
-    for n in range(4, len(ids) + 1):
-        if "\ufffd" not in tokenizer.decode(ids[-n:], skip_special_tokens=skip_special_tokens):
-            return ids[-n:]
-    return ids
+    for n in range(min(4, len(ids)), len(ids) + 1):
+        if "\ufffd" not in tokenizer.decode(ids[len(ids) - n:], skip_special_tokens=skip_special_tokens):
+            return ids[len(ids) - n:]
+    return []
 
 
 def longest_stop_prefix(tail: str, stops: list[str]) -> int:
