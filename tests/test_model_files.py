@@ -106,10 +106,20 @@ def test_files_that_are_not_json_or_safetensors_are_named(hf_state, tmp_path):
 
 def test_two_copies_of_a_tensor_without_an_index_are_refused(hf_state, tmp_path):
     config, tensors = hf_state
-    directory = write_hf(tmp_path / "m", config, tensors)
-    write_hf(directory, config, {"model.norm.weight": torch.zeros(32)}, file="stray.safetensors")
-    with pytest.raises(ConfigError, match=r"model\.norm\.weight is in both model\.safetensors and stray"):
+    directory = write_hf(tmp_path / "m", config, {k: v for k, v in tensors.items() if "layers.1." not in k},
+                         file="part-a.safetensors")
+    write_hf(directory, config, {k: v for k, v in tensors.items() if "layers.0." not in k}, file="part-b.safetensors")
+    with pytest.raises(ConfigError, match=r"lm_head\.weight is in both part-a\.safetensors and part-b"):
         load(directory)
+
+
+def test_without_an_index_the_models_own_files_are_read_not_a_copy_beside_them(hf_state, tmp_path):
+    """Mistral's repositories keep consolidated.safetensors (other names) beside transformers'
+    model.safetensors; an adapter's file may sit there too: only model*.safetensors are read."""
+    config, tensors = hf_state
+    directory = write_hf(tmp_path / "m", config, tensors)
+    write_hf(directory, config, {"layers.0.attention.wq.weight": torch.zeros(32, 32)}, file="consolidated.safetensors")
+    assert len(load(directory).layers) == 2
 
 
 # ---- GGUF ----

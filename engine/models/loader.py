@@ -467,7 +467,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 def safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of a directory's safetensors files: the shards its index names when it has
     one (a repository may also hold other copies, e.g. Mistral's consolidated.safetensors),
-    else every ``*.safetensors`` file."""
+    else transformers' ``model*.safetensors`` where there are such (not an adapter's or a
+    consolidated copy beside them), else every ``*.safetensors`` file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -482,7 +483,7 @@ def safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ConfigError("model", f"{directory} lacks {', '.join(missing)}, named by {SAFETENSORS_INDEX}")
         files = [directory / name for name in shards]
     else:
-        files = sorted(directory.glob("*.safetensors"))
+        files = sorted(directory.glob("model*.safetensors")) or sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError("model", f"{directory} has no .safetensors files")
     seen: dict[str, str] = {}
