@@ -219,7 +219,9 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV cache of shared prompt prefixes")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="split long prompts across steps")
-    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs", help="fcfs or priority")
+    p.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+                   help="fcfs, or priority: the lowest request priority first, then arrival, strictly as "
+                        "vLLM's (no aging: under a steady stream of more urgent requests a less urgent one waits)")
 
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
