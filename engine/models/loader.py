@@ -128,22 +128,9 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
     if quantization == "int8" and fmt == "gguf":
         raise ConfigError("quantization", f"{source.path.name} is already quantized (GGUF): quantization int8 "
                                           "is for fp32/fp16/bf16 models; use auto (as stored) or none")
-    if reader is not None:  # (before reading: a wrong shape would fail the reading itself)
-        check_checkpoint(config, _gguf_shapes(reader, source.path), source.path.name)
-    if fmt == "dummy":
-        weights = dict(dummy_weights(config, seed))
-    elif fmt == "gguf":
-        weights = dict(gguf_weights(source.path, config, keep_packed=quantization == "auto" and not unpacked_reason,
-                                    reader=reader))
-        if quantization == "auto" and unpacked_reason:
-            log.warning("%s is dequantized to %s on %s: %s", source.path.name, dtype, device, unpacked_reason)
-    else:
-        weights = dict(safetensors_weights(source.path))
-        check_checkpoint(config, {name: tuple(w.shape) for name, w in weights.items()}, str(source.path))
-        integers = [f"{name} ({w.dtype})" for name, w in weights.items() if not w.is_floating_point()]
-        if integers:  # (quantized weights without a quantization_config: their scales are elsewhere)
-            raise ConfigError("model", f"{source.path} holds integer weights, which this engine reads only from "
-                                       f"GGUF files: {', '.join(integers[:3])}")
+    weights = _read_weights(source, fmt, config, reader, quantization == "auto" and not unpacked_reason, seed)
+    if fmt == "gguf" and quantization == "auto" and unpacked_reason:
+        log.warning("%s is dequantized to %s on %s: %s", source.path.name, dtype, device, unpacked_reason)
     log.info("loaded %d weight tensors of %s (%s)", len(weights), source.path, fmt)
     if quantization == "int8":
         weights = {name: quantize_q8_m(w) if _is_layer_matrix(name, w) else w for name, w in weights.items()}
@@ -159,6 +146,27 @@ def load_model(source: ModelSource, load_format: str, dtype: torch.dtype, device
                  f" (capped by {ISA_CAP_VARIABLE}={cap})" if cap else "",
                  _activations_line(activation_quantization, auto))
     return model
+
+
+def _read_weights(source: ModelSource, fmt: str, config: LlamaConfig, reader, keep_packed: bool, seed: int) -> dict:
+    """The checkpoint's tensors under Hugging Face names, held against ``config`` (``check_checkpoint``).
+
+    Raises:
+        ConfigError: a tensor missing, of another shape, without a place in the model, or of
+            integers (quantized weights without a quantization_config: their scales are elsewhere).
+    """
+    if fmt == "dummy":
+        return dict(dummy_weights(config, seed))
+    if fmt == "gguf":  # (checked before reading: a wrong shape would fail the reading itself)
+        check_checkpoint(config, _gguf_shapes(reader, source.path), source.path.name)
+        return dict(gguf_weights(source.path, config, keep_packed=keep_packed, reader=reader))
+    weights = dict(safetensors_weights(source.path))
+    check_checkpoint(config, {name: tuple(w.shape) for name, w in weights.items()}, str(source.path))
+    integers = [f"{name} ({w.dtype})" for name, w in weights.items() if not w.is_floating_point()]
+    if integers:
+        raise ConfigError("model", f"{source.path} holds integer weights, which this engine reads only from "
+                                   f"GGUF files: {', '.join(integers[:3])}")
+    return weights
 
 
 def _activations_line(activation_quantization: str, auto: bool) -> str:
