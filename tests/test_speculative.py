@@ -6,6 +6,7 @@ blocks after rejections, preemption and aborts, and the counters."""
 
 from __future__ import annotations
 
+import logging
 import random
 import subprocess
 import sys
@@ -317,7 +318,7 @@ def test_the_drafter_catches_up_on_what_it_missed_and_trusts_no_block_written_wh
 
     # Over a sliding window's table (pause=False) the draft computes every step, proposals or not.
     steady = Drafter(tiny_model, get_backend("torch", "cpu"), 16, 4, "cpu", same_as(torch.float32), 2, 4,
-                     max_catch_up=5, pause=False)
+                     max_catch_up=5, window=8)
     steady._forward = forward
     passes.clear()
     steady.admit("e", (1, 2, 3))
@@ -423,6 +424,88 @@ def test_a_draft_model_s_context_ending_one_past_a_block_ends_requests_cleanly(t
     [(drafted, _)] = _run(core, [prompt], params)
     [(plain, _)] = _run(_tiny_core(tiny_model, speculative_config=None, max_model_len=33), [prompt], params)
     assert drafted == plain and len(drafted) == 13 and core.stats().spec_num_drafts > 0
+
+
+def _owned_blocks_only(core: EngineCore, monkeypatch) -> dict[str, list[int]]:
+    """Hold every pass of the draft model to the blocks its rows' requests own (or its scratch
+    blocks): each slot it writes and each key slot its layers' windows reach. Returns the
+    positions the draft computed per request."""
+    from engine.runner.drafter import Drafter
+
+    real, computed = Drafter._forward, {}
+
+    def forward(self, rows, tokens, positions, tables, sample):
+        bs = self.block_size
+        reach = min((layer.window or 1 << 30) for layer in self.model.layers)
+        for row, table, span in zip(rows, tables, positions):
+            owned = {b.block_id for t in core.block_manager.tables[row.request_id] for b in t if b.ref_count > 0}
+            computed.setdefault(row.request_id, []).extend(span)
+            for p in span:
+                for key in range(max(p - reach + 1, 0), p + 1):
+                    block = table[key // bs]
+                    assert block in owned or block >= self.scratch_base, (row.request_id, p, key, block, table)
+        return real(self, rows, tokens, positions, tables, sample)
+
+    monkeypatch.setattr(Drafter, "_forward", forward)
+    return computed
+
+
+@pytest.mark.parametrize("draft", ["itself", "no window"])
+def test_a_draft_model_over_a_sliding_window_keeps_to_the_blocks_its_requests_own(tmp_path, monkeypatch, caplog,
+                                                                                     draft):
+    """A model whose every layer slides (window 24, blocks of 8): its one table names blocks the
+    target gave back (to other requests) and, in place of a cached prefix's blocks the window
+    passed, block 0. The draft model (the model itself, or one of no window) reads and writes
+    only the blocks its rows' requests own: a request hitting the prefix of an earlier one (whose
+    first block went to a third request) is not caught up through block 0 (which was the third
+    request's draft KV), and a draft of no window attends within the model's. The two choices of
+    an n = 2 request, admitted together, share the prompt's blocks: the draft computes the prompt
+    once, as the target does. The tokens are those of the engine without proposals."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    caplog.set_level(logging.INFO, "engine")
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    MistralForCausalLM(MistralConfig(sliding_window=24, **shape)).save_pretrained(tmp_path / "target")
+    LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(tmp_path / "llama")
+    drafter = str(tmp_path / ("target" if draft == "itself" else "llama"))
+    first, second = [10 + j * 7 % 50 for j in range(40)], [100 + j * 11 % 60 for j in range(36)]
+
+    def tokens(speculative: dict | None) -> tuple[EngineCore, dict[str, list[int]], dict]:
+        core = EngineCore(EngineConfig(model=str(tmp_path / "target"), backend="cpu", dtype="float32",
+                                       kv_cache_dtype="float32", num_kv_blocks=13, block_size=8, max_num_seqs=4,
+                                       max_num_batched_tokens=256, speculative_config=speculative))
+        computed = _owned_blocks_only(core, monkeypatch) if speculative else {}
+        out: dict[str, list[int]] = {}
+
+        def steps(n: int) -> None:
+            for _ in range(n):
+                for delta in core.step():
+                    out.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        core.add_request("a", first, params)
+        steps(3)  # (its first blocks pass out of the window, back to the free list)
+        core.add_request("b", second, params)  # (its fifth block: block 0)
+        steps(3)
+        core.add_request("c", [*first, 5, 6], params)  # (a hit on a's blocks 2-4; places 0 and 1: block 0)
+        steps(1)
+        table = {r: [b.block_id for b in t[0]] for r, t in core.block_manager.tables.items()}
+        assert table["0_c"][:2] == [0, 0] and 0 in table["0_b"]  # (choice 0 of each: "0_c")
+        steps(100)
+        core.add_request("d", second[:20], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=2))
+        steps(100)
+        assert not core.has_unfinished_requests and core.block_manager.num_used_blocks == 0
+        return core, out, computed
+
+    _, plain, _ = tokens(None)
+    core, drafted, computed = tokens({**_draft(drafter), "disable_by_batch_size": 8})
+    assert drafted == plain and core.stats().spec_num_drafts > 0
+    cut = "the draft model attends within the model's sliding window (24 tokens)"
+    assert (cut in caplog.text) == (draft == "no window")
+    assert sorted(min(computed[f"{i}_d"]) for i in range(2)) == [0, 16]  # (16: the choice hitting 2 blocks)
+    assert min(computed["0_c"]) == 40  # (its hit read, from the block its first query's window reaches)
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(tiny_model, tmp_path):

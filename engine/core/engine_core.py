@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -142,13 +143,17 @@ class EngineCore:
         """The model runner on the device thread, with a draft model's drafter where there is one,
         after the other tensor-parallel ranks (if any) have joined with their shards."""
         config = self.config
-        drafter = None
+        drafter, window = None, self.kv_groups.windows[0]
         if self.draft_model is not None:
+            draft = self.draft_model.config
+            if window is not None and any((draft.window(i) or math.inf) > window for i in range(draft.num_layers)):
+                log.info("the draft model attends within the model's sliding window (%d tokens): the model's "
+                         "blocks past it are given back", window)
             drafter = self.device_thread.run_sync(Drafter, self.draft_model, self.backend, num_blocks,
                                                   config.block_size, self.device, self.kv_dtype,
                                                   config.speculative.num_speculative_tokens, config.max_num_seqs,
                                                   config.max_num_batched_tokens,  # (max_catch_up)
-                                                  self.kv_groups.windows[0] is None)  # (pause: not over a window)
+                                                  window)  # (of the table it lies over)
         if config.tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallelDriver(config, self.device)
             self.device_thread.run_sync(self.tensor_parallel.join, num_blocks)

@@ -354,6 +354,12 @@ class LlamaModel:
         lm_head = embed if config.tie_word_embeddings else linear(["lm_head.weight"])
         return cls(config, embed, layers, norm("model.norm.weight"), lm_head)
 
+    def within_window(self, window: int) -> LlamaModel:
+        """This model, its weights shared, with no layer attending further back than ``window``
+        positions (a draft model over a sliding table: engine/runner/drafter.py)."""
+        layers = [attrs.evolve(layer, window=min(layer.window or window, window)) for layer in self.layers]
+        return LlamaModel(self.config, self.embed, layers, self.norm, self.lm_head)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.dtype

@@ -12,9 +12,16 @@ how many leading positions hold the draft's KV of what the target's block now ho
 (``filled``), and per request its tokens. When proposals resume, a request whose draft KV
 lags is caught up in the same pass (its missing tokens first, from its earliest missed one;
 at most ``max_num_batched_tokens`` of them a pass, the rest in the next ones), and a prefix
-from the cache is read as far as its blocks are filled. (A model whose every layer slides keeps
-the draft running: the target gives back the blocks its window passed, which a catch-up
-would write into.)
+from the cache is read as far as its blocks are filled. The blocks a pass writes count as filled
+for the rows after it in the same pass: a request admitted in the step that computes its prefix
+(an n > 1 request's other choices) reads that prefix, as the target does.
+
+Over a model whose every layer slides (its one table slides: ``window``) the draft keeps running:
+the target gives back the blocks its window passed while the runner's table still names them
+(other requests' now, or block 0 in place of a cached prefix's passed blocks). So nothing the
+draft computes may reach before the window: its layers attend within the target's window (a
+draft model of a longer reach, or none, is cut to it), and a request's draft KV is looked for,
+and caught up, only from the blocks its first query's window reaches.
 
 After the target's step, for each request that sampled a token and is to get proposals, the
 draft model takes that token and proposes the greedy continuation, one position at a time:
@@ -59,8 +66,10 @@ class Drafter:
 
     def __init__(self, model: LlamaModel, backend: AttentionBackend, num_blocks: int, block_size: int,
                  device: str, kv_dtype: KVCacheDtype, num_proposals: int, max_rows: int, max_catch_up: int,
-                 pause: bool = True) -> None:
+                 window: int | None = None) -> None:
         cfg = model.config
+        if window is not None:
+            model = model.within_window(window)
         self.model, self.backend, self.block_size, self.device = model, backend, block_size, device
         # Proposals past a table's end: positions last + 1 .. last + num_proposals - 1, and the
         # sampled token's own (the target computes it only next step).
@@ -78,10 +87,10 @@ class Drafter:
         # one's kept tokens end, so a paused row never starts below it).
         self._valid: dict[str, int] = {}
         self.max_catch_up = max_catch_up  # missed tokens one pass computes at most (the rest the next)
-        # Whether it sits out steps without proposals: not over a sliding window's table, whose
-        # passed blocks the target gives back while the runner's table still names them (a
-        # catch-up would write into blocks other requests own).
-        self.pause = pause
+        # The sliding window of the target's table (None: it holds every block of a request). Over
+        # one the draft does not sit out steps without proposals: a catch-up would reach back past
+        # blocks the target gave back.
+        self.window = window
 
     def admit(self, request_id: str, token_ids: Sequence[int]) -> None:
         """A request the runner takes in (new, or back after a preemption): its tokens so far."""
@@ -115,11 +124,14 @@ class Drafter:
 
     def _valid_length(self, row: DraftRow) -> int:
         """Positions 0.. of ``row``'s request whose draft KV is there (a new request's: as far as
-        its blocks are filled)."""
+        its blocks are filled; over a sliding table, counted from the first block the window of
+        its first query reaches, the blocks before it never read)."""
         valid = self._valid.get(row.request_id)
         if valid is None:
-            bs, filled, valid = self.block_size, self.filled, 0
-            for block in row.block_ids[:-(-row.start // bs)]:
+            bs, filled = self.block_size, self.filled
+            first = 0 if self.window is None else max(row.start - self.window + 1, 0) // bs
+            valid = first * bs
+            for block in row.block_ids[first:-(-row.start // bs)]:
                 valid += filled[block]
                 if filled[block] < bs:
                     break
@@ -128,22 +140,24 @@ class Drafter:
     def _caught_up(self, rows: list[DraftRow]) -> list[DraftRow]:
         """``rows``, each from the first position whose draft KV is missing (the request's tokens
         from there, then the row's), at most ``max_catch_up`` missed tokens in all: a row past
-        that computes what fits of its missed tokens, proposes nothing, and goes on next pass."""
+        that computes what fits of its missed tokens, proposes nothing, and goes on next pass.
+        Each row is marked as it is taken: the rows after it see its blocks filled."""
         budget, out = self.max_catch_up, []
         for row in rows:
             valid = self._valid_length(row)
-            if valid >= row.start:
-                out.append(row)
-                continue
-            missed = self._tokens[row.request_id][valid:row.start]
-            if len(missed) <= budget:
-                budget -= len(missed)
-                out.append(attrs.evolve(row, start=valid, token_ids=(*missed, *row.token_ids)))
-                continue
-            self._mark(row, computed=False)
-            if budget:
-                out.append(DraftRow(row.request_id, valid, tuple(missed[:budget]), row.block_ids, False))
-                budget = 0
+            if valid < row.start:
+                missed = self._tokens[row.request_id][valid:row.start]
+                if len(missed) <= budget:
+                    budget -= len(missed)
+                    row = attrs.evolve(row, start=valid, token_ids=(*missed, *row.token_ids))
+                else:
+                    self._mark(row, computed=False)
+                    if not budget:
+                        continue
+                    row = DraftRow(row.request_id, valid, tuple(missed[:budget]), row.block_ids, False)
+                    budget = 0
+            self._mark(row, computed=True)
+            out.append(row)
         return out
 
     def run(self, rows: list[DraftRow], num_proposals: int) -> dict[str, tuple[int, ...]]:
@@ -153,13 +167,11 @@ class Drafter:
         rows = [row for row in rows if row.token_ids]
         for row in rows:
             self._record(row)
-        if num_proposals <= 0 and self.pause:
+        if num_proposals <= 0 and self.window is None:
             for row in rows:
                 self._mark(row, computed=False)
             return {}
         rows = self._caught_up(rows)
-        for row in rows:
-            self._mark(row, computed=True)
         if not rows:
             return {}
         limit = self.model.config.max_position_embeddings
