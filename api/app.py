@@ -41,6 +41,7 @@ from api.responses import (
 )
 from api.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     ResponsesRequest,
@@ -76,7 +77,7 @@ from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.reasoning import ReasoningParser, check_budget
-from engine.tokenizer import content_text, render_chat_template, template_switches, token_bytes
+from engine.tokenizer import content_text, render_chat_template, template_message, template_switches, token_bytes
 from engine.tools import ToolPlan, plan_tools, render_inputs
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,7 @@ class ServerState:
     api_key: str | tuple[str, ...] | None = None  # one key, or several (any of them opens /v1/*)
     allowed_origins: tuple[str, ...] = ()
     chat_template: str | None = None
+    trust_request_chat_template: bool = False  # a request's chat_template is used, not refused
     # --reasoning-parser; --default-chat-template-kwargs (a request's chat_template_kwargs override them)
     reasoning_parser: ReasoningParser | None = None
     default_chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
@@ -412,10 +414,14 @@ class _Handlers:
             raise bad_request("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
             plan = plan_tools(req.tools)
-            ids = (await self.render_chat(req.messages, req.add_generation_prompt, False, None, plan)).ids
+            ids = (await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                          req.chat_template_kwargs, plan, req.chat_template)).ids
         else:
             ids = await _off_loop(len(req.prompt), self.client.encode, req.prompt, req.add_special_tokens)
-        return json_response({"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids})
+        body = {"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = self.client.tokenizer.convert_ids_to_tokens(ids)
+        return json_response(body)
 
     async def detokenize(self) -> Response:
         req = await self.body(DetokenizeRequest)
@@ -435,9 +441,16 @@ class _Handlers:
     # ---- chat ----
 
     async def render_chat(self, messages, add_generation_prompt: bool, continue_final_message: bool,
-                          template_kwargs: dict | None, plan: ToolPlan | None) -> RenderedChat:
+                          template_kwargs: dict | None, plan: ToolPlan | None, chat_template: str | None = None,
+                          ) -> RenderedChat:
         """The conversation through the chat template (with the server's default template
-        arguments under the request's own)."""
+        arguments under the request's own): the server's, or the request's ``chat_template``
+        where the server trusts requests' templates (vLLM's --trust-request-chat-template)."""
+        if chat_template is not None and not self.state.trust_request_chat_template:
+            raise bad_request("a request's chat_template is refused: this server renders chats with its own "
+                              "(start it with --trust-request-chat-template to accept requests' templates)",
+                              "chat_template")
+        template = chat_template if chat_template is not None else self.state.chat_template
         template_kwargs = {**self.state.default_chat_template_kwargs, **(template_kwargs or {})}
         # (the kwargs, the server's defaults too, override the request's two switches)
         add_generation_prompt, continue_final_message, template_kwargs = template_switches(
@@ -447,26 +460,28 @@ class _Handlers:
             if m.role not in CHAT_ROLES:
                 raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}",
                                   "messages")
-            converted.append(_template_message(m, self._text_content(m.content, i)))
+            converted.append(self._template_message(m, i))
         size = sum(len(m["content"]) for m in converted)
         if plan is not None:
             size += sum(len(orjson.dumps(t.parameters)) + len(t.description or "") for t in plan.tools)
         self.client.check_text_length(size, "messages")
-        return await _off_loop(size, self._apply_template, converted, add_generation_prompt, continue_final_message,
-                               template_kwargs, plan)
+        return await _off_loop(size + len(chat_template or ""), self._apply_template, converted,
+                               add_generation_prompt, continue_final_message, template_kwargs, plan, template,
+                               "messages" if chat_template is None else "chat_template")
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
-                        template_kwargs: dict, plan: ToolPlan | None) -> RenderedChat:
+                        template_kwargs: dict, plan: ToolPlan | None, template: str | None, param: str,
+                        ) -> RenderedChat:
         tokenizer = self.client.tokenizer
         try:
-            messages, tool_kwargs = render_inputs(tokenizer, messages, plan, self.state.chat_template)
+            messages, tool_kwargs = render_inputs(tokenizer, messages, plan, template)
             text = render_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message,
-                                        chat_template=self.state.chat_template, **{**template_kwargs, **tool_kwargs})
-        except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the caller's messages or kwargs
+                                        chat_template=template, **{**template_kwargs, **tool_kwargs})
+        except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the caller's messages, kwargs or template
             if isinstance(exc, InvalidParameterError):
                 raise
-            raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
+            raise bad_request(f"could not apply the chat template: {exc}", param) from None
         continued = messages[-1]["content"] if continue_final_message and messages else None
         return RenderedChat(tokenizer.encode(text, add_special_tokens=False), text, continued)
 
@@ -504,6 +519,14 @@ class _Handlers:
     def _text_content(content, index: int) -> str:
         try:
             return content_text(content, index)
+        except InvalidParameterError as exc:
+            raise APIError(400, str(exc), "messages", code="unsupported_parameter") from None
+
+    @staticmethod
+    def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+        fields = {key: value for key, value in attrs.asdict(message, recurse=False).items() if value is not None}
+        try:
+            return template_message(fields, index)
         except InvalidParameterError as exc:
             raise APIError(400, str(exc), "messages", code="unsupported_parameter") from None
 
@@ -577,7 +600,7 @@ class _Handlers:
             if req.reasoning_effort == "none":
                 template_kwargs.setdefault("enable_thinking", False)
         rendered = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                          template_kwargs, plan)
+                                          template_kwargs, plan, req.chat_template)
         params = sampling_params(req, chat=True, defaults=self.state.client.default_sampling)
         if plan is not None:
             params = plan.constrain(params)
@@ -916,16 +939,6 @@ class RenderedChat:
     ids: list[int]
     text: str
     continued: str | None = None  # the assistant message the output continues (continue_final_message)
-
-
-def _template_message(message, content: str) -> dict[str, Any]:
-    """A chat message as chat templates take it: OpenAI's developer role is a system message;
-    name, tool_calls and tool_call_id pass through for templates that use them."""
-    converted = {"role": "system" if message.role == "developer" else message.role, "content": content}
-    for key in ("name", "tool_calls", "tool_call_id", "reasoning_content"):
-        if getattr(message, key) is not None:
-            converted[key] = getattr(message, key)
-    return converted
 
 
 async def _guard(events, closes, error_event=None):

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template: a file, or the template itself (a value with {, } or a newline, as "
                         "vLLM reads it); default: the model's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's chat_template (vLLM's field) in place of the server's; without it such "
+                        "a request is refused (400). Templates run in Jinja's sandbox, but each costs a compile")
     p.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
                    help="auto: the sampling values of the model's generation_config.json are the defaults of "
                         "requests that do not set them (as vLLM); vllm: ignore them")

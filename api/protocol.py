@@ -53,7 +53,8 @@ class ChatMessage:
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
-    reasoning_content: str | None = None  # an earlier turn's reasoning, for templates that render it
+    reasoning: str | None = None  # an earlier turn's reasoning, for templates that render it (as
+    reasoning_content: str | None = None  # responses carry it, or vLLM's older name)
 
 
 @attrs.frozen
@@ -183,6 +184,7 @@ class ChatCompletionRequest(SamplingFields):
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # (vLLM's; used where the server trusts requests' templates)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict] | None = None
     tool_choice: Any = attrs.field(default=None, metadata={"schema": {"anyOf": [
@@ -274,7 +276,11 @@ class TokenizeRequest:
     messages: list[ChatMessage] | None = None
     tools: list[dict] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = True  # (these four: the messages' rendering, as for a chat completion)
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # each token's string too (vLLM's)
 
 
 @attrs.frozen(kw_only=True)

@@ -197,6 +197,7 @@ def server_state(args: argparse.Namespace, model_name: str) -> ServerState:
     return ServerState(names[0], other_model_names=tuple(names[1:]), api_key=api_key,
                        allowed_origins=allowed_origins(args.allowed_origins),
                        chat_template=chat_template(args.chat_template),
+                       trust_request_chat_template=args.trust_request_chat_template,
                        reasoning_parser=reasoning_parser(args.reasoning_parser),
                        default_chat_template_kwargs=args.default_chat_template_kwargs, limits=limits,
                        responses=ResponseStore(args.max_stored_responses) if args.enable_responses_store else None,

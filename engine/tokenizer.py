@@ -7,7 +7,9 @@ later starts load it from there.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import logging
 from pathlib import Path
 from collections.abc import Mapping, Sequence
@@ -119,11 +121,23 @@ def _from_gguf(source: ModelSource, param: str):
 
 # transformers' apply_chat_template arguments (and render_chat_template's) that the engine sets,
 # which chat_template_kwargs may not: those kwargs are the template's own variables
-# (add_generation_prompt and continue_final_message among them override the caller's, as in vLLM)
+# (add_generation_prompt and continue_final_message among them override the caller's, as in vLLM).
+# With every other named argument of the installed transformers' apply_chat_template (engine_arguments).
 ENGINE_TEMPLATE_ARGUMENTS = frozenset({
     "messages", "tokenizer", "conversation", "tools", "documents", "chat_template", "tokenize", "padding",
     "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-    "processor_kwargs"})
+    "processor_kwargs", "sanitize_control_tokens"})
+
+
+@functools.cache
+def engine_arguments() -> frozenset[str]:
+    """The arguments chat_template_kwargs may not name: ``ENGINE_TEMPLATE_ARGUMENTS`` and the
+    other named ones of this transformers' ``apply_chat_template`` (a newer one adds some)."""
+    from transformers import PreTrainedTokenizerBase
+
+    named = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    return ENGINE_TEMPLATE_ARGUMENTS | (set(named) - {"self", "kwargs", "add_generation_prompt",
+                                                      "continue_final_message"})
 
 
 def template_switches(kwargs: Mapping[str, Any] | None, add_generation_prompt: bool, continue_final_message: bool,
@@ -141,7 +155,7 @@ def template_switches(kwargs: Mapping[str, Any] | None, add_generation_prompt: b
     if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
         raise InvalidParameterError("chat_template_kwargs", "chat_template_kwargs: add_generation_prompt and "
                                                             "continue_final_message must be booleans")
-    taken = sorted(set(kwargs) & ENGINE_TEMPLATE_ARGUMENTS)
+    taken = sorted(set(kwargs) & engine_arguments())
     if taken:
         raise InvalidParameterError("chat_template_kwargs", f"chat_template_kwargs: {', '.join(taken)} is the "
                                                             "server's to set; these kwargs are the chat template's "
@@ -151,8 +165,8 @@ def template_switches(kwargs: Mapping[str, Any] | None, add_generation_prompt: b
 
 def content_text(content: Any, index: int) -> str:
     """Message ``index``'s content as text: a string as it is, None as "", a list of OpenAI's
-    text parts (dicts, or objects with ``type`` and ``text``) joined, as vLLM does for a
-    template that takes strings; an assistant's ``refusal`` part reads as its ``refusal`` text.
+    text parts (dicts, or objects with ``type`` and ``text``) one per line, as vLLM joins them
+    for a template that takes strings; an assistant's ``refusal`` part reads as its ``refusal`` text.
 
     Raises:
         InvalidParameterError: naming ``messages``, for a part that is not text.
@@ -170,7 +184,7 @@ def content_text(content: Any, index: int) -> str:
             raise InvalidParameterError("messages", f"messages[{index}]: content of type {kind!r} is not supported "
                                                     "by this server (text only)")
         texts.append(text or "")
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def text_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -184,9 +198,21 @@ def text_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
             raise InvalidParameterError("messages", f"messages[{i}] must be an object with a role (a string)")
-        content = message.get("content")
-        result.append({**message, "content": content_text(content, i)} if isinstance(content, list) else dict(message))
+        result.append(template_message(message, i))
     return result
+
+
+def template_message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """Chat message ``index`` as chat templates take it, as vLLM gives it them: its content as
+    text (``content_text``: None is "", as for an assistant's turn of only tool calls), OpenAI's
+    developer role as system, an earlier turn's ``reasoning`` (what responses carry) as the
+    ``reasoning_content`` templates read; its other fields as they are."""
+    converted = {**message, "content": content_text(message.get("content"), index)}
+    if converted["role"] == "developer":
+        converted["role"] = "system"
+    if converted.get("reasoning_content") is None and message.get("reasoning") is not None:
+        converted["reasoning_content"] = message["reasoning"]
+    return converted
 
 
 def render_chat_template(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,9 +63,10 @@ class Tool:
     parameters: dict[str, Any]
 
     def as_openai(self) -> dict[str, Any]:
-        function = {"name": self.name, "parameters": self.parameters}
+        function = {"name": self.name}  # (in the order requests give them, as templates print them)
         if self.description:
             function["description"] = self.description
+        function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
 
@@ -211,6 +214,11 @@ def _tool(value: Any, index: int) -> Tool:
         parameters = {"type": "object"}  # arguments are always an object, even when not described
     if not isinstance(parameters, dict):
         raise InvalidParameterError("tools", f"{where}.function.parameters must be a JSON schema object")
+    if parameters.get("type", "object") != "object":  # (OpenAI's rule: a call's arguments are an object)
+        raise InvalidParameterError("tools", f"{where}.function.parameters must describe an object (\"type\": "
+                                             f"\"object\"), the call's arguments; got type {parameters['type']!r}")
+    if "type" not in parameters:  # ({} or only properties: still arguments of an object)
+        parameters = {"type": "object", **parameters}
     bad = unsupported_schema_keywords(parameters)
     if bad:
         raise InvalidParameterError("tools", f"{where}.function.parameters uses keywords this server cannot "
@@ -245,22 +253,34 @@ def as_structural_format(params: StructuredOutputsParams, param: str) -> dict[st
 
 # ---- the prompt ----
 
-_TEMPLATE_RENDERS_TOOLS: dict[str, bool] = {}
+# Per template text (the server's, and requests' own where it trusts them): whether it renders
+# tools; the most recent few, from the threads that render.
+_TEMPLATE_RENDERS_TOOLS: OrderedDict[str, bool] = OrderedDict()
+_TEMPLATES_KEPT = 64
+_TEMPLATES_LOCK = threading.Lock()
 _PROBE = "probe_function_7f3a"
 
 
 def template_renders_tools(tokenizer, chat_template: str | None = None) -> bool:
     """Whether the chat template writes a ``tools`` list into the prompt (probed once per template)."""
     source = chat_template or tokenizer.get_chat_template()
-    known = _TEMPLATE_RENDERS_TOOLS.get(source)
+    with _TEMPLATES_LOCK:
+        known = _TEMPLATE_RENDERS_TOOLS.get(source)
     if known is None:
-        probe = [{"type": "function", "function": {"name": _PROBE, "parameters": {"type": "object"}}}]
+        # (a tool as requests give them, description and parameters filled in: templates such
+        # as Hermes' write `tool.description` and each property's, and fail where one is missing)
+        probe = [Tool(_PROBE, "Looks a word up.", {"type": "object", "properties": {
+            "word": {"type": "string", "description": "The word."}}, "required": ["word"]}).as_openai()]
         try:
             text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=probe, tokenize=False,
                                                  chat_template=chat_template, add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
             text = ""
-        known = _TEMPLATE_RENDERS_TOOLS[source] = _PROBE in text
+        known = _PROBE in text
+        with _TEMPLATES_LOCK:
+            _TEMPLATE_RENDERS_TOOLS[source] = known
+            if len(_TEMPLATE_RENDERS_TOOLS) > _TEMPLATES_KEPT:
+                _TEMPLATE_RENDERS_TOOLS.popitem(last=False)
     return known
 
 

@@ -193,14 +193,21 @@ def test_chat_uses_the_template(llm):
 
 
 def test_chat_reads_text_parts_and_template_switches_as_vllm_does(llm):
-    """Content as OpenAI's text parts is its joined text; add_generation_prompt in
-    chat_template_kwargs overrides the argument; what the engine sets itself, or a part that is
-    not text, is an InvalidParameterError naming the field (they were TypeErrors from the template)."""
+    """Content as OpenAI's text parts is their text one per line; developer is system, None
+    content "" (it failed templates that add to it), an earlier turn's reasoning is the template's
+    reasoning_content (as over HTTP); add_generation_prompt in chat_template_kwargs overrides the
+    argument; what the engine sets itself, or a part that is not text, is an
+    InvalidParameterError naming the field (they were TypeErrors from the template)."""
     params = SamplingParams(temperature=0, max_tokens=2)
-    plain = llm.chat([{"role": "user", "content": "Say hi"}], params, use_tqdm=False)[0]
-    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hi"}]}],
+    plain = llm.chat([{"role": "user", "content": "Say\nhi"}], params, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]}],
                      params, use_tqdm=False)[0]
     assert parts.prompt_token_ids == plain.prompt_token_ids
+    showing = "{% for m in messages %}[{{ m.role }}|{{ m.reasoning_content or '' }}|{{ m.content + '' }}]{% endfor %}"
+    shown = llm.chat([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": None, "reasoning": "hmm"}], params, use_tqdm=False,
+                     chat_template=showing, add_generation_prompt=False)[0]
+    assert llm.get_tokenizer().decode(shown.prompt_token_ids) == "[system||Be brief.][user||Hi][assistant|hmm|]"
     switched = llm.chat([{"role": "user", "content": "Say hi"}], params, use_tqdm=False,
                         chat_template_kwargs={"add_generation_prompt": False})[0]
     assert switched.prompt_token_ids == llm.chat([{"role": "user", "content": "Say hi"}], params, use_tqdm=False,

@@ -274,8 +274,8 @@ async def test_echo_with_logprobs_scores_the_prompt_too(tiny_vocab_core, tokeniz
 async def test_chat_echo_leads_with_the_final_assistant_message_in_either_content_form(tiny_vocab_core, tokenizer):
     """echo (vLLM's) with continue_final_message: the answer starts with the last assistant
     message's text, given as a string or as text parts, streamed or not."""
-    said = "1, 2,"
-    forms = [said, [{"type": "text", "text": "1, "}, {"type": "text", "text": "2,"}]]
+    said = "1,\n2,"  # (text parts are joined one per line, as vLLM joins them)
+    forms = [said, [{"type": "text", "text": "1,"}, {"type": "text", "text": "2,"}]]
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         answers = []
         for content in forms:
@@ -311,7 +311,7 @@ async def test_chat_template_kwargs_set_the_templates_switches_and_nothing_of_th
         without_generation_prompt = (await usage_and_text(switched))[0]
         assert without_generation_prompt != (await usage_and_text({}))[0]
         for kwargs in ({"tokenize": True}, {"chat_template": "{{ 1 }}"}, {"messages": []},
-                       {"add_generation_prompt": "no"}):
+                       {"add_generation_prompt": "no"}, {"sanitize_control_tokens": False}):
             refused = await server.http.post("/v1/chat/completions", json={**base, "chat_template_kwargs": kwargs})
             assert refused.status_code == 400 and error(refused.content)["param"] == "chat_template_kwargs"
             assert "TypeError" not in refused.text and "()" not in error(refused.content)["message"]
@@ -320,6 +320,54 @@ async def test_chat_template_kwargs_set_the_templates_switches_and_nothing_of_th
                           default_chat_template_kwargs={"add_generation_prompt": False}) as server:
         reply = await server.http.post("/v1/chat/completions", json=base)
         assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == without_generation_prompt
+
+
+# Shows each message's role, reasoning and content, and a variable of chat_template_kwargs.
+SHOWING_TEMPLATE = ("{% for m in messages %}[{{ m.role }}|{{ m.reasoning_content or '' }}|{{ m.content }}]"
+                    "{% endfor %}{% if add_generation_prompt %}[assistant|{% endif %}{{ flavour or '' }}")
+
+
+async def test_messages_reach_the_template_as_vllm_gives_them_in_chat_and_tokenize(tiny_vocab_core, tokenizer):
+    """Text parts one per line, developer as system, an earlier turn's reasoning (under its name
+    in responses, or reasoning_content); /tokenize renders messages with every option a chat
+    completion takes (continue_final_message, chat_template_kwargs), to the same tokens."""
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]},
+                {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes", "reasoning": "hmm"},
+                {"role": "user", "content": "Go"}, {"role": "assistant", "content": "Gone", "reasoning_content": "ok"}]
+    async with serve_http(tiny_vocab_core, tokenizer, chat_template=SHOWING_TEMPLATE) as server:
+        for options, text in [
+                ({"chat_template_kwargs": {"flavour": "!"}},
+                 "[system||Be\nbrief.][user||Hi][assistant|hmm|Yes][user||Go][assistant|ok|Gone][assistant|!"),
+                ({"continue_final_message": True, "add_generation_prompt": False},
+                 "[system||Be\nbrief.][user||Hi][assistant|hmm|Yes][user||Go][assistant|ok|Gone")]:
+            reply = await server.http.post("/tokenize", json={"messages": messages, "return_token_strs": True,
+                                                              **options})
+            assert reply.status_code == 200, reply.text
+            tokens = reply.json()["tokens"]
+            assert tokenizer.decode(tokens) == text
+            assert reply.json()["token_strs"] == tokenizer.convert_ids_to_tokens(tokens)
+            chat = await server.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                                        **options})
+            assert chat.json()["usage"]["prompt_tokens"] == len(tokens)
+
+
+async def test_a_request_s_chat_template_is_refused_unless_the_server_trusts_them(tiny_vocab_core, tokenizer):
+    """vLLM's request field chat_template: a 400 naming it (it was dropped in silence: the reply
+    rendered with another template), used with --trust-request-chat-template; a template that
+    fails is a 400 naming it."""
+    body = {"messages": [{"role": "user", "content": "Go"}], "chat_template": "{{ messages[0].content }}!"}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        for path, extra in [("/v1/chat/completions", {"max_tokens": 1}), ("/tokenize", {})]:
+            refused = await server.http.post(path, json={**body, **extra})
+            assert refused.status_code == 400 and error(refused.content)["param"] == "chat_template"
+            assert "--trust-request-chat-template" in error(refused.content)["message"]
+    async with serve_http(tiny_vocab_core, tokenizer, trust_request_chat_template=True) as server:
+        reply = await server.http.post("/tokenize", json=body)
+        assert tokenizer.decode(reply.json()["tokens"]) == "Go!"
+        chat = await server.http.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == reply.json()["count"]
+        failing = await server.http.post("/tokenize", json={**body, "chat_template": "{{ raise_exception('no') }}"})
+        assert failing.status_code == 400 and error(failing.content)["param"] == "chat_template"
 
 
 async def test_a_long_detokenize_is_checked_and_decoded_in_a_worker_thread(tiny_vocab_core, tokenizer, monkeypatch):

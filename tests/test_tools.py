@@ -123,6 +123,7 @@ def test_finish_reasons():
     ([function("f", {"type": "object", "not": {}})], None, "tools", "cannot enforce: /: not"),
     ([function("f", {}), function("f", {})], None, "tools", "same name"),
     ([function("f", [])], None, "tools", "JSON schema object"),
+    ([function("f", {"type": "string"})], None, "tools", "must describe an object .* got type 'string'"),
 ])
 def test_bad_tool_fields_name_the_field(tools, choice, param, message):
     with pytest.raises(InvalidParameterError, match=message) as info:
@@ -165,6 +166,19 @@ def test_the_call_grammar_follows_tool_choice_and_parallel_tool_calls(manager, c
         assert not complete(text), text
     bad_arguments = CALL.replace('"b": 2', '"b": "two"')
     assert not complete(bad_arguments)
+
+
+@pytest.mark.parametrize("parameters", [{}, None, {"properties": {"a": {"type": "integer"}}}])
+def test_a_tool_of_undescribed_parameters_takes_an_object_of_arguments(manager, parameters):
+    """Parameters {} (or none, or properties without a type) still make the arguments an object
+    (clients json.loads them into a dict): a list, a string or a number is refused."""
+    tool = {"type": "function", "function": {"name": "ping", **({} if parameters is None else {"parameters": parameters})}}
+    plan = plan_tools([tool], "required")
+    compiled = manager.compile(plan.constrain(SamplingParams()).structured_outputs)
+    for arguments, ok in [("{}", True), ('{"a": 1}', True), ("[1]", False), ('"x"', False), ("3", False)]:
+        matcher = compiled.matcher([])._matcher
+        text = f'<tool_call>\n{{"name": "ping", "arguments": {arguments}}}\n</tool_call>'
+        assert (matcher.accept_string(text) and matcher.is_completed()) == ok, arguments
 
 
 def test_auto_with_response_format_is_either_that_json_or_calls(manager):
@@ -222,6 +236,28 @@ def test_a_template_that_renders_tools_gets_them_and_call_arguments_as_objects(t
     assert text.startswith("TOOLS:get_weather;add;search;") and "[add 1][add 3]" in text
     assert "tool: 7" in text
 
+
+
+# Written for this test in the manner of Hermes 2 Pro's tool template: each tool's description and
+# each parameter's, joined with `+` (which fails on a missing one rather than printing nothing).
+DESCRIBING_TEMPLATE = (
+    "{% for t in tools or [] %}{{ '- ' + t.function.name + ': ' + t.function.description }}"
+    "{% for name, p in t.function.parameters.properties.items() %}{{ ' (' + name + ': ' + p.description + ')' }}"
+    "{% endfor %}\n{% endfor %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content or '' }}\n{% endfor %}")
+
+
+def test_a_template_that_describes_each_tool_and_parameter_is_given_the_tools(tokenizer):
+    """A template that fails on a tool without a description still renders tools: the engine
+    probes it with a described one, and passes the request's tools as requests give them (name,
+    description, parameters, in that order: json-printing templates print that order)."""
+    assert template_renders_tools(tokenizer, DESCRIBING_TEMPLATE)
+    tool = {"type": "function", "function": {"name": "lookup", "description": "Looks a city up.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "description": "The city."}}}}}
+    _, kwargs = prepare_messages(HISTORY, plan_tools([tool]), renders_tools=True)
+    assert kwargs["tools"] == [tool] and list(kwargs["tools"][0]["function"]) == ["name", "description", "parameters"]
+    text = tokenizer.apply_chat_template(HISTORY[:1], chat_template=DESCRIBING_TEMPLATE, tokenize=False, **kwargs)
+    assert text.startswith("- lookup: Looks a city up. (city: The city.)")
 
 # ---- the real model ----
 
