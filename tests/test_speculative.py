@@ -324,6 +324,13 @@ def test_the_drafter_catches_up_on_what_it_missed_and_trusts_no_block_written_wh
     steady.admit("e", (1, 2, 3))
     assert steady.run([DraftRow("e", 0, (1, 2, 3), (0,), False)], 0) == {}
     assert passes == [[("e", 0, (1, 2, 3))]] and steady.filled[0] == 3
+    # A catch-up that lags past the window (its budget spent while the row ran ahead) resumes from
+    # the first block the window reaches: the blocks before it are given back (other requests').
+    passes.clear()
+    steady.admit("f", tuple(range(500, 516)))
+    steady._valid["f"] = 2  # (the lag)
+    steady.run([DraftRow("f", 16, (516,), (0, 1, 2, 3, 4), True)], 2)
+    assert passes[0][0] == ("f", 8, tuple(range(508, 513)))  # (not from 2: blocks 0 and 1 are out of the window)
 
 
 @pytest.mark.slow

@@ -21,7 +21,9 @@ the target gives back the blocks its window passed while the runner's table stil
 (other requests' now, or block 0 in place of a cached prefix's passed blocks). So nothing the
 draft computes may reach before the window: its layers attend within the target's window (a
 draft model of a longer reach, or none, is cut to it), and a request's draft KV is looked for,
-and caught up, only from the blocks its first query's window reaches.
+and caught up, only from the blocks its first query's window reaches (the first queries of such a
+catch-up read keys before it that are not there: a rare case's proposals, never another request's
+KV, suffer).
 
 After the target's step, for each request that sampled a token and is to get proposals, the
 draft model takes that token and proposes the greedy continuation, one position at a time:
@@ -124,18 +126,17 @@ class Drafter:
 
     def _valid_length(self, row: DraftRow) -> int:
         """Positions 0.. of ``row``'s request whose draft KV is there (a new request's: as far as
-        its blocks are filled; over a sliding table, counted from the first block the window of
-        its first query reaches, the blocks before it never read)."""
-        valid = self._valid.get(row.request_id)
+        its blocks are filled), or need not be: over a sliding table, the blocks before the first
+        one the window of its first query reaches, which the target may have given back."""
+        bs, valid = self.block_size, self._valid.get(row.request_id)
+        first = 0 if self.window is None else max(row.start - self.window + 1, 0) // bs
         if valid is None:
-            bs, filled = self.block_size, self.filled
-            first = 0 if self.window is None else max(row.start - self.window + 1, 0) // bs
             valid = first * bs
             for block in row.block_ids[first:-(-row.start // bs)]:
-                valid += filled[block]
-                if filled[block] < bs:
+                valid += self.filled[block]
+                if self.filled[block] < bs:
                     break
-        return valid
+        return max(valid, first * bs)  # (a catch-up lagging past the window starts within it)
 
     def _caught_up(self, rows: list[DraftRow]) -> list[DraftRow]:
         """``rows``, each from the first position whose draft KV is missing (the request's tokens
