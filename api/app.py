@@ -478,10 +478,14 @@ class _Handlers:
             text = render_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message,
                                         chat_template=template, **{**template_kwargs, **tool_kwargs})
+        except InvalidParameterError:
+            raise
         except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the caller's messages, kwargs or template
-            if isinstance(exc, InvalidParameterError):
-                raise
             raise bad_request(f"could not apply the chat template: {exc}", param) from None
+        except Exception as exc:  # (a request's own template may raise anything: {{ 1/0 }})
+            if param != "chat_template":
+                raise
+            raise bad_request(f"could not apply the chat template: {type(exc).__name__}: {exc}", param) from None
         continued = messages[-1]["content"] if continue_final_message and messages else None
         return RenderedChat(tokenizer.encode(text, add_special_tokens=False), text, continued)
 

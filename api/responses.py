@@ -251,7 +251,7 @@ def _text(content: Any, where: str) -> str:
             raise bad_request(f"{where}[{j}] must be a text part ({{\"type\": \"input_text\", \"text\": ...}}); "
                               f"got type {kind!r}", "input")
         texts.append(part[key])
-    return "".join(texts)
+    return "\n".join(texts)  # (one per line, as chat messages' text parts: engine.tokenizer.content_text)
 
 
 def _chat_tool(tool: Any, index: int) -> dict[str, Any]:

@@ -266,6 +266,8 @@ def template_renders_tools(tokenizer, chat_template: str | None = None) -> bool:
     source = chat_template or tokenizer.get_chat_template()
     with _TEMPLATES_LOCK:
         known = _TEMPLATE_RENDERS_TOOLS.get(source)
+        if known is not None:
+            _TEMPLATE_RENDERS_TOOLS.move_to_end(source)
     if known is None:
         # (a tool as requests give them, description and parameters filled in: templates such
         # as Hermes' write `tool.description` and each property's, and fail where one is missing)

@@ -363,7 +363,7 @@ def test_input_items_become_a_chat_conversation():
     messages = input_messages([
         {"role": "developer", "content": "Be brief."},
         {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi "},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"},
                                                         {"type": "input_text", "text": "there"}]},
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
@@ -375,7 +375,7 @@ def test_input_items_become_a_chat_conversation():
     assert messages == [
         {"role": "developer", "content": "Be brief."},
         {"role": "assistant", "content": "I cannot."},  # (OpenAI's refusal part, read as its text)
-        {"role": "user", "content": "Hi there"},
+        {"role": "user", "content": "Hi\nthere"},  # (text parts one per line, as in chat messages)
         {"role": "assistant", "content": "Let me look.", "reasoning_content": "hmm", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"a\": 1}"}}]},
