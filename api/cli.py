@@ -174,7 +174,9 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     """What a step may hold and how the KV cache is kept (as in vLLM)."""
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024, help="most tokens in one forward pass")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens in one forward pass (default 1024; with --no-enable-chunked-prefill, "
+                        "max(max_model_len, 2048) as vLLM)")
     p.add_argument("--max-num-mixed-prefill-tokens", type=int, default=None,
                    help="most prompt tokens in a step that also decodes running requests, so a long prompt "
                         "does not stall the streams (default: none)")

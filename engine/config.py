@@ -50,6 +50,10 @@ def _one_of(choices: tuple[str, ...]):
     return check
 
 
+# Most tokens in one forward pass unless set (and chunked prefill is on).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
+
+
 def _positive(instance: Any, attribute: attrs.Attribute, value: int | None) -> None:
     if value is None:
         return
@@ -152,7 +156,9 @@ class EngineConfig:
             summed in an order set by that row alone (the cpu backend; the others say at start
             that they cannot). Costs speed in large batches (bench/batch_invariance.py).
         max_num_seqs: most requests in one batch.
-        max_num_batched_tokens: most tokens (prefill + decode) in one forward pass.
+        max_num_batched_tokens: most tokens (prefill + decode) in one forward pass. None:
+            ``DEFAULT_MAX_NUM_BATCHED_TOKENS``, or with chunked prefill off (a prompt in one
+            pass) max(max_model_len, 2048), as vLLM (``EngineCore`` resolves it).
         max_num_mixed_prefill_tokens: most prefill tokens in a step that also decodes running
             requests, so that a long prompt joining the batch does not stall every stream for
             a whole long step (a longer prompt goes in equal chunks). None: no fixed cap (what
@@ -230,7 +236,7 @@ class EngineConfig:
     master_port: int = attrs.field(default=29500, validator=_port)
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
     max_num_seqs: int = attrs.field(default=128, validator=_positive)
-    max_num_batched_tokens: int = attrs.field(default=1024, validator=_positive)
+    max_num_batched_tokens: int | None = attrs.field(default=None, validator=_positive)
     max_num_mixed_prefill_tokens: int | None = attrs.field(default=None, validator=_positive)
     mixed_prefill_per_decode: float | None = attrs.field(default=None, validator=_positive_ratio)
     enable_prefix_caching: bool = True
@@ -280,12 +286,27 @@ class EngineConfig:
                                                  "(--calculate-kv-scales): they would depend on what that pass held")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ConfigError("num_kv_blocks", "set num_kv_blocks or kv_cache_memory, not both")
-        if self.max_num_batched_tokens < self.max_num_seqs and not self.enable_chunked_prefill:
-            raise ConfigError(
-                "max_num_batched_tokens",
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"max_num_seqs ({self.max_num_seqs}) when chunked prefill is off",
-            )
+        if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:
+            self.check_unchunked_batch(self.max_num_batched_tokens)
+
+    def batch_tokens(self, max_model_len: int) -> int:
+        """``max_num_batched_tokens``, or its default for sequences of up to ``max_model_len``."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.enable_chunked_prefill:
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return max(max_model_len, 2048, self.max_num_seqs)  # (a whole prompt, and a token of every request)
+
+    def check_unchunked_batch(self, max_num_batched_tokens: int, max_model_len: int = 0) -> None:
+        """With chunked prefill off, a step must take a whole prompt and a token of every request."""
+        if max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError("max_num_batched_tokens", f"max_num_batched_tokens ({max_num_batched_tokens}) must be "
+                                                        f"at least max_num_seqs ({self.max_num_seqs}) when chunked "
+                                                        "prefill is off")
+        if max_num_batched_tokens < max_model_len:
+            raise ConfigError("max_num_batched_tokens", f"max_num_batched_tokens ({max_num_batched_tokens}) must be "
+                                                        f"at least max_model_len ({max_model_len}) when chunked "
+                                                        "prefill is off")
 
     @property
     def activations(self) -> str:

@@ -33,6 +33,43 @@ def tokens(deltas) -> list[int]:
     return [t for d in deltas for t in d.new_token_ids]
 
 
+def test_with_chunked_prefill_off_the_default_batch_takes_the_longest_prompt(tiny_model):
+    """No max_num_batched_tokens: 1024 a pass, or with chunked prefill off max(max_model_len,
+    2048) as vLLM (the fixed 1024 refused to start past a 1024-token context), of max_model_len
+    as the cache caps it, and at least max_num_seqs; one given that is shorter than max_model_len
+    is still refused."""
+    from engine.errors import ConfigError
+
+    import attrs
+    import torch
+
+    from engine.models.llama import LlamaModel
+    from engine.models.loader import dummy_weights
+    from tests.conftest import TINY_CONFIG
+
+    config = attrs.evolve(TINY_CONFIG, max_position_embeddings=4096)
+    long_model = LlamaModel.from_state_dict(config, dict(dummy_weights(config, seed=0)), torch.float32, "cpu")
+
+    def core(model=long_model, **fields) -> EngineCore:
+        config = dict(backend="torch", num_kv_blocks=512, max_num_seqs=4)
+        return EngineCore(EngineConfig(**{**config, **fields}), model=model)
+
+    assert core(max_model_len=256).scheduler.max_num_batched_tokens == 1024
+    unchunked = core(max_model_len=4000, enable_chunked_prefill=False)
+    assert unchunked.scheduler.max_num_batched_tokens == 4000
+    unchunked.add_request("long", [3 + i % 500 for i in range(3987)], SamplingParams(max_tokens=2, ignore_eos=True))
+    tokens = []
+    while unchunked.has_unfinished_requests:
+        tokens += [t for delta in unchunked.step() for t in delta.new_token_ids]
+    assert len(tokens) == 2
+    assert core(tiny_model, enable_chunked_prefill=False).scheduler.max_num_batched_tokens == 2048
+    capped = core(enable_chunked_prefill=False, num_kv_blocks=200)  # (3200 tokens of 4096)
+    assert (capped.max_model_len, capped.scheduler.max_num_batched_tokens) == (3200, 3200)
+    assert core(max_model_len=256, enable_chunked_prefill=False, max_num_seqs=3000).scheduler.max_num_batched_tokens == 3000
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens \(1024\) must be at least max_model_len \(4000\)"):
+        core(max_model_len=4000, enable_chunked_prefill=False, max_num_batched_tokens=1024)
+
+
 def test_child_ids_cannot_collide_with_caller_ids(tiny_core):
     pairs = [(r, i) for r in ("x", "0_x", "1_x", "0", "", "_", "1_", "10_x") for i in (0, 1, 10)]
     assert len({child_id(r, i) for r, i in pairs}) == len(pairs)

@@ -91,6 +91,10 @@ class EngineCore:
             log.info("default sampling values from the model's generation_config.json: %s "
                      "(--generation-config vllm ignores them)", dict(self.model.config.sampling_defaults))
         self.eos_token_id = self.model.config.eos_token_id
+        # max_num_batched_tokens, where not given: with chunked prefill off, it takes the longest prompt,
+        # of the models' context until the cache has capped max_model_len, then of that
+        given = config
+        self.config = config = attrs.evolve(config, max_num_batched_tokens=given.batch_tokens(self._longest()))
         self.kv_groups = kv_groups(self.model, not config.disable_hybrid_kv_cache_manager)
         num_blocks = self._num_kv_blocks()
         if num_blocks < self.kv_groups.num_groups:
@@ -99,6 +103,7 @@ class EngineCore:
                                                "(raise num_kv_blocks or kv_cache_memory)")
         held = self.kv_groups.most_held(config.max_num_batched_tokens, config.block_size)
         self.max_model_len = self._max_model_len(self.kv_groups.longest(num_blocks, config.block_size, held))
+        self.config = config = attrs.evolve(config, max_num_batched_tokens=given.batch_tokens(self.max_model_len))
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           self.kv_groups.windows)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
@@ -266,11 +271,16 @@ class EngineCore:
         if wanted is None and model_max > kv_capacity:
             log.warning("max_model_len capped at the KV cache capacity, %d tokens", kv_capacity)
         resolved = wanted or min(model_max, kv_capacity)
-        if not self.config.enable_chunked_prefill and self.config.max_num_batched_tokens < resolved:
-            raise ConfigError("max_num_batched_tokens",
-                              f"max_num_batched_tokens ({self.config.max_num_batched_tokens}) must be at least "
-                              f"max_model_len ({resolved}) when chunked prefill is off")
+        if not self.config.enable_chunked_prefill:
+            self.config.check_unchunked_batch(self.config.max_num_batched_tokens, resolved)
         return resolved
+
+    def _longest(self) -> int:
+        """The longest sequence asked for, or that the models allow."""
+        longest = [self.config.max_model_len or self.model.config.exact_context_length]
+        if self.draft_model is not None:
+            longest.append(self.draft_model.config.exact_context_length)
+        return min(longest)
 
     # ---- requests ----
 

@@ -194,7 +194,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_batched_tokens = config.batch_tokens(max_model_len)
         self.max_num_mixed_prefill_tokens = config.max_num_mixed_prefill_tokens
         self.mixed_prefill_per_decode = config.mixed_prefill_per_decode
         self.enable_chunked_prefill = config.enable_chunked_prefill
