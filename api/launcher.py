@@ -14,7 +14,7 @@ exit when their last front has ended its link; the launcher exits with the worst
 A front that exits on its own (its engine died: --on-engine-failure exit) stops the others.
 A launcher that dies without stopping them (SIGKILL) takes them along: each front holds the
 read end of a pipe only the launcher writes to, and shuts down when it closes (otherwise the
-fronts would serve on, and a new server's SO_REUSEPORT socket would share their port).
+fronts would serve on, holding the port).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import tempfile
 import trio
 
 from api.cli import engine_config
+from engine.errors import ConfigError, listening_at
 from engine.signals import on_stop_signals
 from engine.transport.processes import EXIT_TIMEOUT, reap, start_engines_for_fronts
 
@@ -42,20 +43,26 @@ def front_command(argv: list[str], index: int, listen_fd: int, engine_fds: list[
     its links to the engines, the pipe that tells it the launcher is gone. Each front sees the
     engines' whole counters, so only the first logs the activity line (N fronts would print N
     copies)."""
-    command = [sys.executable, "-m", "engine.api", *argv, "--api-server-count", "1", "--listen-fd", str(listen_fd)]
+    own = ["--api-server-count", "1", "--listen-fd", str(listen_fd)]
     if launcher_fd is not None:
-        command += ["--launcher-fd", str(launcher_fd)]
+        own += ["--launcher-fd", str(launcher_fd)]
     for fd in engine_fds:
-        command += ["--engine-fd", str(fd)]
-    return command + (["--disable-log-stats"] if index > 0 and "--disable-log-stats" not in argv else [])
+        own += ["--engine-fd", str(fd)]
+    if index > 0 and "--disable-log-stats" not in argv:
+        own.append("--disable-log-stats")
+    # (after the server's flags, which they override, but before a "--": what follows it is positional)
+    end = argv.index("--") if "--" in argv else len(argv)
+    return [sys.executable, "-m", "engine.api", *argv[:end], *own, *argv[end:]]
 
 
 async def run_launcher(args: argparse.Namespace, argv: list[str]) -> int:
     config = engine_config(args)
     if config.data_parallel_size_local is not None and config.data_parallel_size_local < config.data_parallel_size:
-        raise SystemExit("error: --api-server-count does not combine with engines on other machines "
-                         "(--data-parallel-size-local) yet")
-    listener = socket.create_server((args.host, args.port), reuse_port=hasattr(socket, "SO_REUSEPORT"))
+        raise ConfigError("api_server_count", "--api-server-count does not combine with engines on other machines "
+                                              "(--data-parallel-size-local) yet")
+    # (not SO_REUSEPORT: the fronts inherit this socket, and another server must not share the port)
+    with listening_at(f"--host {args.host} --port {args.port}"):
+        listener = socket.create_server((args.host, args.port))
     host, port = listener.getsockname()[:2]  # (the port bound: --port 0 too)
     engines, per_front = await start_engines_for_fronts(config, config.data_parallel_size, args.api_server_count)
     fronts, lifelines = [], []

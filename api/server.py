@@ -21,7 +21,14 @@ from api.cli import build_parser, engine_config
 from api.responses import ResponseStore
 from backends.kv_cache_names import kv_cache_dtype_refusal
 from engine.config import EngineConfig
-from engine.errors import BackendUnavailableError, ConfigError, InvalidParameterError, first_leaf
+from engine.errors import (
+    BackendUnavailableError,
+    ConfigError,
+    InvalidParameterError,
+    ListenError,
+    first_leaf,
+    listening_at,
+)
 from engine.frontend.async_engine import open_engine
 from engine.frontend.stats import activity_line
 from engine.messages import EngineStats
@@ -59,7 +66,8 @@ async def run_server(args: argparse.Namespace, *, task_status=trio.TASK_STATUS_I
             nursery.start_soon(_stop_with_the_launcher, args.launcher_fd, shutdown)
 
         async def http(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
-            await serve(app, hc, shutdown_trigger=stop_http.wait, task_status=task_status)
+            with listening_at(f"--host {args.host} --port {args.port}"):
+                await serve(app, hc, shutdown_trigger=stop_http.wait, task_status=task_status)
             nursery.cancel_scope.cancel()  # the engine goes down with the HTTP server
 
         # One server alone listens at once (/health says 503 while the model loads). A front of
@@ -215,6 +223,8 @@ def chat_template(value: str | None) -> str | None:
     """
     if value is None:
         return None
+    if not value.strip():
+        raise ConfigError("chat_template", "--chat-template is empty: give a file or a template")
     try:
         template = Path(value).read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -263,31 +273,38 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(exc))
     if args.enable_responses_store and args.api_server_count > 1:
         parser.error("--enable-responses-store keeps responses in one server's memory: it needs --api-server-count 1")
+    if any(not name.strip() for name in args.served_model_name or ()):
+        parser.error("--served-model-name: a name must not be empty")
+    if args.headless and args.api_server_count > 1:
+        parser.error("--api-server-count does not combine with --headless (a headless node runs engines only: "
+                     "the API servers run on the node without it)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.api_server_count > 1 and args.listen_fd is None:
-        from api.launcher import run_launcher
-
-        raise SystemExit(trio.run(run_launcher, args, list(sys.argv[1:] if argv is None else argv)))
-    if args.headless:
-        from engine.core.tensor_parallel import run_node
-        from engine.transport.processes import run_headless
-
-        try:
-            config = engine_config(args)
-            if config.nnodes > 1:
-                raise SystemExit(run_node(config))
-            raise SystemExit(trio.run(run_headless, config))
-        except InvalidParameterError as exc:
-            raise SystemExit(f"error: {exc}") from None
     try:
-        engine_failed = trio.run(run_server, args)
+        raise SystemExit(_run(args, argv))
+    except (SystemExit, KeyboardInterrupt):
+        raise
     except BaseException as exc:  # configuration mistakes end the process with one clear line
         leaf = first_leaf(exc)
         if isinstance(leaf, ConfigError):  # a wrong flag or combination: a usage error, as argparse's
             print(f"error: {leaf}", file=sys.stderr)
             raise SystemExit(2) from None
-        if isinstance(leaf, (InvalidParameterError, BackendUnavailableError, OSError)):
+        if isinstance(leaf, (InvalidParameterError, BackendUnavailableError, ListenError, OSError)):
             raise SystemExit(f"error: {leaf}") from None
         raise
-    if engine_failed:
-        raise SystemExit(1)
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The process ``args`` ask for, to its exit status: a launcher of API servers, a headless
+    node's engines, or the server."""
+    chat_template(args.chat_template)  # (at once, not in each front after the engines have loaded)
+    if args.api_server_count > 1 and args.listen_fd is None:
+        from api.launcher import run_launcher
+
+        return trio.run(run_launcher, args, list(sys.argv[1:] if argv is None else argv))
+    if args.headless:
+        from engine.core.tensor_parallel import run_node
+        from engine.transport.processes import run_headless
+
+        config = engine_config(args)
+        return run_node(config) if config.nnodes > 1 else trio.run(run_headless, config)
+    return 1 if trio.run(run_server, args) else 0

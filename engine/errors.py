@@ -6,14 +6,17 @@ offending parameter, so that the HTTP layer can map it to a 400 with ``param`` f
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from backends.errors import BackendUnavailableError
 
 __all__ = ["BackendUnavailableError", "ConfigError", "EngineDeadError", "EngineOverloadedError", "EngineShutdownError",
-           "InvalidParameterError", "RequestFailedError", "StepTimeoutError", "first_leaf",
-           "ungrouped"]
+           "InvalidParameterError", "ListenError", "RequestFailedError", "StepTimeoutError", "first_leaf",
+           "listening_at", "ungrouped"]
 
 
 class InvalidParameterError(ValueError):
@@ -30,6 +33,26 @@ class InvalidParameterError(ValueError):
 
 class ConfigError(InvalidParameterError):
     """An engine configuration field (or combination of fields) is invalid."""
+
+
+class ListenError(RuntimeError):
+    """A server socket could not be bound; the message names the flags of its address."""
+
+
+@contextmanager
+def listening_at(where: str) -> Iterator[None]:
+    """Around binding a server socket at ``where`` (its flags, e.g. "--host H --port P"): an
+    error of the address (no such host, a port in use or not to be had) comes out as a
+    ``ListenError`` naming them."""
+    try:
+        yield
+    except (OSError, BaseExceptionGroup) as exc:  # (a server that binds in a nursery's task: grouped)
+        leaf = first_leaf(exc)
+        if isinstance(leaf, socket.gaierror):
+            raise ListenError(f"cannot listen on {where}: {leaf.strerror}") from None
+        if isinstance(leaf, OSError) and leaf.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise ListenError(f"cannot listen on {where}: {os.strerror(leaf.errno)}") from None
+        raise
 
 
 class EngineDeadError(RuntimeError):

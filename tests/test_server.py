@@ -361,6 +361,56 @@ def test_a_backend_this_machine_cannot_run_is_one_clear_line():
     assert "error: the cuda backend cannot run" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["--headless", "--api-server-count", "2"], "--api-server-count does not combine with --headless"),
+    (["--api-server-count", "2", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer; got 0"),
+    (["--headless", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer; got 0"),
+    (["--api-server-count", "2", "--data-parallel-size", "2", "--data-parallel-size-local", "1"],
+     "--api-server-count does not combine with engines on other machines"),
+    (["--served-model-name", "a", ""], "--served-model-name: a name must not be empty"),
+    (["--chat-template", ""], "--chat-template is empty"),
+])
+def test_mistakes_in_every_process_layout_are_one_line_and_exit_2(argv, words):
+    """Several API servers or a headless node: a wrong flag is argparse's kind of error (it was a
+    traceback and exit 1 under --api-server-count; --headless with it served nothing, for good)."""
+    result = subprocess.run([sys.executable, "-m", "engine.api", "--port", "0", "--load-format", "dummy", *argv],
+                            capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode == 2 and words in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("layout", [[], ["--api-server-count", "2"]])
+def test_a_port_in_use_is_one_line_naming_it(layout):
+    """A port another socket holds (one that allows sharing it, too): one line naming the
+    address (it was a traceback under --api-server-count, whose socket would also have shared
+    the port: SO_REUSEPORT)."""
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "engine.api", "--host", "127.0.0.1", "--port", str(port),
+                                 "--load-format", "dummy", "--max-model-len", "64", *layout],
+                                capture_output=True, text=True, timeout=180,
+                                cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode == 1, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"error: cannot listen on --host 127.0.0.1 --port {port}: Address already in use", result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_api_servers_flags_go_before_a_double_dash():
+    """``--api-server-count 2 -- MODEL``: each front's own flags come before the "--" (after it
+    they were read as positional arguments, and the fronts failed)."""
+    from api.cli import build_parser
+    from api.launcher import front_command
+
+    command = front_command(["--port", "8000", "--api-server-count", "2", "--", "model.gguf"], 0, 5, [6])
+    assert command[-2:] == ["--", "model.gguf"]
+    args = build_parser().parse_args(command[3:])
+    assert (args.model, args.api_server_count, args.listen_fd, args.engine_fd) == ("model.gguf", 1, 5, [6])
+
+
 def test_port_0_serves_on_the_port_the_ready_line_names():
     """``--port 0`` binds a port the system picks; the start-up lines name that port, not 0."""
     proc = subprocess.Popen([sys.executable, "-m", "engine.api", "--port", "0", "--backend", "torch",

@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from engine.config import EngineConfig, resolve_device
-from engine.errors import ConfigError, EngineDeadError
+from engine.errors import ConfigError, EngineDeadError, listening_at
 from engine.signals import on_stop_signals
 from engine.transport.protocol import CODEC, EngineFailed, EngineReady
 from engine.transport.remote import RemoteCore
@@ -286,7 +286,8 @@ async def _join_engines(config: EngineConfig, count: int, links: AsyncExitStack)
     front's Hello: ``ENGINE_HANDSHAKE_TIMEOUT_S``). The port has no other check of who joins:
     keep it on a trusted network (as vLLM's data-parallel port)."""
     address, port = config.data_parallel_address, config.data_parallel_rpc_port
-    listeners = await trio.open_tcp_listeners(port, host=address)
+    with listening_at(f"--data-parallel-address {address} --data-parallel-rpc-port {port}"):
+        listeners = await trio.open_tcp_listeners(port, host=address)
     joined = []
     try:
         log.info("waiting for %d engine(s) to join at %s:%d (python -m engine.api --headless ...)", count, address, port)
