@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Union
 
 import attrs
@@ -22,7 +23,12 @@ from engine.frontend.async_engine import Engine, EngineClient, open_engine
 from engine.frontend.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.messages import EngineStats, StepOutput
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from engine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    sampling_params_or_none,
+)
 from engine.structured_outputs import StructuredOutputManager
 from engine.tokenizer import apply_chat_template, template_switches, text_messages, tokenizer_for
 from engine.tools import plan_tools, render_inputs
@@ -55,6 +61,9 @@ class LLM:
         self.tokenizer = tokenizer_for(self.config)
         self.structured_outputs = StructuredOutputManager.for_engine(self.tokenizer, self.engine.vocab_size, self.config)
         self._request_counter = itertools.count()
+        # One call at a time drives the engine (vLLM's LLM is not for threads either): a second
+        # thread's call waits for the first's.
+        self._lock = threading.Lock()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -99,7 +108,8 @@ class LLM:
                for p in params_list}  # (each distinct parameters once: bad words are tokenized here)
         final = [own[id(p)] for p in params_list]
         ids = [str(next(self._request_counter)) for _ in inputs]  # (one count per LLM, as vLLM's)
-        return trio.run(self._generate_all, engine, inputs, final, ids, priorities, use_tqdm)
+        with self._lock:
+            return trio.run(self._generate_all, engine, inputs, final, ids, priorities, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, *,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -134,7 +144,8 @@ class LLM:
                     for i in range(len(inputs)):
                         nursery.start_soon(search, client, i)
         try:
-            trio.run(run_all)
+            with self._lock:
+                trio.run(run_all)
         finally:
             if progress is not None:
                 progress.close()
@@ -203,7 +214,10 @@ class LLM:
             return [self.get_default_sampling_params()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
-        params = list(sampling_params)
+        if isinstance(sampling_params, (str, Mapping)) or not isinstance(sampling_params, Iterable):
+            raise InvalidParameterError("sampling_params", "sampling_params must be a SamplingParams or a list of "
+                                                           f"them; got {type(sampling_params).__name__}")
+        params = [sampling_params_or_none(p) or self.get_default_sampling_params() for p in sampling_params]
         if len(params) != num_prompts:
             raise InvalidParameterError("sampling_params", f"got {len(params)} sampling_params for {num_prompts} prompts")
         return params

@@ -363,3 +363,14 @@ class SamplingParams:
 
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 _GREEDY_EPSILON = 1e-5
+
+
+def sampling_params_or_none(value: Any, param: str = "sampling_params") -> SamplingParams | None:
+    """``value`` where it is a ``SamplingParams`` (or None).
+
+    Raises:
+        InvalidParameterError: naming ``param``, for anything else (a dict of its fields, say).
+    """
+    if value is not None and not isinstance(value, SamplingParams):
+        raise InvalidParameterError(param, f"{param} must be a SamplingParams; got {type(value).__name__}")
+    return value

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -184,6 +186,29 @@ def test_vllm_call_forms_of_the_offline_api(llm):
     with pytest.raises(InvalidParameterError, match="not a token id") as exc:
         llm.generate({"prompt_token_ids": [1.5]}, SamplingParams(max_tokens=1), False)
     assert SamplingParams(n=200).n == 200  # (pass@k; vLLM's bound, where the HTTP API holds to OpenAI's 128)
+
+
+def test_generate_from_two_threads_gives_each_its_own_answers(llm):
+    """Two threads' calls on one LLM (each ran its own actor graph over the one core: answers cut
+    short, one 'abort'): the second waits for the first, each gets what it would alone."""
+    long, short = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = ["Count to ten:", "The capital of France is", "def add(a, b):"]
+    alone = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in (long, short)]
+    results: dict[int, list] = {}
+
+    def run(i: int, params: SamplingParams) -> None:
+        results[i] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate((long, short))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [results[0], results[1]] == alone
+    for bad in ({"max_tokens": 2}, ["x"]):
+        with pytest.raises(InvalidParameterError, match="sampling_params"):
+            llm.generate(prompts[:1], bad, use_tqdm=False)
 
 
 def test_chat_uses_the_template(llm):

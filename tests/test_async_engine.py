@@ -57,6 +57,34 @@ async def test_a_list_of_strings_given_as_one_prompt_is_a_clear_error(tiny_core,
         assert await client.get_tokenizer() is client.tokenizer  # (awaited, as vLLM's AsyncLLM)
 
 
+async def test_one_actor_graph_drives_a_core_at_a_time(tiny_core, tokenizer):
+    """A second Engine over a core that one already serves is refused (each graph's core actor
+    stepped the core and dropped the other's outputs: requests ended short, as 'length', and
+    the first to stop aborted the other's); once the first stops, a new one serves."""
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        with pytest.raises(RuntimeError, match="already running under another Engine"):
+            async with Engine(tiny_core, tokenizer).serve():
+                pass
+        assert len((await collect(client, prompt(1), GREEDY))[-1].outputs[0].token_ids) == 12
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        assert len((await collect(client, prompt(1), GREEDY))[-1].outputs[0].token_ids) == 12
+
+
+async def test_after_the_engine_stops_a_step_subscription_and_a_dict_of_fields_are_clear_errors(tiny_core,
+                                                                                              tokenizer):
+    """steps() after the engine stopped waited for ever (no step comes, nor the close that ends
+    it); sampling parameters given as a dict were an AttributeError."""
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        for bad in ({"max_tokens": 2}, "x"):
+            with pytest.raises(InvalidParameterError, match="sampling_params must be a SamplingParams; got"):
+                await collect(client, prompt(1), bad)
+            with pytest.raises(InvalidParameterError, match="sampling_params must be a SamplingParams"):
+                await client.add_requests([prompt(1)], bad)
+    with trio.fail_after(5), pytest.raises(EngineDeadError, match="not running"):
+        async for _ in client.steps():
+            pass
+
+
 async def test_n_fans_out_and_merges(tiny_core, tokenizer):
     params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     async with Engine(tiny_core, tokenizer).serve() as client:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import numbers
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
@@ -32,7 +33,7 @@ from engine.frontend.request_state import RequestState
 from engine.frontend.stats import IterationStats, StatLogger
 from engine.messages import AbortRequest, AddRequest, EngineStats, KVCacheInfo, StepOutput
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, sampling_params_or_none
 from engine.structured_outputs import CompiledGrammar, StructuredOutputManager
 from engine.transport.processes import attached_engines, engine_processes
 from engine.transport.remote import DataParallelCore
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 
 # Step outputs a slow ``steps()`` subscriber may fall behind before steps are dropped for it.
 SUBSCRIBER_QUEUE_SIZE = 256
+
+# The cores an actor graph drives now (by id), from any thread: one graph at a time steps a core.
+_DRIVEN: set[int] = set()
+_DRIVEN_LOCK = threading.Lock()
 
 
 class Engine:
@@ -76,27 +81,36 @@ class Engine:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the actors until cancelled or the core fails; ``task_status.started(client)`` once ready."""
-        self._check_runnable()
-        inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
-        steps_send, steps_recv = trio.open_memory_channel(STEP_QUEUE_SIZE)
-        # In-process, the core actor itself; with the core in an engine process, its stand-in.
-        core = self.core.actor(inbox_recv, steps_send)
-        outputs = OutputActor(steps_recv, inbox_send, self.registry, self._publish)
-        self.error = None
+        with _DRIVEN_LOCK:
+            self._check_runnable()
+            _DRIVEN.add(id(self.core))
         try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self._run_core, core)
-                await nursery.start(outputs.run)
-                self._inbox = inbox_send
-                task_status.started(self.client)
+            inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
+            steps_send, steps_recv = trio.open_memory_channel(STEP_QUEUE_SIZE)
+            # In-process, the core actor itself; with the core in an engine process, its stand-in.
+            core = self.core.actor(inbox_recv, steps_send)
+            outputs = OutputActor(steps_recv, inbox_send, self.registry, self._publish)
+            self.error = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self._run_core, core)
+                    await nursery.start(outputs.run)
+                    self._inbox = inbox_send
+                    task_status.started(self.client)
+            finally:
+                self._inbox = None
+                self._fail_all(self.error or EngineShutdownError("the engine has shut down"))
+                self.core.abort_all()  # requests die with the engine; their blocks are free for the next run
         finally:
-            self._inbox = None
-            self._fail_all(self.error or EngineShutdownError("the engine has shut down"))
-            self.core.abort_all()  # requests die with the engine; their blocks are free for the next run
+            with _DRIVEN_LOCK:
+                _DRIVEN.discard(id(self.core))
 
     def _check_runnable(self) -> None:
         if self.core.fault is not None:
             raise EngineDeadError(f"the engine failed earlier and cannot run again: {self.core.fault!r}")
+        if id(self.core) in _DRIVEN:  # (each graph's core actor would step it, and take the other's outputs)
+            raise RuntimeError("this engine core is already running under another Engine: one actor graph "
+                               "drives a core at a time (serve it once and share the client)")
 
     async def _run_core(self, core: CoreActorLike, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -405,7 +419,7 @@ class EngineClient:
 
         Raises: as ``generate``, here rather than at the first output.
         """
-        grammar = await self.compile(sampling_params)
+        grammar = await self.compile(sampling_params_or_none(sampling_params))
         self.check_room((sampling_params or SamplingParams()).n)  # (no await between it and the submit)
         channel = self.submit(prompt, sampling_params, request_id, priority, grammar=grammar)
         return QueuedRequests(self, [channel], channel)
@@ -416,7 +430,7 @@ class EngineClient:
         """``add_request`` for several prompts (``generate_many``'s queueing): every prompt checked,
         then all queued or none; the outputs come as ``(prompt index, output)``. ``admitted``: the
         caller checked the room for them already (a beam search's later steps)."""
-        params = self.tokenize_bad_words(sampling_params or SamplingParams())  # (once, not per prompt)
+        params = self.tokenize_bad_words(sampling_params_or_none(sampling_params) or SamplingParams())  # (once)
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         inputs = [(text, self.truncate(token_ids, params)) for text, token_ids in map(self.prepare, prompts)]
         for _, token_ids in inputs:
@@ -463,7 +477,7 @@ class EngineClient:
         that request, even after its stream ended.
         """
         engine = self._engine
-        params = sampling_params or SamplingParams()
+        params = sampling_params_or_none(sampling_params) or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
         if engine.error is not None:
             raise engine.error
@@ -564,6 +578,8 @@ class EngineClient:
         A subscriber that falls ``SUBSCRIBER_QUEUE_SIZE`` steps behind misses steps rather than
         slowing the engine. Ends when the engine stops.
         """
+        if not self._engine.running:  # (no step will come, nor the close that ends the loop)
+            raise self._engine.error or EngineDeadError("the engine is not running")
         send, receive = trio.open_memory_channel(SUBSCRIBER_QUEUE_SIZE)
         self._engine.subscribers.add(send)
         try:
