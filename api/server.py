@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     """The process ``args`` ask for, to its exit status: a launcher of API servers, a headless
     node's engines, or the server."""
-    chat_template(args.chat_template)  # (at once, not in each front after the engines have loaded)
+    if not args.headless:  # (at once, not in each front after the engines have loaded; a node has no use of it)
+        chat_template(args.chat_template)
     if args.api_server_count > 1 and args.listen_fd is None:
         from api.launcher import run_launcher
 

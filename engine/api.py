@@ -76,7 +76,8 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt block (as vLLM's ``LLM.reset_prefix_cache``): later
         requests compute their prompts from scratch."""
-        self.engine.block_manager.reset_prefix_cache()
+        with self._lock:  # (not while another thread's call steps the engine)
+            self.engine.block_manager.reset_prefix_cache()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
