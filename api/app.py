@@ -77,7 +77,7 @@ from engine.messages import EngineStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.reasoning import ReasoningParser, check_budget
-from engine.tokenizer import content_text, render_chat_template, template_message, template_switches, token_bytes
+from engine.tokenizer import render_chat_template, template_message, template_switches, token_bytes
 from engine.tools import ToolPlan, plan_tools, render_inputs
 
 log = logging.getLogger(__name__)
@@ -520,13 +520,6 @@ class _Handlers:
             raise APIError(400, f"{source}: {exc}", source) from None
 
     @staticmethod
-    def _text_content(content, index: int) -> str:
-        try:
-            return content_text(content, index)
-        except InvalidParameterError as exc:
-            raise APIError(400, str(exc), "messages", code="unsupported_parameter") from None
-
-    @staticmethod
     def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
         fields = {key: value for key, value in attrs.asdict(message, recurse=False).items() if value is not None}
         try:
@@ -621,7 +614,7 @@ class _Handlers:
     def _chat_echo(cls, req: ChatCompletionRequest) -> str:
         last = req.messages[-1]
         if req.echo and last.role == "assistant":
-            return cls._text_content(last.content, len(req.messages) - 1)
+            return cls._template_message(last, len(req.messages) - 1)["content"]
         return ""
 
     async def _chat_chunks(self, req, request_id: str, stream, tracker: UsageTracker, echo: str,

@@ -87,15 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "largest value; bf16: round them to bf16 in batches of 16+ rows (prefill, many streams) for "
                         "AVX512_BF16 dot products (needs such a CPU): faster large batches")
     _add_scheduler_flags(p)
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template: a file, or the template itself (a value with {, } or a newline, as "
-                        "vLLM reads it); default: the model's")
-    p.add_argument("--trust-request-chat-template", action="store_true",
-                   help="render a request's chat_template (vLLM's field) in place of the server's; without it such "
-                        "a request is refused (400). Templates run in Jinja's sandbox, but each costs a compile")
-    p.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
-                   help="auto: the sampling values of the model's generation_config.json are the defaults of "
-                        "requests that do not set them (as vLLM); vllm: ignore them")
+    _add_request_default_flags(p)
     _add_access_flags(p)
     p.add_argument("--seed", type=_seed, default=0, help="seed for dummy weights and unseeded sampling")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
@@ -123,6 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_flags(p)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="log level")
     return p
+
+
+def _add_request_default_flags(p: argparse.ArgumentParser) -> None:
+    """How chats are rendered and what requests get where they set nothing (as in vLLM)."""
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template: a file, or the template itself (a value with {, } or a newline, as "
+                        "vLLM reads it); default: the model's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a request's chat_template (vLLM's field) in place of the server's; without it such "
+                        "a request is refused (400). Templates run in Jinja's sandbox, but each costs a compile")
+    p.add_argument("--generation-config", choices=GENERATION_CONFIGS, default="auto",
+                   help="auto: the sampling values of the model's generation_config.json are the defaults of "
+                        "requests that do not set them (as vLLM); vllm: ignore them")
 
 
 def _add_process_flags(p: argparse.ArgumentParser) -> None:

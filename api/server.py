@@ -280,9 +280,7 @@ def main(argv: list[str] | None = None) -> None:
                      "the API servers run on the node without it)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        raise SystemExit(_run(args, argv))
-    except (SystemExit, KeyboardInterrupt):
-        raise
+        status = _run(args, argv)
     except BaseException as exc:  # configuration mistakes end the process with one clear line
         leaf = first_leaf(exc)
         if isinstance(leaf, ConfigError):  # a wrong flag or combination: a usage error, as argparse's
@@ -291,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(leaf, (InvalidParameterError, BackendUnavailableError, ListenError, OSError)):
             raise SystemExit(f"error: {leaf}") from None
         raise
+    raise SystemExit(status)
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:

@@ -158,7 +158,8 @@ class EngineConfig:
         max_num_seqs: most requests in one batch.
         max_num_batched_tokens: most tokens (prefill + decode) in one forward pass. None:
             ``DEFAULT_MAX_NUM_BATCHED_TOKENS``, or with chunked prefill off (a prompt in one
-            pass) max(max_model_len, 2048), as vLLM (``EngineCore`` resolves it).
+            pass) max(max_model_len, 2048), as vLLM, and at least max_num_seqs (``batch_tokens``;
+            ``EngineCore`` resolves it).
         max_num_mixed_prefill_tokens: most prefill tokens in a step that also decodes running
             requests, so that a long prompt joining the batch does not stall every stream for
             a whole long step (a longer prompt goes in equal chunks). None: no fixed cap (what

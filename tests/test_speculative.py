@@ -316,11 +316,22 @@ def test_the_drafter_catches_up_on_what_it_missed_and_trusts_no_block_written_wh
     drafter.run([DraftRow("d", 14, (414, 415), (8, 9, 10, 11), True)], 2)
     assert passes[0][0] == ("d", 10, tuple(range(410, 416)))
 
-    # Over a sliding window's table (pause=False) the draft computes every step, proposals or not.
+
+def test_over_a_sliding_window_s_table_the_drafter_runs_every_step_and_catches_up_within_it(tiny_model):
+    """The draft computes every step, proposals or not (blocks of 4 tokens, window 8)."""
+    from backends import get_backend
+    from backends.kv_cache import same_as
+    from engine.runner.drafter import Drafter, DraftRow
+
     steady = Drafter(tiny_model, get_backend("torch", "cpu"), 16, 4, "cpu", same_as(torch.float32), 2, 4,
                      max_catch_up=5, window=8)
+    passes = []
+
+    def forward(rows, tokens, positions, tables, sample):
+        passes.append([(row.request_id, span.start, tuple(t)) for row, t, span in zip(rows, tokens, positions)])
+        return [7] * len(sample)
+
     steady._forward = forward
-    passes.clear()
     steady.admit("e", (1, 2, 3))
     assert steady.run([DraftRow("e", 0, (1, 2, 3), (0,), False)], 0) == {}
     assert passes == [[("e", 0, (1, 2, 3))]] and steady.filled[0] == 3

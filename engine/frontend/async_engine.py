@@ -81,10 +81,7 @@ class Engine:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run the actors until cancelled or the core fails; ``task_status.started(client)`` once ready."""
-        with _DRIVEN_LOCK:
-            self._check_runnable()
-            _DRIVEN.add(id(self.core))
-        try:
+        with self._driving():
             inbox_send, inbox_recv = trio.open_memory_channel(math.inf)
             steps_send, steps_recv = trio.open_memory_channel(STEP_QUEUE_SIZE)
             # In-process, the core actor itself; with the core in an engine process, its stand-in.
@@ -101,6 +98,15 @@ class Engine:
                 self._inbox = None
                 self._fail_all(self.error or EngineShutdownError("the engine has shut down"))
                 self.core.abort_all()  # requests die with the engine; their blocks are free for the next run
+
+    @contextlib.contextmanager
+    def _driving(self) -> Iterator[None]:
+        """This graph drives its core for the block (refused where it cannot run, or another does)."""
+        with _DRIVEN_LOCK:
+            self._check_runnable()
+            _DRIVEN.add(id(self.core))
+        try:
+            yield
         finally:
             with _DRIVEN_LOCK:
                 _DRIVEN.discard(id(self.core))
