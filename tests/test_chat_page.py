@@ -251,6 +251,32 @@ def test_a_missing_api_key_shows_the_401_and_the_key_works(llm, browser):
         server.close()
 
 
+@pytest.mark.slow
+def test_a_composing_enter_does_not_send_and_blank_settings_are_the_servers(live, browser):
+    open_page(browser, live, temperature="0", max_tokens="")
+    box = browser.find_element("id", "input")
+    box.send_keys("Hello!")
+    # The Enter that commits an input method's composition (Chinese, Japanese, Korean) only
+    # commits it: nothing is sent, the text stays.
+    browser.execute_script("arguments[0].dispatchEvent(new KeyboardEvent('keydown',"
+                           " {key: 'Enter', isComposing: true, bubbles: true, cancelable: true}))", box)
+    assert browser.execute_script("return document.querySelectorAll('#messages .message').length") == 0
+    assert box.get_attribute("value") == "Hello!"
+    # A plain Enter sends it; the blank max tokens is left to the server (to the context's end),
+    # not sent as 0.
+    from selenium.webdriver.common.keys import Keys
+
+    box.send_keys(Keys.ENTER)
+    error = browser.find_element("id", "error")
+    wait(lambda: not streaming(browser) and (last_answer(browser) or error.text), 120, "the answer")
+    assert error.text == ""
+    api = httpx.post(live.base_url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "temperature": 0})
+    assert api.json()["choices"][0]["finish_reason"] == "stop"
+    assert last_answer(browser) == api.json()["choices"][0]["message"]["content"]
+    assert console_errors(browser) == []
+
+
 # ---- no browser ----
 
 async def test_the_page_and_its_files_are_served_and_can_be_turned_off():

@@ -234,10 +234,12 @@ async function answer() {
   state.controller = new AbortController();
   showError("");
   render();
-  const body = {
-    messages: requestMessages(history), stream: true,
-    temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
-  };
+  const body = { messages: requestMessages(history), stream: true };
+  // A blank setting is left to the server (temperature 1, max tokens up to the context's end),
+  // not sent as 0 (Number("") is 0: greedy, and a 400 for max_tokens).
+  const temperature = $("temperature").value.trim(), maxTokens = $("max-tokens").value.trim();
+  if (temperature) body.temperature = Number(temperature);
+  if (maxTokens) body.max_tokens = Number(maxTokens);
   if (state.model) body.model = state.model;
   try {
     const response = await fetch("/v1/chat/completions", {
@@ -418,7 +420,9 @@ async function loadModel() {
 loadSettings();
 $("composer").addEventListener("submit", send);
 $("input").addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && !e.shiftKey) send(e);
+  // Enter sends and Shift+Enter breaks the line, but the Enter that commits an input method's
+  // composition (Chinese, Japanese, Korean) only commits it (keyCode 229: Safari's way to say so).
+  if (e.key === "Enter" && !e.shiftKey && !e.isComposing && e.keyCode !== 229) send(e);
 });
 $("stop").addEventListener("click", () => state.controller && state.controller.abort());
 $("regenerate").addEventListener("click", regenerate);
