@@ -91,6 +91,25 @@ def test_preemption_frees_the_newest_and_requeues_it_first():
     s.kv.check_invariants([old, new])
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefix_cache_counters_count_the_lookups_of_new_requests(caching):
+    """As vLLM counts: a preempted request's return finds its own blocks (no hit a user's
+    prompt earned), a request wanting prompt logprobs makes no lookup, and no cache none."""
+    s = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, max_num_seqs=4, enable_prefix_caching=caching)
+    old, new = make_request("r1", 8, max_tokens=8), make_request("r2", 8, max_tokens=8, arrival=1)
+    s.add_request(old)
+    s.add_request(new)
+    for _ in range(40):
+        run_step(s)
+    assert old.status == new.status == RequestStatus.FINISHED_LENGTH and s.num_preemptions >= 1
+    assert (s.kv.prefix_cache_queries, s.kv.prefix_cache_hits) == ((16, 0) if caching else (0, 0))
+    s.add_request(make_request("r2", 8, max_tokens=1, arrival=2))  # (new's prompt again: a block of it a hit,
+    # the second its last token's, computed again)
+    s.add_request(make_request("r9", 8, max_tokens=1, arrival=3, prompt_logprobs=1))
+    for _ in range(4):
+        run_step(s)
+    assert (s.kv.prefix_cache_queries, s.kv.prefix_cache_hits) == ((24, 4) if caching else (0, 0))
+
 def test_priority_policy_admits_by_priority():
     s = make_scheduler(num_blocks=4, block_size=4, max_model_len=16, max_num_seqs=1, scheduling_policy="priority")
     s.add_request(make_request("r1", 3, arrival=0, priority=5))

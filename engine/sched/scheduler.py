@@ -476,7 +476,9 @@ class Scheduler:
                 break
             if not self.kv.allocate(request, num_new, cached):
                 break
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            if self.kv.enable_prefix_caching and not wants_all_logits and not request.num_preemptions:
+                # (as vLLM counts: lookups made, of new requests; a resumed one finds its own blocks)
+                self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self._admit(request, num_cached)
             chunk = scheduled[request.request_id] = ScheduledChunk.of(request, num_cached, num_new)
             budget.spend(chunk)
