@@ -461,7 +461,7 @@ class _Handlers:
                 raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}",
                                   "messages")
             converted.append(self._template_message(m, i))
-        size = sum(len(m["content"]) for m in converted)
+        size = sum(map(_text_size, converted))
         if plan is not None:
             size += sum(len(orjson.dumps(t.parameters)) + len(t.description or "") for t in plan.tools)
         self.client.check_text_length(size, "messages")
@@ -969,6 +969,21 @@ def _response_id() -> str:
 # Text longer than this (characters) is tokenized or templated in a worker thread: 16k
 # characters take ~7 ms to tokenize, and a whole 8 MB body several seconds.
 _OFF_LOOP_CHARS = 16_384
+
+
+def _text_size(message: dict[str, Any]) -> int:
+    """The characters of every string in a message: what its template may render of it (the
+    content, and tool calls' arguments, reasoning, names), so none passes the size check unseen."""
+    size, todo = 0, [message]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            size += len(value)
+        elif isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            todo.extend(value)
+    return size
 
 
 async def _off_loop(num_chars: int, fn, *args):

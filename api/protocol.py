@@ -467,11 +467,14 @@ _API_NAMES = {"logprobs": "top_logprobs"}  # our parameter name -> the chat API'
 def in_request_terms(exc: InvalidParameterError, request: ChatCompletionRequest | CompletionRequest,
                      chat: bool) -> InvalidParameterError:
     """An engine error about a parameter, naming the field the request gave it by (a chat
-    request's ``top_logprobs``, or ``max_completion_tokens`` where it set that)."""
+    request's ``top_logprobs``, its ``messages`` for the prompt they render, or
+    ``max_completion_tokens`` where it set that)."""
     if not chat:
         return exc
     names = dict(_API_NAMES, max_tokens="max_completion_tokens") if request.max_completion_tokens is not None \
         else _API_NAMES
+    if exc.param == "prompt":  # (the message says "the prompt": the messages rendered, as it is)
+        return InvalidParameterError("messages", str(exc))
     param = names.get(exc.param, exc.param)
     return exc if param == exc.param else InvalidParameterError(param, str(exc).replace(exc.param, param, 1))
 

@@ -184,7 +184,26 @@ def test_sizes_at_and_past_their_limits(server, http, tokenizer):
     assert post(server, http, {"prompt": PROMPT, "stop": [f"s{i}" for i in range(5000)]}).json()["error"]["param"] \
         == "stop"
     assert post(server, http, {"prompt": [5] * MAX_MODEL_LEN}).json()["error"]["param"] == "prompt"
+    chat = [{"role": "user", "content": PROMPT}]
+    too_long = [{"role": "user", "content": "word " * MAX_MODEL_LEN}]
+    assert post(server, http, {"messages": too_long}, "/v1/chat/completions").json()["error"]["param"] == "messages"
+    # min_tokens past the room left, max_tokens unset (the default: the room): refused, as vLLM does
+    assert post(server, http, {"messages": chat, "min_tokens": MAX_MODEL_LEN}, "/v1/chat/completions"
+                ).json()["error"]["param"] == "min_tokens"
+    assert post(server, http, {"prompt": PROMPT, "max_tokens": None, "min_tokens": room + 1}).json()["error"]["param"] \
+        == "min_tokens"
     assert post(server, http, {"prompt": "word " * 200_000}).json()["error"]["param"] == "prompt"  # never tokenized
+    # Nor text in a message outside its content: tool calls' arguments, reasoning (a template
+    # renders them; tokenizing a megabyte stalls every request of the server).
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "word " * 200_000}}
+    for message in ({"role": "assistant", "tool_calls": [call]},
+                    {"role": "assistant", "content": "x", "reasoning_content": "word " * 200_000}):
+        refusal = post(server, http, {"messages": [{"role": "user", "content": "hi"}, message]},
+                       "/v1/chat/completions").json()["error"]
+        assert refusal["param"] == "messages" and "characters" in refusal["message"], refusal
+    item = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "word " * 200_000}
+    refusal = post(server, http, {"input": [{"role": "user", "content": "hi"}, item]}, "/v1/responses").json()["error"]
+    assert refusal["param"] == "input" and "characters" in refusal["message"], refusal
     huge = http.post(server.base_url + "/v1/completions", data=b'{"prompt": "' + b"a" * (9 << 20) + b'"}',
                      headers={"Content-Type": "application/json"}, timeout=60)
     check_answer(huge)

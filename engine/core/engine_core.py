@@ -629,6 +629,10 @@ def validate_request(prompt: list[int], params: SamplingParams, priority: int, *
             "max_tokens", f"this model's maximum context length is {max_model_len} tokens, but "
                           f"{len(prompt) + params.max_tokens} were requested ({len(prompt)} in the prompt, "
                           f"{params.max_tokens} for max_tokens)")
+    if params.max_tokens is None and params.min_tokens > room:  # (with max_tokens, SamplingParams checks)
+        raise InvalidParameterError(
+            "min_tokens", f"min_tokens ({params.min_tokens}) is more than the {room} tokens left for output: "
+                          f"this model's maximum context length is {max_model_len} tokens, {len(prompt)} in the prompt")
     return params.max_tokens or room
 
 
