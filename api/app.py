@@ -48,6 +48,7 @@ from api.protocol import (
     TokenizeRequest,
     beam_search_params,
     in_request_terms,
+    scoring_only,
     parse,
     sampling_params,
     structured_outputs,
@@ -788,6 +789,9 @@ class _Handlers:
         tracker = UsageTracker(sum(len(ids) for _, ids in inputs))
         prompt_texts = [text if text is not None else self.client.tokenizer.decode(ids) for text, ids in inputs]
         beam = beam_search_params(req, params.max_tokens)
+        if beam is not None and scoring_only(req):
+            raise bad_request("use_beam_search needs max_tokens of 1 or more (an echo of max_tokens 0 generates "
+                              "nothing to search)", "max_tokens")
         if beam is not None:
             finals = await self._beam_search([ids for _, ids in inputs], [beam] * len(inputs), request_id,
                                              req.priority, tracker)
@@ -801,6 +805,7 @@ class _Handlers:
             finals: list[RequestOutput | None] = [None] * len(inputs)
             async with aclosing(outputs):  # (cancelled, as by a disconnect: its requests abort now)
                 async for index, output in outputs:
+                    output = _generated_dropped(output) if scoring_only(req) else output
                     tracker.observe(output, index)
                     finals[index] = output
         choices = []
@@ -839,6 +844,7 @@ class _Handlers:
             yield chunk([{"index": p * req.n + i, "text": text, "logprobs": None, "finish_reason": None}
                          for p, text in enumerate(prompt_texts) for i in range(req.n)])
         async for p, output in outputs:  # (closed with the response)
+            output = _generated_dropped(output) if scoring_only(req) else output
             tracker.observe(output, p)
             if output.prompt_logprobs is not None:
                 prompt_logprobs[p] = output.prompt_logprobs
@@ -969,6 +975,13 @@ def _response_id() -> str:
 # Text longer than this (characters) is tokenized or templated in a worker thread: 16k
 # characters take ~7 ms to tokenize, and a whole 8 MB body several seconds.
 _OFF_LOOP_CHARS = 16_384
+
+
+def _generated_dropped(output: RequestOutput) -> RequestOutput:
+    """``output`` without the tokens generated (``scoring_only``: the one the engine made)."""
+    return attrs.evolve(output, outputs=[
+        attrs.evolve(c, text="", token_ids=[], cumulative_logprob=None if c.logprobs is None else 0.0,
+                     logprobs=None if c.logprobs is None else []) for c in output.outputs])
 
 
 def _text_size(message: dict[str, Any]) -> int:

@@ -464,6 +464,12 @@ def _response_format(value: dict[str, Any]) -> dict[str, Any] | None:
 _API_NAMES = {"logprobs": "top_logprobs"}  # our parameter name -> the chat API's, where they differ
 
 
+def scoring_only(request: CompletionRequest) -> bool:
+    """An echo of ``max_tokens`` 0: the prompt back, with its logprobs where asked, and nothing
+    generated (OpenAI's legacy completions; how lm-evaluation-harness scores a text)."""
+    return request.echo and request.max_tokens == 0
+
+
 def in_request_terms(exc: InvalidParameterError, request: ChatCompletionRequest | CompletionRequest,
                      chat: bool) -> InvalidParameterError:
     """An engine error about a parameter, naming the field the request gave it by (a chat
@@ -495,6 +501,8 @@ def sampling_params(request: ChatCompletionRequest | CompletionRequest, *, chat:
     else:
         logprobs = request.logprobs
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's completions default
+        if max_tokens == 0 and request.echo:  # (the prompt scored: the engine's one token is dropped, scoring_only)
+            max_tokens = 1
     fields = dict(
         n=request.n, presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
         temperature=value("temperature", 1.0), top_p=value("top_p", 1.0), top_k=value("top_k", 0),

@@ -271,6 +271,39 @@ async def test_echo_with_logprobs_scores_the_prompt_too(tiny_vocab_core, tokeniz
     assert all(1 <= len(entry) <= 2 for entry in logprobs["top_logprobs"][1:])
 
 
+
+async def test_an_echo_of_max_tokens_0_scores_the_prompt_and_generates_nothing(tiny_vocab_core, tokenizer):
+    """OpenAI's legacy completions (and vLLM): echo with max_tokens 0 gives the prompt back with
+    its logprobs and no generated token, streamed or not (lm-evaluation-harness's loglikelihood)."""
+    ids = tokenizer.encode("one two three four")
+    body = {"prompt": "one two three four", "max_tokens": 0, "echo": True, "logprobs": 1}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        scored = (await server.http.post("/v1/completions", json=body)).json()
+        plain = (await server.http.post("/v1/completions", json={"prompt": body["prompt"], "max_tokens": 1,
+                                                                 "prompt_logprobs": 1})).json()["choices"][0]
+        streamed = await server.http.post("/v1/completions", json={**body, "stream": True, "n": 2,
+                                                                   "stream_options": {"include_usage": True}})
+        bare = (await server.http.post("/v1/completions", json={**body, "logprobs": None})).json()
+        beams = await server.http.post("/v1/completions", json={**body, "logprobs": None, "use_beam_search": True})
+        unechoed = await server.http.post("/v1/completions", json={**body, "echo": False})
+    assert tiny_vocab_core.block_manager.num_used_blocks == 0
+    [choice] = scored["choices"]
+    assert choice["text"] == body["prompt"] and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in ids]
+    assert choice["logprobs"]["token_logprobs"][0] is None
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        [position[str(token)]["logprob"] for token, position in zip(ids[1:], plain["prompt_logprobs"][1:])])
+    assert (scored["usage"]["prompt_tokens"], scored["usage"]["completion_tokens"]) == (len(ids), 0)
+    events = sse_data(streamed.text.splitlines())
+    for index in (0, 1):
+        chunks = [c for e in events[:-1] for c in e["choices"] if c["index"] == index]
+        assert "".join(c["text"] for c in chunks) == body["prompt"]
+        assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+    assert events[-2]["usage"]["completion_tokens"] == 0 and events[-1] == "[DONE]"
+    assert bare["choices"][0]["text"] == body["prompt"] and bare["choices"][0]["logprobs"] is None
+    assert beams.status_code == 400 and beams.json()["error"]["param"] == "max_tokens"
+    assert unechoed.status_code == 400 and unechoed.json()["error"]["param"] == "max_tokens"  # (nothing to give)
+
 async def test_chat_echo_leads_with_the_final_assistant_message_in_either_content_form(tiny_vocab_core, tokenizer):
     """echo (vLLM's) with continue_final_message: the answer starts with the last assistant
     message's text, given as a string or as text parts, streamed or not."""
