@@ -679,7 +679,7 @@ class _Handlers:
     async def _responses_create(self, req: ResponsesRequest, deadline: float | None) -> Response:
         store = self.state.responses
         history = [] if req.previous_response_id is None else \
-            store.get(req.previous_response_id, "previous_response_id").conversation
+            store.previous(req.previous_response_id).conversation
         body, conversation = chat_body(req, history)
         chat_req: ChatCompletionRequest = parse(body, ChatCompletionRequest)
         chat = await self.prepare_chat(chat_req)

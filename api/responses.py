@@ -564,11 +564,21 @@ class ResponseStore:
         while len(self._responses) > self.capacity:
             self._responses.popitem(last=False)
 
-    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+    def get(self, response_id: str) -> StoredResponse:
         stored = self._responses.get(response_id)
         if stored is None:
             raise APIError(404, f"no response with id {response_id!r} is stored here (it was never stored, was "
-                                f"deleted, or was evicted)", param, code="response_not_found")
+                                f"deleted, or was evicted)", code="response_not_found")
+        return stored
+
+    def previous(self, response_id: str) -> StoredResponse:
+        """The response a request continues; one not here is OpenAI's 400 with code
+        previous_response_not_found (what agents' clients answer by sending the whole
+        conversation again: with a bounded store, expect it)."""
+        stored = self._responses.get(response_id)
+        if stored is None:
+            raise APIError(400, f"Previous response with id {response_id!r} not found (never stored here, "
+                                f"deleted, or evicted).", "previous_response_id", code="previous_response_not_found")
         return stored
 
     def delete(self, response_id: str) -> None:

@@ -231,8 +231,11 @@ def test_the_store_continues_a_conversation_and_forgets_the_oldest(llm, schemas)
         missing = httpx.get(f"{server.base_url}/v1/responses/{second.id}", timeout=30)
         assert missing.status_code == 404
         schemas.validate("ErrorResponse", missing.json())
-        with pytest.raises(openai.NotFoundError):
+        # Continuing it: OpenAI's 400 with the code clients resend the whole conversation on
+        with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model="tiny", input="x", previous_response_id=second.id)
+        assert (refused.value.code, refused.value.param) == ("previous_response_not_found", "previous_response_id")
+        assert refused.value.type == "invalid_request_error" and second.id in refused.value.message
     finally:
         server.close()
 
