@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+from decimal import Decimal
 
 import attrs
 
@@ -177,9 +179,10 @@ def _add_access_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     """What a step may hold and how the KV cache is kept (as in vLLM)."""
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output, in tokens")
+    p.add_argument("--max-model-len", type=_human_int, default=None,
+                   help="longest prompt + output, in tokens (as vLLM reads it: 32k is 32000, 32K is 32768)")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+    p.add_argument("--max-num-batched-tokens", type=_human_int, default=None,
                    help="most tokens in one forward pass (default 1024; with --no-enable-chunked-prefill, "
                         "max(max_model_len, 2048) as vLLM)")
     p.add_argument("--max-num-mixed-prefill-tokens", type=int, default=None,
@@ -193,8 +196,8 @@ def _add_scheduler_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")
-    kv.add_argument("--kv-cache-memory", type=int, default=None,
-                    help=f"bytes of KV cache (default: {DEFAULT_CPU_KV_CACHE_TOKENS} tokens on CPU; on a GPU, "
+    kv.add_argument("--kv-cache-memory", type=_human_int, default=None,
+                    help=f"bytes of KV cache, 4G or 4096M say (default: {DEFAULT_CPU_KV_CACHE_TOKENS} tokens on CPU; on a GPU, "
                          "see --gpu-memory-utilization)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the KV cache's element type (auto: the backend's choice, int8 on cpu, the model's dtype "
@@ -278,6 +281,24 @@ def _number(kind: type, text: str) -> int | float:
         return kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+_THOUSANDS = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_KIBI = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _human_int(text: str) -> int:
+    """An integer as vLLM's flags read one: plain, or 25.6k, 2m in thousands, millions (k, m,
+    g, t), or 4K, 2M in powers of 1024 (K, M, G, T; whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a whole number (nor one as 32k or 4K): {text!r}")
+    number, suffix = match.groups()
+    if suffix in _THOUSANDS:
+        return int(Decimal(number) * _THOUSANDS[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"a fraction takes k, m, g or t (thousands, millions...): {text!r}")
+    return int(number) * _KIBI.get(suffix, 1)
 
 
 def _port(text: str) -> int:

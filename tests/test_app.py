@@ -1136,6 +1136,14 @@ def test_a_vllm_serve_command_line_reads_as_vllm_reads_it(monkeypatch, tmp_path,
     args = build_parser().parse_args(["/models/m.gguf", "--max_model_len=2048", "--max_num_seqs", "4",
                                       "--api-key", "a", "b", "--trust-remote-code", "--disable-log-requests"])
     assert (args.model, args.max_model_len, args.max_num_seqs, args.api_key) == ("/models/m.gguf", 2048, 4, ["a", "b"])
+    # Sizes with vLLM's suffixes: k thousands (fractions too), K 1024s
+    args = build_parser().parse_args(["--max-model-len", "32k", "--max-num-batched-tokens", "2K",
+                                      "--kv-cache-memory", "1.5g"])
+    assert (args.max_model_len, args.max_num_batched_tokens, args.kv_cache_memory) == (32000, 2048, 1_500_000_000)
+    assert build_parser().parse_args(["--max-model-len", "25.6k"]).max_model_len == 25600
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--max-model-len", "1.5K"])
+    assert "argument --max-model-len: a fraction takes k, m, g or t" in capsys.readouterr().err
     assert build_parser().parse_args(["--served-model-name", "x", "y"]).served_model_name == ["x", "y"]
     with pytest.raises(SystemExit) as exit_code:
         build_parser().parse_args(["/models/m.gguf", "--model", "/models/other.gguf"])
