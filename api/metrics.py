@@ -139,10 +139,11 @@ class Metrics:
                                       _REQUEST_BUCKETS)
         self.inference = self._histogram("vllm:request_inference_time_seconds", "Time from first scheduling to the "
                                          "last token.", _REQUEST_BUCKETS)
-        self.prompt_tokens = self._histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request.",
+        self.prompt_tokens = self._histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request (each of "
+                                             "its n completions counts, as in vLLM).",
                                              _TOKEN_BUCKETS)
         self.generation_tokens = self._histogram("vllm:request_generation_tokens", "Tokens generated for each "
-                                                 "finished request (all its completions).", _TOKEN_BUCKETS)
+                                                 "finished request (each of its n completions counts, as in vLLM).", _TOKEN_BUCKETS)
         self.max_generation_tokens = self._histogram("vllm:request_max_num_generation_tokens", "The longest "
                                                      "completion of each finished request, in tokens.", _TOKEN_BUCKETS)
         self.params_n = self._histogram("vllm:request_params_n", "The n of each finished request.", (1, 2, 5, 10, 20))
@@ -157,7 +158,7 @@ class Metrics:
         for itl in stats.inter_token_latencies:
             self.itl.observe(itl)
             self.tpot.observe(itl)
-        for request in stats.finished:
+        for request in stats.finished:  # (a request, or each of its n completions: vLLM's child requests)
             self.e2e.observe(request.e2e_latency)
             if request.queue_time is not None:
                 self.queue.observe(request.queue_time)
@@ -167,10 +168,10 @@ class Metrics:
                 self.inference.observe(request.prefill_time + request.decode_time)
             self.prompt_tokens.observe(request.num_prompt_tokens)
             self.generation_tokens.observe(request.num_generation_tokens)
-            self.max_generation_tokens.observe(request.max_num_generation_tokens)
-            self.params_n.observe(request.n)
-            for reason in request.finish_reasons:
-                self.request_success[reason].inc()
+            self.request_success[request.finish_reason].inc()
+        for n, longest in zip(stats.params_n, stats.max_num_generation_tokens):
+            self.params_n.observe(n)
+            self.max_generation_tokens.observe(longest)
 
     def exposition(self) -> bytes:
         """The metrics text. Under ``--api-server-count`` (PROMETHEUS_MULTIPROC_DIR set for

@@ -473,6 +473,26 @@ def test_each_engines_cache_is_its_own_series():
     assert "vllm:cache_config_info" not in Metrics(lambda: [_EMPTY_STATS], "m").exposition().decode()  # (loading)
 
 
+async def test_each_of_n_completions_counts_as_a_request_in_the_metrics(tiny_vocab_core, tokenizer):
+    """As vLLM's child requests: successes, latencies and token histograms count each
+    completion, so they agree with each other; n and the longest completion count the request."""
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        response = await server.http.post("/v1/completions", json={"prompt": "Hi there", "n": 3, "max_tokens": 4,
+                                                                  "ignore_eos": True, "temperature": 0})
+        after = (await server.http.get("/metrics")).text
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    assert metric(after, "vllm:request_success_total", finished_reason="length") == 3
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds",
+                 "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_decode_time_seconds"):
+        assert metric(after, f"{name}_count") == 3, name
+    assert metric(after, "vllm:inter_token_latency_seconds_count") == 9  # (3 gaps each)
+    # (the prompt once in the usage, as OpenAI counts it; once a sequence in the engine, as vLLM)
+    assert metric(after, "vllm:request_prompt_tokens_sum") == metric(after, "vllm:prompt_tokens_total") \
+        == 3 * prompt_tokens
+    assert metric(after, "vllm:request_generation_tokens_sum") == 12
+    assert metric(after, "vllm:request_params_n_sum") == 3 and metric(after, "vllm:request_params_n_count") == 1
+    assert metric(after, "vllm:request_max_num_generation_tokens_sum") == 4
+
 async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(tiny_vocab_core, tokenizer):
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         before = (await server.http.get("/metrics")).text

@@ -17,7 +17,7 @@ from engine.core.core_actor import STEP_QUEUE_SIZE
 from engine.errors import EngineDeadError, InvalidParameterError, RequestFailedError, StepTimeoutError
 from engine.frontend.async_engine import Engine
 from engine.frontend.output_channel import Wakeup
-from engine.messages import AddRequest
+from engine.messages import AddRequest, TokenDelta
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from tests.conftest import fail_logits_processing, tiny_engine_core, until
 
@@ -470,9 +470,9 @@ async def test_a_stream_interval_sends_the_first_token_then_every_few(tiny_model
         assert "".join(o.outputs[0].text for o in chunked) == "".join(o.outputs[0].text for o in every)
 
 
-async def test_a_request_of_several_completions_counts_one_gap_a_step(tiny_core, tokenizer):
-    """n completions decode in the same steps; the request's inter-token latencies are its
-    gaps between steps with tokens, not one per completion."""
+async def test_a_request_of_several_completions_counts_one_gap_a_step_for_each(tiny_core, tokenizer):
+    """n completions decode in the same steps: each has its first token and its gaps between
+    steps with tokens (vLLM's child requests), not one gap per token."""
     seen: list = []
     params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     async with Engine(tiny_core, tokenizer).serve() as client:
@@ -480,7 +480,32 @@ async def test_a_request_of_several_completions_counts_one_gap_a_step(tiny_core,
         outputs = await collect(client, prompt(1), params)
     assert [len(c.token_ids) for c in outputs[-1].outputs] == [12, 12]
     itls = [t for s in seen for t in s.inter_token_latencies]
-    assert len([t for s in seen for t in s.time_to_first_tokens]) == 1 and len(itls) == 11
+    assert len([t for s in seen for t in s.time_to_first_tokens]) == 2 and len(itls) == 22
+    finished = [f for s in seen for f in s.finished]
+    assert [(f.finish_reason, f.num_generation_tokens) for f in finished] == [("length", 12)] * 2
+    assert [(n, m) for s in seen for n, m in zip(s.params_n, s.max_num_generation_tokens)] == [(2, 12)]
+
+
+def test_a_completion_that_starts_late_waits_for_its_first_token_not_between_tokens(tokenizer):
+    """The second of n completions may start steps after the first ended (its prompt computed
+    later): that wait is its time to first token; each completion ends as a sequence of its own,
+    the request's n and longest completion once at the end."""
+    from engine.frontend.request_state import RequestState
+    from engine.frontend.stats import IterationStats
+
+    state = RequestState("x", None, [1, 2], SamplingParams(n=2, max_tokens=2), tokenizer, arrival=0.0)
+    steps = [IterationStats(now) for now in (1.0, 2.0, 5.0, 6.0)]
+    state.apply(TokenDelta("x", 0, (300,), first_scheduled_at=0.5), steps[0])
+    state.apply(TokenDelta("x", 0, (301,), finish_reason="length"), steps[1])
+    state.apply(TokenDelta("x", 1, (302,)), steps[2])
+    state.apply(TokenDelta("x", 1, (303,), finish_reason="length"), steps[3])
+    assert [s.time_to_first_tokens for s in steps] == [[1.0], [], [5.0], []]
+    assert [s.inter_token_latencies for s in steps] == [[], [1.0], [], [1.0]]
+    [first], [second] = steps[1].finished, steps[3].finished
+    assert (first.e2e_latency, first.prefill_time, first.decode_time, first.num_generation_tokens) == (2.0, 0.5, 1.0, 2)
+    assert (second.e2e_latency, second.prefill_time, second.decode_time) == (6.0, 4.5, 1.0)
+    assert first.finish_reason == second.finish_reason == "length" and first.num_prompt_tokens == 2
+    assert (steps[1].params_n, steps[3].params_n, steps[3].max_num_generation_tokens) == ([], [2], [2])
 
 
 async def test_stat_loggers_see_engine_timings_of_every_request(tiny_core, tokenizer):
@@ -494,7 +519,7 @@ async def test_stat_loggers_see_engine_timings_of_every_request(tiny_core, token
         finished = [f for s in seen for f in s.finished]
         # One final output, but the engine's own clock: a first token, then 11 gaps.
         assert len(ttfts) == 1 and len(itls) == 11 and len(finished) == 1
-        assert finished[0].finish_reasons == ("length",) and finished[0].num_generation_tokens == 12
+        assert finished[0].finish_reason == "length" and finished[0].num_generation_tokens == 12
         assert ttfts[0] + sum(itls) == pytest.approx(finished[0].e2e_latency, abs=1e-6)
         assert 0 <= finished[0].queue_time <= ttfts[0]
         seen.clear()
@@ -504,7 +529,7 @@ async def test_stat_loggers_see_engine_timings_of_every_request(tiny_core, token
                 break  # a request abandoned by its consumer still counts, as 'abort'
         await wait_until_idle(client)
         await trio.testing.wait_all_tasks_blocked()
-        assert [f.finish_reasons for s in seen for f in s.finished] == [("abort",)]
+        assert [f.finish_reason for s in seen for f in s.finished] == ["abort"]
 
 
 async def test_an_id_is_reusable_once_a_stopped_request_is_finished(tiny_core, tokenizer):

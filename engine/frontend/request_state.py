@@ -7,7 +7,7 @@ import time
 import attrs
 
 from engine.frontend.detokenizer import IncrementalDetokenizer
-from engine.frontend.stats import IterationStats, RequestTimes
+from engine.frontend.stats import IterationStats, RequestTimes, TokenClock
 from engine.messages import TokenDelta
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -33,6 +33,7 @@ class CompletionState:
     engine_finished: bool = False
     # It has a token, or has ended: it no longer counts as waiting (``RequestState.num_waiting``).
     started: bool = False
+    clock: TokenClock = attrs.field(factory=TokenClock)
 
 
 class RequestState:
@@ -97,7 +98,7 @@ class RequestState:
         stop_token = (delta.finished and delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
                       and bool(delta.new_token_ids) and not self.params.include_stop_str_in_output)
         if delta.new_token_ids:
-            times.on_tokens(stats)
+            times.on_tokens(completion.clock, stats)
             last = len(delta.new_token_ids) - 1
             for i, token in enumerate(delta.new_token_ids):
                 if delta.new_logprobs:
@@ -124,15 +125,14 @@ class RequestState:
         completion = self.completions[index]
         if completion.finish_reason is not None:
             return None
-        # ``times.on_tokens``, written out: this runs for every stream at every step. (A
-        # completion's first token comes in a ``TokenDelta``: the request has had one.)
-        times, now = self.times, stats.now
-        if now != times.last_token:
-            if times.last_token is None:
-                times.on_tokens(stats)
+        # ``times.on_tokens``, written out: this runs for every stream at every step.
+        clock, now = completion.clock, stats.now
+        if now != clock.last:
+            if clock.last is None:
+                self.times.on_tokens(clock, stats)
             else:
-                stats.inter_token_latencies.append(now - times.last_token)
-                times.last_token = now
+                stats.inter_token_latencies.append(now - clock.last)
+                clock.last = now
         completion.token_ids.append(token)
         stop = completion.detokenizer.add_token(token)
         if stop is None:
@@ -146,10 +146,12 @@ class RequestState:
         if self.finished:
             return
         for completion in self.completions:
-            completion.finish_reason = completion.finish_reason or "error"
+            if completion.finish_reason is None:
+                completion.finish_reason = "error"
+                self._record_finish(completion, stats)
             completion.started = True
         self._num_unfinished = self.num_waiting = 0
-        self._record_finish(stats)
+        self._record_request(stats)
 
     def _finish(self, completion: CompletionState, reason: str, stop_reason: int | str | None,
                 stats: IterationStats, text_tokens: int | None = None) -> None:
@@ -159,12 +161,18 @@ class RequestState:
         completion.detokenizer.finish(completion.token_ids[:text_tokens])
         if completion.detokenizer.stop_hit is not None:  # (in the bytes flushed at the end)
             completion.finish_reason, completion.stop_reason = "stop", completion.detokenizer.stop_hit
+        self._record_finish(completion, stats)
         if self.finished:
-            self._record_finish(stats)
+            self._record_request(stats)
 
-    def _record_finish(self, stats: IterationStats) -> None:
-        self.times.finished(stats, tuple(c.finish_reason for c in self.completions), len(self.prompt_token_ids),
-                            tuple(len(c.token_ids) for c in self.completions))
+    def _record_finish(self, completion: CompletionState, stats: IterationStats) -> None:
+        """Each completion is a sequence of its own in the stats, as vLLM's child requests."""
+        self.times.finished(completion.clock, stats, completion.finish_reason, len(self.prompt_token_ids),
+                            len(completion.token_ids))
+
+    def _record_request(self, stats: IterationStats) -> None:
+        stats.params_n.append(len(self.completions))
+        stats.max_num_generation_tokens.append(max(len(c.token_ids) for c in self.completions))
 
     # ---- building outputs ----
 

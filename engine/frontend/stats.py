@@ -17,17 +17,16 @@ from engine.messages import EngineStats
 
 @attrs.frozen
 class FinishedRequestStats:
-    """One request (all its ``n`` completions) that has ended, however it ended."""
+    """One sequence that has ended, however it ended: a request, or one of a request's ``n``
+    completions (each counts as one, as vLLM's child requests do)."""
 
-    finish_reasons: tuple[str, ...]  # per completion: 'stop' | 'length' | 'abort' | 'error'
+    finish_reason: str  # 'stop' | 'length' | 'abort' | 'error'
     e2e_latency: float  # seconds from arrival to the end
     queue_time: float | None  # seconds from arrival to first scheduling; None if never scheduled
     num_prompt_tokens: int
     num_generation_tokens: int
     prefill_time: float | None = None  # first scheduling to first token (None: no token came)
     decode_time: float | None = None  # first token to last token
-    max_num_generation_tokens: int = 0  # the longest completion's tokens
-    n: int = 1  # completions asked for
 
 
 @attrs.define
@@ -38,10 +37,14 @@ class IterationStats:
     time_to_first_tokens: list[float] = attrs.field(factory=list)
     inter_token_latencies: list[float] = attrs.field(factory=list)
     finished: list[FinishedRequestStats] = attrs.field(factory=list)
+    # Of each request whose completions have all ended (vLLM's parent request): its n, and
+    # its longest completion's tokens.
+    params_n: list[int] = attrs.field(factory=list)
+    max_num_generation_tokens: list[int] = attrs.field(factory=list)
 
     @property
     def empty(self) -> bool:
-        return not (self.time_to_first_tokens or self.inter_token_latencies or self.finished)
+        return not (self.time_to_first_tokens or self.inter_token_latencies or self.finished or self.params_n)
 
 
 # A stat logger takes each step's IterationStats; it runs in the event loop, so it must be quick.
@@ -49,34 +52,40 @@ StatLogger = Callable[[IterationStats], None]
 
 
 @attrs.define
+class TokenClock:
+    """One sequence's first and latest token (monotonic seconds)."""
+
+    first: float | None = None
+    last: float | None = None
+
+
+@attrs.define
 class RequestTimes:
-    """One request's clock (monotonic seconds)."""
+    """One request's clock (monotonic seconds); each of its sequences has a ``TokenClock``."""
 
     arrival: float
     first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
 
-    def on_tokens(self, stats: IterationStats) -> None:
-        """Tokens of this request arrived in the step ``stats`` describes (counted once per step)."""
-        if self.first_token is None:
-            self.first_token = stats.now
+    def on_tokens(self, clock: TokenClock, stats: IterationStats) -> None:
+        """Tokens of the sequence of ``clock`` arrived in the step ``stats`` describes (counted
+        once per step)."""
+        if clock.first is None:
+            clock.first = stats.now
             stats.time_to_first_tokens.append(stats.now - self.arrival)
-        elif stats.now != self.last_token:
-            stats.inter_token_latencies.append(stats.now - self.last_token)
-        self.last_token = stats.now
+        elif stats.now != clock.last:
+            stats.inter_token_latencies.append(stats.now - clock.last)
+        clock.last = stats.now
 
-    def finished(self, stats: IterationStats, reasons: tuple[str, ...], num_prompt_tokens: int,
-                 generation_tokens: tuple[int, ...]) -> None:
-        """The request ended; ``generation_tokens``: each completion's."""
+    def finished(self, clock: TokenClock, stats: IterationStats, reason: str, num_prompt_tokens: int,
+                 num_generation_tokens: int) -> None:
+        """The sequence of ``clock`` ended."""
         queue = None if self.first_scheduled is None else max(0.0, self.first_scheduled - self.arrival)
         prefill = decode = None
-        if self.first_token is not None and self.first_scheduled is not None:
-            prefill = max(0.0, self.first_token - self.first_scheduled)
-            decode = max(0.0, (self.last_token or self.first_token) - self.first_token)
-        stats.finished.append(FinishedRequestStats(reasons, stats.now - self.arrival, queue, num_prompt_tokens,
-                                                   sum(generation_tokens), prefill, decode, max(generation_tokens),
-                                                   len(generation_tokens)))
+        if clock.first is not None and self.first_scheduled is not None:
+            prefill = max(0.0, clock.first - self.first_scheduled)
+            decode = max(0.0, (clock.last or clock.first) - clock.first)
+        stats.finished.append(FinishedRequestStats(reason, stats.now - self.arrival, queue, num_prompt_tokens,
+                                                   num_generation_tokens, prefill, decode))
 
 
 def activity_line(before: EngineStats, now: EngineStats, seconds: float) -> str | None:
