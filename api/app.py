@@ -443,7 +443,7 @@ class _Handlers:
 
     async def render_chat(self, messages, add_generation_prompt: bool, continue_final_message: bool,
                           template_kwargs: dict | None, plan: ToolPlan | None, chat_template: str | None = None,
-                          ) -> RenderedChat:
+                          truncating: bool = False) -> RenderedChat:
         """The conversation through the chat template (with the server's default template
         arguments under the request's own): the server's, or the request's ``chat_template``
         where the server trusts requests' templates (vLLM's --trust-request-chat-template)."""
@@ -465,7 +465,8 @@ class _Handlers:
         size = sum(map(_text_size, converted))
         if plan is not None:
             size += sum(len(orjson.dumps(t.parameters)) + len(t.description or "") for t in plan.tools)
-        self.client.check_text_length(size, "messages")
+        if not truncating:  # (truncate_prompt_tokens: any length may come, its last tokens are kept)
+            self.client.check_text_length(size, "messages")
         return await _off_loop(size + len(chat_template or ""), self._apply_template, converted,
                                add_generation_prompt, continue_final_message, template_kwargs, plan, template,
                                "messages" if chat_template is None else "chat_template")
@@ -597,8 +598,9 @@ class _Handlers:
             template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
             if req.reasoning_effort == "none":
                 template_kwargs.setdefault("enable_thinking", False)
+        truncating = req.truncate_prompt_tokens is not None
         rendered = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                          template_kwargs, plan, req.chat_template)
+                                          template_kwargs, plan, req.chat_template, truncating)
         params = sampling_params(req, chat=True, defaults=self.state.client.default_sampling)
         if plan is not None:
             params = plan.constrain(params)
@@ -772,8 +774,10 @@ class _Handlers:
         self.check_model(req.model)
         prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
         self.check_prompts(len(prompts), req.n)  # before tokenizing any of them
-        inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p) for p in prompts]
         params = sampling_params(req, chat=False, defaults=self.state.client.default_sampling)
+        truncating = params.truncate_prompt_tokens is not None
+        inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p, truncating)
+                  for p in prompts]
         if params.truncate_prompt_tokens is not None:  # (an echo shows the prompt the model read)
             inputs = [(None, self.client.truncate(ids, params)) for _, ids in inputs]
         # echo with logprobs: the prompt's tokens have logprobs too (OpenAI's legacy completions,

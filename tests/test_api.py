@@ -116,6 +116,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
     past_the_context = ids * 2000  # (10k tokens: the prompt is cut before the length check)
     assert llm.generate(past_the_context, SamplingParams(max_tokens=1, truncate_prompt_tokens=5))[0].prompt_token_ids == \
         past_the_context[-5:]
+    long_text = "word " * 200_000  # (more characters than 8192 tokens can hold: no refusal before tokenizing)
+    assert len(llm.generate(long_text, SamplingParams(max_tokens=1, truncate_prompt_tokens=5))[0].prompt_token_ids) \
+        == 5
     with pytest.raises(InvalidParameterError, match="greater than this model's maximum context length") as exc:
         llm.generate(prompt, SamplingParams(truncate_prompt_tokens=10**6))
     assert exc.value.param == "truncate_prompt_tokens"

@@ -193,6 +193,12 @@ def test_sizes_at_and_past_their_limits(server, http, tokenizer):
     assert post(server, http, {"prompt": PROMPT, "max_tokens": None, "min_tokens": room + 1}).json()["error"]["param"] \
         == "min_tokens"
     assert post(server, http, {"prompt": "word " * 200_000}).json()["error"]["param"] == "prompt"  # never tokenized
+    # unless only its last tokens are to be kept: truncate_prompt_tokens takes text of any length
+    kept = post(server, http, {"prompt": "word " * 200_000, "truncate_prompt_tokens": 8, "max_tokens": 1})
+    assert kept.json()["usage"]["prompt_tokens"] == 8
+    kept = post(server, http, {"messages": [{"role": "user", "content": "word " * 200_000}], "max_tokens": 1,
+                               "truncate_prompt_tokens": 8}, "/v1/chat/completions")
+    assert kept.json()["usage"]["prompt_tokens"] == 8
     # Nor text in a message outside its content: tool calls' arguments, reasoning (a template
     # renders them; tokenizing a megabyte stalls every request of the server).
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "word " * 200_000}}

@@ -341,15 +341,19 @@ class EngineClient:
                                         f"context length ({self.max_model_len})")
         return prompt_token_ids[-keep:]
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (after ``check_text_length``)."""
-        self.check_text_length(len(text))
+    def encode(self, text: str, add_special_tokens: bool = True, truncating: bool = False) -> list[int]:
+        """Token ids of ``text`` (after ``check_text_length``, unless ``truncating``: the caller
+        keeps only the last tokens, ``truncate_prompt_tokens``, so a text of any length may come)."""
+        if not truncating:
+            self.check_text_length(len(text))
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def prepare(self, prompt: str | list[int] | dict[str, Any]) -> tuple[str | None, list[int]]:
-        """(prompt text, prompt token ids) for a prompt given as text, token ids or vLLM's dict forms."""
+    def prepare(self, prompt: str | list[int] | dict[str, Any],
+                truncating: bool = False) -> tuple[str | None, list[int]]:
+        """(prompt text, prompt token ids) for a prompt given as text, token ids or vLLM's dict
+        forms; ``truncating`` as ``encode``'s."""
         if isinstance(prompt, str):
-            return prompt, self.encode(prompt)
+            return prompt, self.encode(prompt, truncating=truncating)
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown:  # e.g. vLLM's prompt-level cache_salt: here it is a SamplingParams field
@@ -358,7 +362,7 @@ class EngineClient:
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _integers(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self.prepare(prompt["prompt"])
+                return self.prepare(prompt["prompt"], truncating)
             raise InvalidParameterError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
         ids = _integers(prompt) if isinstance(prompt, (list, tuple)) else None
         if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -438,7 +442,9 @@ class EngineClient:
         caller checked the room for them already (a beam search's later steps)."""
         params = self.tokenize_bad_words(sampling_params_or_none(sampling_params) or SamplingParams())  # (once)
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
-        inputs = [(text, self.truncate(token_ids, params)) for text, token_ids in map(self.prepare, prompts)]
+        truncating = params.truncate_prompt_tokens is not None
+        inputs = [(text, self.truncate(token_ids, params))
+                  for text, token_ids in (self.prepare(p, truncating) for p in prompts)]
         for _, token_ids in inputs:
             self.validate(token_ids, params, priority)
         grammar = await self.compile(params)
@@ -493,7 +499,7 @@ class EngineClient:
             priority = int(priority)  # (numpy's integers: validate_request takes Python's)
         if request_id in engine.registry:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
-        text, ids = self.prepare(prompt)
+        text, ids = self.prepare(prompt, params.truncate_prompt_tokens is not None)
         ids = self.truncate(ids, params)  # (``prompt`` stays the text given, as vLLM's)
         params = self.tokenize_bad_words(params.clone())  # (the engine's own copy: the caller's may change)
         self.validate(ids, params, priority)
