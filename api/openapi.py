@@ -61,14 +61,20 @@ _ERROR = {"description": "OpenAI's error shape", "content": {"application/json":
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}}}
 
 
-def _post(summary: str, cls: type, generation: bool) -> dict[str, Any]:
+def _ref(cls: type) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{cls.__name__}"}
+
+
+def _post(summary: str, body: type | dict[str, Any], generation: bool) -> dict[str, Any]:
+    """A POST of a JSON body: a request class's, or a schema."""
     responses = {"200": {"description": "the result (an event stream when stream is true)" if generation
                          else "the result"},
                  "400": _ERROR, "401": _ERROR, "404": _ERROR, "413": _ERROR, "503": _ERROR}
     if generation:
         responses.update({"500": _ERROR, "504": _ERROR})
+    schema = _ref(body) if isinstance(body, type) else body
     return {"post": {"summary": summary, "requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": f"#/components/schemas/{cls.__name__}"}}}}, "responses": responses}}
+        "application/json": {"schema": schema}}}, "responses": responses}}
 
 
 def _get(summary: str, content_type: str = "application/json") -> dict[str, Any]:
@@ -82,6 +88,20 @@ def _stored_response() -> dict[str, Any]:
                          "content": {"application/json": {}}}, "401": _ERROR, "404": _ERROR}
     return {"get": {"summary": "A stored response", "parameters": parameters, "responses": responses},
             "delete": {"summary": "Delete a stored response", "parameters": parameters, "responses": responses}}
+
+
+def _stored_response_part(method: str, summary: str, query: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
+    """An operation on a stored response: its cancel (400: only background responses, which
+    this server makes none of) or its input items, a page at a time."""
+    parameters = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}, *query]
+    return {method: {"summary": summary, "parameters": parameters, "responses": {
+        "200": {"description": summary, "content": {"application/json": {}}}, "400": _ERROR, "401": _ERROR,
+        "404": _ERROR}}}
+
+
+_PAGE = ({"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+         {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+         {"name": "after", "in": "query", "schema": {"type": "string"}})
 
 
 def _model() -> dict[str, Any]:
@@ -105,12 +125,19 @@ def openapi_document(version: str) -> dict[str, Any]:
             "/v1/completions": _post("Create a text completion", CompletionRequest, True),
             "/v1/responses": _post("Create a response (OpenAI's Responses API)", ResponsesRequest, True),
             "/v1/responses/{response_id}": _stored_response(),
+            "/v1/responses/{response_id}/cancel": _stored_response_part("post", "Cancel a background response"),
+            "/v1/responses/{response_id}/input_items": _stored_response_part(
+                "get", "A stored response's input items", _PAGE),
             "/tokenize": _post("Token ids of a prompt or a conversation", TokenizeRequest, False),
             "/detokenize": _post("Text of token ids", DetokenizeRequest, False),
             "/v1/models": _get("The served model"),
             "/v1/models/{model}": _model(),
             "/health": _get("200 when ready; 503 while loading, draining or after an engine failure", "text/plain"),
             "/version": _get("The server's version"),
+            "/ping": {**_get("SageMaker's health check: /health's answer", "text/plain"),
+                      "post": _get("SageMaker's health check: /health's answer", "text/plain")["get"]},
+            "/invocations": _post("SageMaker's inference: a chat completion or a text completion, by the body",
+                                  {"anyOf": [_ref(ChatCompletionRequest), _ref(CompletionRequest)]}, True),
             "/metrics": _get("Prometheus metrics", "text/plain"),
             "/v1/engine/stats": _get("The engine's live counters (requests running and waiting, KV cache "
                                      "usage, tokens per second): numbers only, never a request's text"),

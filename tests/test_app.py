@@ -1025,6 +1025,23 @@ async def test_the_api_key_guards_generation_and_tokenizer_routes_only(tiny_voca
         assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"} <= set(document["paths"])
 
 
+def test_every_route_of_the_api_is_in_its_description():
+    """Each route and method the app answers (but the page's and the description's own) is in
+    /openapi.json, so clients generated from it and the schema-driven fuzzing see all of them."""
+    from api.app import create_app
+    from api.openapi import openapi_document
+
+    paths = openapi_document("x")["paths"]
+    missing = []
+    for rule in create_app(ServerState("m")).url_map.iter_rules():
+        path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule)
+        if path in ("/", "/static/{name}", "/docs", "/openapi.json"):
+            continue
+        missing += [f"{method} {path}" for method in sorted(rule.methods - {"HEAD", "OPTIONS"})
+                    if method.lower() not in paths.get(path, {})]
+    assert missing == []
+
+
 async def test_a_disconnect_storm_leaves_nothing_behind(tiny_vocab_model, tokenizer):
     """300 streams at concurrency 64, a random half of the clients leaving at random points:
     afterwards nothing runs, waits or holds a block, and every client that stayed got its whole
