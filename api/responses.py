@@ -177,6 +177,8 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise bad_request(f"{where} must be an object (an input item)", "input")
+        if not isinstance(item.get("id"), str | None):  # (kept: GET .../input_items lists it)
+            raise bad_request(f"{where}.id must be a string; got {item['id']!r}", "input")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
@@ -283,7 +285,8 @@ def _chat_response_format(format_: Any) -> dict[str, Any]:
                               "schema object)", "text")
         spec = {k: format_[k] for k in ("name", "schema", "strict", "description") if k in format_}
         return {"type": "json_schema", "json_schema": spec}
-    raise bad_request(f"text.format type must be 'text', 'json_object' or 'json_schema'; got {kind!r}", "text")
+    got = repr(kind) if isinstance(format_, dict) else f"{format_!r} (text.format is an object with a type)"
+    raise bad_request(f"text.format type must be 'text', 'json_object' or 'json_schema'; got {got}", "text")
 
 
 # ---- the response ----

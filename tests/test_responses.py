@@ -309,6 +309,8 @@ class _Client:
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "--reasoning-parser"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text", "text.format type"),
+    ({"input": "x", "text": {"format": "json"}}, "text", "got 'json' (text.format is an object with a type)"),
+    ({"input": [{"role": "user", "content": "x", "id": 5}]}, "input", "input[0].id must be a string; got 5"),
     ({"input": 5}, "input", "input"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "stored prompt templates"),
     ({}, "input", "input"),
