@@ -73,6 +73,18 @@ def test_temperature_sampling_follows_the_distribution():
     assert torch.allclose(counts, probs, atol=0.03)
 
 
+
+def test_min_p_cuts_before_top_p_takes_its_nucleus():
+    """vLLM's order: min-p drops the tail, then top-p takes its nucleus of what is left. Here
+    min-p leaves 0.5, 0.3, 0.1 (0.56, 0.33, 0.11 of what is left): top-p 0.85 keeps the first two.
+    (top-p first would keep all three: 0.5 + 0.3 < 0.85 of the whole.)"""
+    row = torch.tensor([0.5, 0.3, 0.1] + [0.1 / 1000] * 1000).log().tolist()
+    n = 3000
+    draws = Sampler(0)(logits_of(*[row] * n), [req(temperature=1.0, top_p=0.85, min_p=0.1)] * n).token_ids
+    counts = torch.bincount(torch.tensor(draws), minlength=len(row)).float() / n
+    assert counts[2:].sum() == 0
+    assert counts[0] == pytest.approx(0.5 / 0.8, abs=0.04)
+
 def test_a_skewed_distribution_is_followed_down_to_its_small_probabilities():
     probs = torch.tensor([0.9, 0.0, 0.09, 0.0, 0.009, 0.001, 0.0])
     n = 200_000
@@ -133,6 +145,7 @@ def test_allowed_token_ids_leave_only_those_tokens():
     assert s(logits_of(ROW), [req(temperature=0, allowed_token_ids=[0, 4, 5])]).token_ids == [4]
     rows = [req(f"r{i}", temperature=5.0, allowed_token_ids=[1, 5]) for i in range(64)]
     assert set(s(logits_of(*[ROW] * 64), rows).token_ids) == {1, 5}  # (p = 0.6 / 0.4: both drawn)
+
 
 
 def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest():

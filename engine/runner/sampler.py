@@ -4,8 +4,8 @@ Order, as in vLLM: raw logprobs are taken first (what ``logprobs`` reports); the
 allowed_token_ids and bad_words (other tokens, and each bad word's last token where the output
 ends with the rest of it, masked), logit_bias, min_tokens (stop tokens masked),
 repetition/frequency/presence penalties;
-then greedy rows take the argmax, and the others apply temperature, top-k, top-p and min-p
-and draw by inverting the row's cumulative distribution (float64) at one uniform number.
+then greedy rows take the argmax, and the others apply temperature, min-p, then top-k and top-p
+(on what min-p left) and draw by inverting the row's cumulative distribution (float64) at one uniform number.
 That samples exactly from p with one random number per row, where the exponential race
 (argmax of p / Exp(1) noise, as vLLM does on GPUs) needs one per vocabulary entry: on a CPU
 drawing 64 x 49k exponentials took 100 ms, a quarter of a 64-row decode step. Each seeded
@@ -141,13 +141,13 @@ class Sampler:
         params = [r.params for r in requests]
         temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=logits.device)
         logits = logits / temperature[:, None]
+        if any(p.min_p > 0 for p in params):  # (before top-p, as vLLM: its nucleus is of what min-p leaves)
+            min_p = torch.tensor([p.min_p for p in params], device=logits.device)
+            probs = logits.softmax(dim=-1)
+            logits = logits.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             logits = apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        probs = logits.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-        return inverse_cdf_sample(probs, self._uniforms(requests, errors, logits.device))
+        return inverse_cdf_sample(logits.softmax(dim=-1), self._uniforms(requests, errors, logits.device))
 
     def _uniforms(self, requests: Sequence[Request], errors: dict[int, Exception], device) -> torch.Tensor:
         """One float64 in [0, 1) per row: from the request's own generator where it is seeded."""
