@@ -258,8 +258,10 @@ class SamplingParams:
                    f"must be an integer in [{MIN_SEED}, {MAX_SEED}]; got {self.seed!r}")
 
     def _check_probabilities(self) -> None:
-        _check("temperature", _is_number(self.temperature) and self.temperature >= 0,
-               f"must be a number >= 0; got {self.temperature!r}")
+        # (logits divided or multiplied by a value past _SCALE_LIMIT overflow float32: a row of
+        # NaNs samples a token no mask allows)
+        _check("temperature", _is_number(self.temperature) and 0 <= self.temperature <= _SCALE_LIMIT,
+               f"must be a number from 0 to {_SCALE_LIMIT:g}; got {self.temperature!r}")
         _check("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, f"must be in (0, 1]; got {self.top_p!r}")
         _check("top_k", is_int64(self.top_k) and self.top_k >= -1,
                f"must be an integer >= -1 of 64 bits (0 or -1 disable it); got {self.top_k!r}")
@@ -267,8 +269,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(name, _is_number(value) and -2 <= value <= 2, f"must be in [-2, 2]; got {value!r}")
-        _check("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"must be a number > 0; got {self.repetition_penalty!r}")
+        _check("repetition_penalty", _is_number(self.repetition_penalty)
+               and 1 / _SCALE_LIMIT <= self.repetition_penalty <= _SCALE_LIMIT,
+               f"must be a number from {1 / _SCALE_LIMIT:g} to {_SCALE_LIMIT:g} (1: none); got {self.repetition_penalty!r}")
         for token_id, bias in self.logit_bias.items():
             _check("logit_bias", _is_number(bias) and -100 <= bias <= 100,
                    f"values must be in [-100, 100]; got {bias!r} for token {token_id}")
@@ -363,6 +366,7 @@ class SamplingParams:
 
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 _GREEDY_EPSILON = 1e-5
+_SCALE_LIMIT = 1e30
 
 
 def sampling_params_or_none(value: Any, param: str = "sampling_params") -> SamplingParams | None:

@@ -148,6 +148,21 @@ def test_allowed_token_ids_leave_only_those_tokens():
 
 
 
+@pytest.mark.parametrize("params", [dict(temperature=1e30), dict(temperature=1.0, repetition_penalty=1e-30),
+                                    dict(temperature=1.0, repetition_penalty=1e30)])
+def test_extreme_scales_keep_the_masks(params):
+    """At the bounds of temperature and repetition_penalty no logit overflows to NaN (a row of
+    NaNs samples a token no mask allows); past them a value is refused."""
+    from engine.errors import InvalidParameterError
+
+    rows = [req(allowed_token_ids=[3, 4], output=(2, 3, 0), **params) for _ in range(64)]
+    tokens = Sampler(0)(logits_of(*[[100.0, 0.0, -100.0, 50.0, 0.0, 60.0, 1.0, 2.0]] * 64), rows).token_ids
+    assert set(tokens) <= {3, 4}
+    name, value = next((k, v) for k, v in params.items() if v != 1.0)
+    with pytest.raises(InvalidParameterError) as refused:
+        SamplingParams(**{name: value * 10 if value > 1 else value / 10})
+    assert refused.value.param == name
+
 def test_bad_words_ban_their_last_token_where_the_output_ends_with_the_rest():
     s = Sampler(0)
     greedy = dict(temperature=0, bad_words_token_ids=[[2], [4, 7], [1, 4, 3]])  # (ROW's order: 2, 7, 3, 1, 4)
