@@ -52,14 +52,20 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _to_str_list(value: str | list[str] | None) -> list[str]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, str) else list(value)
+def _list_of(param: str, *, optional: bool = False, text: bool = False) -> Callable[[Any], list | None]:
+    """A converter to a list: None is empty (None where ``optional``), a lone string a list of
+    it where ``text``; a value that is no sequence at all is an error naming ``param``."""
+    def convert(value: Any) -> list | None:
+        if value is None:
+            return None if optional else []
+        if text and isinstance(value, str):
+            return [value]
+        try:
+            return list(value)
+        except TypeError:
+            raise InvalidParameterError(param, f"{param} must be a list; got {value!r}") from None
 
-
-def _to_list(value: Any) -> list:
-    return [] if value is None else list(value)
+    return convert
 
 
 def _to_seed(value: Any) -> Any:
@@ -68,10 +74,6 @@ def _to_seed(value: Any) -> Any:
 
 def _to_count(value: Any) -> Any:
     return 1 if value is True else value  # (logprobs=True: the sampled token's, as vLLM)
-
-
-def _to_optional_list(value: Any) -> list | None:
-    return None if value is None else list(value)
 
 
 def _to_sequences(value: Any) -> list[list[int]] | None:
@@ -194,8 +196,8 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = attrs.field(default=None, converter=_to_seed)
-    stop: list[str] = attrs.field(factory=list, converter=_to_str_list)
-    stop_token_ids: list[int] = attrs.field(factory=list, converter=_to_list)
+    stop: list[str] = attrs.field(factory=list, converter=_list_of("stop", text=True))
+    stop_token_ids: list[int] = attrs.field(factory=list, converter=_list_of("stop_token_ids"))
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     max_tokens: int | None = 16
@@ -206,8 +208,9 @@ class SamplingParams:
     # vLLM's token restrictions: only ``allowed_token_ids`` may be sampled; no ``bad_words``
     # may appear in the output. The engine tokenizes each bad word into
     # ``bad_words_token_ids`` (``with_bad_words_tokenized``): callers leave that None.
-    allowed_token_ids: list[int] | None = attrs.field(default=None, converter=_to_optional_list)
-    bad_words: list[str] = attrs.field(factory=list, converter=_to_str_list)
+    allowed_token_ids: list[int] | None = attrs.field(default=None,
+                                                    converter=_list_of("allowed_token_ids", optional=True))
+    bad_words: list[str] = attrs.field(factory=list, converter=_list_of("bad_words", text=True))
     bad_words_token_ids: list[list[int]] | None = attrs.field(default=None, converter=_to_sequences)
     # Keep only the prompt's last this many tokens (-1: as many as max_model_len), as vLLM.
     truncate_prompt_tokens: int | None = None

@@ -296,6 +296,8 @@ def test_a_bad_prompt_in_a_batch_queues_nothing(llm, monkeypatch):
     ("min_tokens", 100), ("stop", [""]), ("logit_bias", {1: 500}), ("top_k", 1.5), ("n", True),
     ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("bad_words", [""]), ("bad_words", ["w"] * 129),
     ("bad_words_token_ids", [[]]), ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2),
+    ("stop", 5), ("stop_token_ids", 5), ("allowed_token_ids", 5), ("bad_words", 5),  # (they were TypeErrors)
+    ("temperature", 1e31), ("repetition_penalty", 1e-31),
 ])
 def test_sampling_params_reject_bad_values(field, value):
     with pytest.raises(InvalidParameterError) as exc:
