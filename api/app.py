@@ -119,6 +119,7 @@ class ServerState:
     allowed_origins: tuple[str, ...] = ()
     chat_template: str | None = None
     trust_request_chat_template: bool = False  # a request's chat_template is used, not refused
+    exclude_tools_when_tool_choice_none: bool = False  # (vLLM's flag: by default the template gets them)
     # --reasoning-parser; --default-chat-template-kwargs (a request's chat_template_kwargs override them)
     reasoning_parser: ReasoningParser | None = None
     default_chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
@@ -593,6 +594,8 @@ class _Handlers:
         self.check_model(req.model)
         self.check_prompts(1, req.n)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if plan is not None and plan.choice == "none" and self.state.exclude_tools_when_tool_choice_none:
+            plan = None
         template_kwargs = dict(req.chat_template_kwargs or {})
         if req.reasoning_effort is not None:  # (as vLLM: the template reads it; "none" turns thinking off)
             template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)

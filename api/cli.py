@@ -124,6 +124,9 @@ def _add_request_default_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template: a file, or the template itself (a value with {, } or a newline, as "
                         "vLLM reads it); default: the model's")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="a request with tool_choice none renders without its tools (by default, as vLLM, the chat "
+                        "template still gets them: the model knows them and is not asked to call one)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a request's chat_template (vLLM's field) in place of the server's; without it such "
                         "a request is refused (400). Templates run in Jinja's sandbox, but each costs a compile")

@@ -206,6 +206,7 @@ def server_state(args: argparse.Namespace, model_name: str) -> ServerState:
                        allowed_origins=allowed_origins(args.allowed_origins),
                        chat_template=chat_template(args.chat_template),
                        trust_request_chat_template=args.trust_request_chat_template,
+                       exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                        reasoning_parser=reasoning_parser(args.reasoning_parser),
                        default_chat_template_kwargs=args.default_chat_template_kwargs, limits=limits,
                        responses=ResponseStore(args.max_stored_responses) if args.enable_responses_store else None,

@@ -88,7 +88,16 @@ class ToolPlan:
 
     @property
     def in_prompt(self) -> tuple[Tool, ...]:
-        return () if self.choice == "none" else self.tools
+        """The functions a chat template that renders tools is given: all, for tool_choice none
+        too (as vLLM: the model knows them and is not asked to call one; a server may leave them
+        out, its --exclude-tools-when-tool-choice-none)."""
+        return self.tools
+
+    @property
+    def described(self) -> tuple[Tool, ...]:
+        """The functions the engine's own tools block describes to a template that renders
+        none, with its call format: none for tool_choice none (no call is read from the output)."""
+        return self.tools if self.may_call else ()
 
     @property
     def may_call(self) -> bool:
@@ -303,10 +312,11 @@ def prepare_messages(messages: list[Message], plan: ToolPlan | None, renders_too
     Raises:
         InvalidParameterError: a malformed ``tool_calls`` entry (naming ``messages``).
     """
-    tools = plan.in_prompt if plan is not None else ()
     if renders_tools:
         converted = [_with_argument_objects(m, i) for i, m in enumerate(messages)]
+        tools = plan.in_prompt if plan is not None else ()
         return converted, ({"tools": [t.as_openai() for t in tools]} if tools else {})
+    tools = plan.described if plan is not None else ()
     converted: list[Message] = []
     for i, message in enumerate(messages):
         role = message["role"]

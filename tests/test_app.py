@@ -384,6 +384,29 @@ async def test_messages_reach_the_template_as_vllm_gives_them_in_chat_and_tokeni
             assert chat.json()["usage"]["prompt_tokens"] == len(tokens)
 
 
+
+# Lists the tools it is given, then the messages.
+LISTING_TEMPLATE = ("{% for t in tools or [] %}<{{ t.function.name }}>{% endfor %}"
+                    "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}")
+
+
+@pytest.mark.parametrize("exclude", [False, True])
+async def test_tool_choice_none_renders_the_tools_unless_the_server_excludes_them(tiny_vocab_core, tokenizer,
+                                                                                  exclude):
+    """As vLLM: with tool_choice none the template still gets the tools (the model knows them,
+    is not asked to call one), unless --exclude-tools-when-tool-choice-none; no call is read."""
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+    body = {"messages": [{"role": "user", "content": "Go"}], "tools": [tool], "tool_choice": "none",
+            "max_tokens": 1}
+    async with serve_http(tiny_vocab_core, tokenizer, chat_template=LISTING_TEMPLATE,
+                          exclude_tools_when_tool_choice_none=exclude) as server:
+        reply = await server.http.post("/v1/chat/completions", json=body)
+        bare = await server.http.post("/v1/chat/completions", json={**body, "tools": None, "tool_choice": None})
+    rendered = "[user|Go]" if exclude else "<lookup>[user|Go]"
+    assert reply.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert bare.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("[user|Go]", add_special_tokens=False))
+    assert reply.json()["choices"][0]["message"].get("tool_calls") in (None, [])
+
 async def test_a_request_s_chat_template_is_refused_unless_the_server_trusts_them(tiny_vocab_core, tokenizer):
     """vLLM's request field chat_template: a 400 naming it (it was dropped in silence: the reply
     rendered with another template), used with --trust-request-chat-template; a template that

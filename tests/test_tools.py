@@ -134,7 +134,8 @@ def test_bad_tool_fields_name_the_field(tools, choice, param, message):
 def test_no_tools_or_tool_choice_none_is_no_plan_or_no_grammar():
     assert plan_tools(None) is None and plan_tools([], "none") is None
     none = plan_tools(TOOLS, "none")
-    assert none.structural_tag() is None and none.in_prompt == ()
+    assert none.structural_tag() is None and none.described == () and not none.may_call
+    assert [t.name for t in none.in_prompt] == ["get_weather", "add", "search"]  # (a template that renders them)
     assert plan_tools(TOOLS).choice == "auto"  # OpenAI's default when tools are given
 
 
