@@ -67,6 +67,7 @@ def test_schema_keywords_the_backend_would_ignore_are_found_wherever_they_are():
     assert all(unsupported_schema_keywords(s) == [] for s in SCHEMAS)
 
 
+
 @pytest.fixture(scope="module")
 def manager(tokenizer):
     return StructuredOutputManager(tokenizer, 49152)
@@ -312,6 +313,19 @@ def test_a_cut_off_json_value_reports_length(llm):
     assert output.finish_reason == "length" and len(output.token_ids) == 8
     assert output.text.startswith('{')
 
+
+
+def test_a_stop_token_the_grammar_needs_ends_the_output_where_it_comes(llm):
+    """As vLLM: stop_token_ids are the scheduler's, not the grammar's (given to it as ends, a
+    token the JSON needs was no longer allowed as itself: the request failed, or was bent)."""
+    quote = llm.get_tokenizer().encode('"', add_special_tokens=False)
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"]}
+    plain = llm.generate("Give me a color as JSON:", json_params(schema, temperature=0, max_tokens=30))[0].outputs[0]
+    params = json_params(schema, temperature=0, max_tokens=30, stop_token_ids=quote)
+    output = llm.generate("Give me a color as JSON:", params)[0].outputs[0]
+    assert (output.finish_reason, output.stop_reason) == ("stop", quote[0])
+    first_quote = plain.token_ids.index(quote[0])
+    assert output.token_ids == plain.token_ids[:first_quote + 1] and output.text == plain.text[:len(output.text)]
 
 def test_min_tokens_and_ignore_eos_do_not_outlive_a_complete_grammar(llm):
     params = SamplingParams(temperature=0, max_tokens=30, min_tokens=20, ignore_eos=True,

@@ -308,7 +308,7 @@ class EngineCore:
         if (params.structured_outputs is None) != (grammar is None):
             raise InvalidParameterError("structured_outputs", "structured outputs need their compiled grammar "
                                                               "(and a grammar needs structured outputs)")
-        stops = self._grammar_stop_tokens(params) if grammar is not None else ()
+        stops = self.eos_token_ids if grammar is not None else ()
         arrival = next(self._arrivals)
         children = [Request(child_id(request_id, index), prompt, _child_params(params, index), max_tokens,
                             self.eos_token_id, arrival, priority=priority, parent_id=request_id, index=index,
@@ -317,11 +317,6 @@ class EngineCore:
         for child in children:
             self.scheduler.add_request(child)
         self._children[request_id] = [c.request_id for c in children]
-
-    def _grammar_stop_tokens(self, params: SamplingParams) -> list[int]:
-        """What a complete grammar lets the sequence end with: EOS and the request's stop tokens."""
-        eos = [] if self.eos_token_id is None else [self.eos_token_id]
-        return eos + [t for t in params.stop_token_ids if t != self.eos_token_id]
 
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
         """Check a prompt and its parameters against the model; return the resolved max_tokens."""
