@@ -106,11 +106,15 @@ _FORMATS = frozenset({"email", "date", "date-time", "time", "duration", "uri", "
                       "ipv4", "ipv6", "uuid", "hostname", "json-pointer", "relative-json-pointer"})
 
 
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+
+
 def unsupported_schema_keywords(schema: Any, path: str = "") -> list[str]:
     """Where ``schema`` uses what the backend would not enforce: ``["path: keyword", ...]``."""
     found: list[str] = []
     if not isinstance(schema, dict):
         return found
+    found += _unsupported_combinations(schema, path or "/")
     for key, value in schema.items():
         where = f"{path}/{key}"
         if key not in _SCHEMA_KEYWORDS:
@@ -123,8 +127,14 @@ def unsupported_schema_keywords(schema: Any, path: str = "") -> list[str]:
             found.append(f"{path or '/'}: {key} together with pattern or format")
         elif key == "allOf" and isinstance(value, list) and len(value) > 1:
             found.append(f"{path or '/'}: allOf with more than one schema")
+        elif key == "pattern" and isinstance(value, str) and _LOOKAROUND.search(value):
+            found.append(f"{path or '/'}: pattern with a lookahead or lookbehind")
+        elif key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+            found.append(f"{path or '/'}: $ref to another document ({value!r})")
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
+                if key == "patternProperties" and _LOOKAROUND.search(name):
+                    found.append(f"{where}: a pattern with a lookahead or lookbehind")
                 found += unsupported_schema_keywords(sub, f"{where}/{name}")
         elif key in _SCHEMA_LISTS and isinstance(value, list):
             for i, sub in enumerate(value):
@@ -132,6 +142,44 @@ def unsupported_schema_keywords(schema: Any, path: str = "") -> list[str]:
         elif key in _SCHEMA_ONE:
             found += unsupported_schema_keywords(value, where)
     return found
+
+
+def enforceable_schema(value: Any, param: str) -> dict[str, Any]:
+    """A ``json`` constraint's schema (a dict or its JSON text), refused (naming ``param``)
+    where it is no object or uses what the backend would not enforce."""
+    schema = parse_json_constraint(value, "json")
+    if not isinstance(schema, dict):
+        raise InvalidParameterError(param, "json must be a JSON schema object")
+    bad = unsupported_schema_keywords(schema)
+    if bad:
+        raise InvalidParameterError(param, "the JSON schema uses keywords this server cannot enforce: "
+                                           + "; ".join(bad[:10]))
+    return schema
+
+
+def _unsupported_combinations(schema: dict[str, Any], where: str) -> list[str]:
+    """What xgrammar gets wrong in one object schema (vLLM refuses the same): propertyNames
+    beside other property keywords and patternProperties beside properties (it wrote a key
+    twice, the second value of the wrong type); a required name no property or pattern admits
+    (strict, it can never be written, and the output misses it)."""
+    found = []
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
+    if "propertyNames" in schema and ({"properties", "patternProperties", "additionalProperties"} & set(schema)):
+        found.append(f"{where}: propertyNames together with properties, patternProperties or additionalProperties")
+    if patterns and properties:
+        found.append(f"{where}: patternProperties together with properties")
+    for name in schema.get("required") if isinstance(schema.get("required"), list) else ():
+        if isinstance(name, str) and name not in properties and not any(_matches(p, name) for p in patterns):
+            found.append(f"{where}: required {name!r}, which no property describes")
+    return found
+
+
+def _matches(pattern: str, name: str) -> bool:
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return False
 
 
 class _XGrammarMatcher:
@@ -185,14 +233,7 @@ class XGrammarBackend:
         kind = params.kind
         try:
             if kind == "json":
-                schema = parse_json_constraint(params.json, "json")
-                if not isinstance(schema, dict):
-                    raise InvalidParameterError(PARAM, "json must be a JSON schema object")
-                bad = unsupported_schema_keywords(schema)
-                if bad:
-                    raise InvalidParameterError(PARAM, "the JSON schema uses keywords this server cannot enforce: "
-                                                       + "; ".join(bad[:10]))
-                compiled = self._compile_json(json.dumps(schema), params)
+                compiled = self._compile_json(json.dumps(enforceable_schema(params.json, PARAM)), params)
             elif kind == "json_object":
                 compiled = self._compile_json('{"type": "object"}', params, strict=False)
             elif kind == "regex":

@@ -239,11 +239,11 @@ def as_structural_format(params: StructuredOutputsParams, param: str) -> dict[st
     """A constraint as a structural-tag format, to sit beside calls or after reasoning
     (``param``: the request field an error names)."""
     from engine.sampling_params import parse_json_constraint
-    from engine.structured_outputs import MAX_JSON_WHITESPACE
+    from engine.structured_outputs import MAX_JSON_WHITESPACE, enforceable_schema
 
     kind = params.kind
     if kind == "json":
-        return {"type": "json_schema", "json_schema": parse_json_constraint(params.json, "json"),
+        return {"type": "json_schema", "json_schema": enforceable_schema(params.json, param),
                 "max_whitespace_cnt": MAX_JSON_WHITESPACE}
     if kind == "json_object":
         return {"type": "json_schema", "json_schema": {"type": "object"}, "max_whitespace_cnt": MAX_JSON_WHITESPACE}

@@ -68,6 +68,35 @@ def test_schema_keywords_the_backend_would_ignore_are_found_wherever_they_are():
 
 
 
+@pytest.mark.parametrize("schema, found", [
+    ({"type": "string", "pattern": "^(?!abc)[a-z]{3}$"}, "/: pattern with a lookahead or lookbehind"),
+    ({"type": "object", "patternProperties": {"^(?=x)": {}}}, "/patternProperties: a pattern with a lookahead"),
+    ({"$ref": "https://example.com/s.json"}, "/: $ref to another document ('https://example.com/s.json')"),
+    ({"type": "object", "required": ["a"]}, "/: required 'a', which no property describes"),
+    ({"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["a", "b"]},
+     "/: required 'a', which no property describes"),
+    ({"type": "object", "propertyNames": {"pattern": "^[a-c]$"}, "properties": {"a": {"type": "integer"}}},
+     "/: propertyNames together with properties"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^a": {"type": "string"}}},
+     "/: patternProperties together with properties"),
+])
+def test_what_xgrammar_would_ignore_or_get_wrong_is_found(schema, found):
+    """Each came out of a request as JSON that failed its schema (xgrammar warned and went on,
+    or wrote a key twice, or could never write a required key)."""
+    assert any(f.startswith(found) for f in unsupported_schema_keywords(schema)), unsupported_schema_keywords(schema)
+    assert unsupported_schema_keywords({"type": "object", "patternProperties": {"^a": {}}, "required": ["ab"]}) == []
+
+
+@pytest.mark.parametrize("param", ["response_format", "structured_outputs"])
+def test_a_constraint_beside_tool_calls_or_reasoning_is_checked_as_alone(param):
+    """Beside calls or after reasoning a schema becomes part of a structural tag: the same
+    keywords are refused there as alone."""
+    from engine.tools import as_structural_format
+
+    with pytest.raises(InvalidParameterError, match="cannot enforce: /properties/a: not") as refused:
+        as_structural_format(StructuredOutputsParams(json={"type": "object", "properties": {"a": {"not": {}}}}), param)
+    assert refused.value.param == param
+
 @pytest.fixture(scope="module")
 def manager(tokenizer):
     return StructuredOutputManager(tokenizer, 49152)
