@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.errors import (
     BackendUnavailableError,
     ConfigError,
+    EngineDeadError,
     InvalidParameterError,
     ListenError,
     first_leaf,
@@ -287,7 +288,9 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(leaf, ConfigError):  # a wrong flag or combination: a usage error, as argparse's
             print(f"error: {leaf}", file=sys.stderr)
             raise SystemExit(2) from None
-        if isinstance(leaf, (InvalidParameterError, BackendUnavailableError, ListenError, OSError)):
+        # (an engine gone before it was ready: its own process says why; a front whose link broke
+        # before it read that says the link broke, in one line too)
+        if isinstance(leaf, (InvalidParameterError, BackendUnavailableError, ListenError, OSError, EngineDeadError)):
             raise SystemExit(f"error: {leaf}") from None
         raise
     raise SystemExit(status)

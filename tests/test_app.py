@@ -1176,6 +1176,21 @@ def test_the_servers_own_flags_are_checked_when_read(argv, words, capsys):
     assert (args.port, args.shutdown_timeout) == (0, float("inf"))  # (the bounds themselves are fine)
 
 
+
+def test_an_engine_gone_before_it_was_ready_is_one_line_not_a_traceback(monkeypatch):
+    """A front whose engine's link broke while it started (another front read the engine's
+    reason and said it) ends with the link's error in one line and status 1."""
+    import api.server
+    from engine.errors import EngineDeadError
+
+    def broken(args, argv):
+        raise EngineDeadError("a remote engine left before it was ready: the link is broken")
+
+    monkeypatch.setattr(api.server, "_run", broken)
+    with pytest.raises(SystemExit) as exit_:
+        api.server.main(["--port", "0"])
+    assert exit_.value.code == "error: a remote engine left before it was ready: the link is broken"
+
 def test_a_bad_environment_default_is_a_usage_error_naming_its_flag(monkeypatch, capsys):
     from api.server import build_parser
 
