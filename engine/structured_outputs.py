@@ -106,7 +106,7 @@ _FORMATS = frozenset({"email", "date", "date-time", "time", "duration", "uri", "
                       "ipv4", "ipv6", "uuid", "hostname", "json-pointer", "relative-json-pointer"})
 
 
-_LOOKAROUND = re.compile(r"\(\?<?[=!]")
+_LOOKAROUND = re.compile(r"(?<!\\)\(\?<?[=!]")  # (an escaped parenthesis is a character)
 
 
 def unsupported_schema_keywords(schema: Any, path: str = "") -> list[str]:
@@ -159,18 +159,21 @@ def enforceable_schema(value: Any, param: str) -> dict[str, Any]:
 
 def _unsupported_combinations(schema: dict[str, Any], where: str) -> list[str]:
     """What xgrammar gets wrong in one object schema (vLLM refuses the same): propertyNames
-    beside other property keywords and patternProperties beside properties (it wrote a key
-    twice, the second value of the wrong type); a required name no property or pattern admits
-    (strict, it can never be written, and the output misses it)."""
+    beside properties or patternProperties, and patternProperties beside properties (it wrote
+    a key twice, the second value of the wrong type); a required name nothing admits (strict,
+    with no additionalProperties, it can never be written: the output misses it). A record
+    (propertyNames with additionalProperties: Zod's and Pydantic's dict schemas) is fine."""
     found = []
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     patterns = schema.get("patternProperties") if isinstance(schema.get("patternProperties"), dict) else {}
-    if "propertyNames" in schema and ({"properties", "patternProperties", "additionalProperties"} & set(schema)):
-        found.append(f"{where}: propertyNames together with properties, patternProperties or additionalProperties")
+    if "propertyNames" in schema and ({"properties", "patternProperties"} & set(schema)):
+        found.append(f"{where}: propertyNames together with properties or patternProperties")
     if patterns and properties:
         found.append(f"{where}: patternProperties together with properties")
+    others = schema.get("additionalProperties", False) is not False  # (strict: absent is false)
     for name in schema.get("required") if isinstance(schema.get("required"), list) else ():
-        if isinstance(name, str) and name not in properties and not any(_matches(p, name) for p in patterns):
+        if isinstance(name, str) and not others and name not in properties \
+                and not any(_matches(p, name) for p in patterns):
             found.append(f"{where}: required {name!r}, which no property describes")
     return found
 

@@ -77,6 +77,7 @@ def test_schema_keywords_the_backend_would_ignore_are_found_wherever_they_are():
      "/: required 'a', which no property describes"),
     ({"type": "object", "propertyNames": {"pattern": "^[a-c]$"}, "properties": {"a": {"type": "integer"}}},
      "/: propertyNames together with properties"),
+    ({"type": "object", "required": ["a"], "additionalProperties": False}, "/: required 'a'"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "patternProperties": {"^a": {"type": "string"}}},
      "/: patternProperties together with properties"),
 ])
@@ -84,7 +85,20 @@ def test_what_xgrammar_would_ignore_or_get_wrong_is_found(schema, found):
     """Each came out of a request as JSON that failed its schema (xgrammar warned and went on,
     or wrote a key twice, or could never write a required key)."""
     assert any(f.startswith(found) for f in unsupported_schema_keywords(schema)), unsupported_schema_keywords(schema)
-    assert unsupported_schema_keywords({"type": "object", "patternProperties": {"^a": {}}, "required": ["ab"]}) == []
+
+
+@pytest.mark.parametrize("schema", [
+    # Zod 4's z.record(z.string(), z.string()) and z.record(z.enum(["a", "b"]), z.number()), as the
+    # Vercel AI SDK and MCP's TypeScript SDK send tools; Pydantic's dict[Literal["a", "b"], float]
+    {"type": "object", "propertyNames": {"type": "string"}, "additionalProperties": {"type": "string"}},
+    {"type": "object", "propertyNames": {"enum": ["a", "b"]}, "additionalProperties": {"type": "number"},
+     "required": ["a", "b"]},
+    {"additionalProperties": {"type": "number"}, "propertyNames": {"enum": ["a", "b"]}, "type": "object"},
+    {"type": "object", "patternProperties": {"^a": {}}, "required": ["ab"]},
+    {"type": "string", "pattern": r"^\(?!\)$"},  # (escaped: a parenthesis, no lookahead)
+])
+def test_records_and_other_shapes_xgrammar_enforces_are_not_refused(schema):
+    assert unsupported_schema_keywords(schema) == []
 
 
 @pytest.mark.parametrize("param", ["response_format", "structured_outputs"])
