@@ -601,10 +601,10 @@ class _Handlers:
             template_kwargs.setdefault("reasoning_effort", req.reasoning_effort)
             if req.reasoning_effort == "none":
                 template_kwargs.setdefault("enable_thinking", False)
-        truncating = req.truncate_prompt_tokens is not None
+        params = sampling_params(req, chat=True, defaults=self.state.client.default_sampling)  # (checked first)
         rendered = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                          template_kwargs, plan, req.chat_template, truncating)
-        params = sampling_params(req, chat=True, defaults=self.state.client.default_sampling)
+                                          template_kwargs, plan, req.chat_template,
+                                          self.client.truncates(params.truncate_prompt_tokens))
         if plan is not None:
             params = plan.constrain(params)
         reasoning, params = self.reasoning(rendered, params, req.thinking_token_budget)
@@ -778,7 +778,7 @@ class _Handlers:
         prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
         self.check_prompts(len(prompts), req.n)  # before tokenizing any of them
         params = sampling_params(req, chat=False, defaults=self.state.client.default_sampling)
-        truncating = params.truncate_prompt_tokens is not None
+        truncating = self.client.truncates(params.truncate_prompt_tokens)
         inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p, truncating)
                   for p in prompts]
         if params.truncate_prompt_tokens is not None:  # (an echo shows the prompt the model read)

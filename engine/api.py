@@ -99,7 +99,7 @@ class LLM:
         if len(priorities) != len(prompt_list):
             raise InvalidParameterError("priority", f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         engine = Engine(self.engine, self.tokenizer, self.structured_outputs)
-        inputs = [engine.client.prepare(p, params.truncate_prompt_tokens is not None)
+        inputs = [engine.client.prepare(p, engine.client.truncates(params.truncate_prompt_tokens))
                   for p, params in zip(prompt_list, params_list)]
         inputs = [(text, engine.client.truncate(ids, params)) for (text, ids), params in zip(inputs, params_list)]
         for (_, ids), params, rank in zip(inputs, params_list, priorities):

@@ -516,6 +516,27 @@ async def test_each_of_n_completions_counts_as_a_request_in_the_metrics(tiny_voc
     assert metric(after, "vllm:request_params_n_sum") == 3 and metric(after, "vllm:request_params_n_count") == 1
     assert metric(after, "vllm:request_max_num_generation_tokens_sum") == 4
 
+
+async def test_a_long_text_with_a_truncation_that_cuts_nothing_is_never_tokenized(tiny_vocab_core, tokenizer,
+                                                                                  monkeypatch):
+    """truncate_prompt_tokens lets a text of any length in only where it cuts (-1, or 1 to
+    max_model_len): an invalid one is refused before the text is rendered or tokenized."""
+    longest = []
+    encode = tokenizer.encode
+    monkeypatch.setattr(tokenizer, "encode", lambda text, *a, **kw: (longest.append(len(text)), encode(text, *a, **kw))[1])
+    text = "word " * 200_000
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        max_model_len = server.client.max_model_len
+        for keep in (0, -2, max_model_len + 1):
+            for route, body in (("/v1/completions", {"prompt": text}),
+                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})):
+                refused = await server.http.post(route, json={**body, "truncate_prompt_tokens": keep, "max_tokens": 1})
+                assert refused.status_code == 400, refused.text
+        assert max(longest, default=0) < 1000
+        kept = await server.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text}],
+                                                                   "truncate_prompt_tokens": 4, "max_tokens": 1})
+    assert kept.json()["usage"]["prompt_tokens"] == 4 and max(longest) > len(text)  # (the spy sees them)
+
 async def test_latency_metrics_exist_at_start_and_count_non_streamed_requests(tiny_vocab_core, tokenizer):
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         before = (await server.http.get("/metrics")).text

@@ -33,7 +33,7 @@ from engine.frontend.request_state import RequestState
 from engine.frontend.stats import IterationStats, StatLogger
 from engine.messages import AbortRequest, AddRequest, EngineStats, KVCacheInfo, StepOutput
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams, sampling_params_or_none
+from engine.sampling_params import SamplingParams, is_int64, sampling_params_or_none
 from engine.structured_outputs import CompiledGrammar, StructuredOutputManager
 from engine.transport.processes import attached_engines, engine_processes
 from engine.transport.remote import DataParallelCore
@@ -324,6 +324,11 @@ class EngineClient:
         """``params`` with its bad words as token ids (``with_bad_words_tokenized``)."""
         return params.with_bad_words_tokenized(lambda word: self.tokenizer.encode(word, add_special_tokens=False))
 
+    def truncates(self, keep: int | None) -> bool:
+        """Whether ``keep`` (a ``truncate_prompt_tokens``) cuts a prompt: -1, or 1 to
+        ``max_model_len``; only then may a text of any length come in (``encode``)."""
+        return is_int64(keep) and (keep == -1 or 1 <= keep <= self.max_model_len)
+
     def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt's last ``params.truncate_prompt_tokens`` tokens (all without it).
 
@@ -442,7 +447,7 @@ class EngineClient:
         caller checked the room for them already (a beam search's later steps)."""
         params = self.tokenize_bad_words(sampling_params_or_none(sampling_params) or SamplingParams())  # (once)
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
-        truncating = params.truncate_prompt_tokens is not None
+        truncating = self.truncates(params.truncate_prompt_tokens)
         inputs = [(text, self.truncate(token_ids, params))
                   for text, token_ids in (self.prepare(p, truncating) for p in prompts)]
         for _, token_ids in inputs:
@@ -499,7 +504,7 @@ class EngineClient:
             priority = int(priority)  # (numpy's integers: validate_request takes Python's)
         if request_id in engine.registry:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
-        text, ids = self.prepare(prompt, params.truncate_prompt_tokens is not None)
+        text, ids = self.prepare(prompt, self.truncates(params.truncate_prompt_tokens))
         ids = self.truncate(ids, params)  # (``prompt`` stays the text given, as vLLM's)
         params = self.tokenize_bad_words(params.clone())  # (the engine's own copy: the caller's may change)
         self.validate(ids, params, priority)
