@@ -605,9 +605,15 @@ class _Handlers:
         rendered = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                           template_kwargs, plan, req.chat_template,
                                           self.client.truncates(params.truncate_prompt_tokens))
-        if plan is not None:
-            params = plan.constrain(params)
-        reasoning, params = self.reasoning(rendered, params, req.thinking_token_budget)
+        try:
+            if plan is not None:
+                params = plan.constrain(params)
+            reasoning, params = self.reasoning(rendered, params, req.thinking_token_budget)
+        except InvalidParameterError as exc:  # (the request's constraint, beside calls or after reasoning)
+            source = structured_outputs(req)[1]
+            if exc.param != "structured_outputs" or source is None:
+                raise
+            raise APIError(400, f"{source}: {exc}", source) from None
         try:
             ids = self.client.truncate(rendered.ids, params)
             self.validate(ids, params, req.priority)

@@ -123,7 +123,7 @@ class ToolPlan:
             return {**self._hermes_tag("required"), "format": self._calls_only()}
         if content is not None:
             calls = self._hermes_tag("required")["format"]
-            text = as_structural_format(content, "tools")
+            text = as_structural_format(content, "structured_outputs")
             return {**self._hermes_tag("auto"), "format": {"type": "or", "elements": [text, calls]}}
         return self._hermes_tag("auto")
 

@@ -554,6 +554,9 @@ async def test_logprobs_of_masked_tokens_are_numbers_in_both_endpoints(server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
                                                                                          "uniqueItems": True}}}},
      "response_format", "uniqueItems"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
+                                                                                         "uniqueItems": True}}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "response_format", "uniqueItems"),  # (beside calls)
     ({"guided_regex": "a(b"}, "guided_regex", "invalid regex"),
     ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs", "invalid grammar"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
