@@ -991,10 +991,13 @@ _OFF_LOOP_CHARS = 16_384
 
 
 def _generated_dropped(output: RequestOutput) -> RequestOutput:
-    """``output`` without the tokens generated (``scoring_only``: the one the engine made)."""
+    """``output`` without the tokens generated (``scoring_only``: the one the engine made),
+    ended by its length (0 tokens) whatever ended the dropped one."""
     return attrs.evolve(output, outputs=[
         attrs.evolve(c, text="", token_ids=[], cumulative_logprob=None if c.logprobs is None else 0.0,
-                     logprobs=None if c.logprobs is None else []) for c in output.outputs])
+                     logprobs=None if c.logprobs is None else [],
+                     finish_reason=None if c.finish_reason is None else "length", stop_reason=None)
+        for c in output.outputs])
 
 
 def _text_size(message: dict[str, Any]) -> int:
@@ -1007,6 +1010,7 @@ def _text_size(message: dict[str, Any]) -> int:
             size += len(value)
         elif isinstance(value, dict):
             todo.extend(value.values())
+            todo.extend(value.keys())  # (tool-call arguments given as an object: its keys are text too)
         elif isinstance(value, (list, tuple)):
             todo.extend(value)
     return size

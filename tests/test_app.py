@@ -276,7 +276,8 @@ async def test_an_echo_of_max_tokens_0_scores_the_prompt_and_generates_nothing(t
     """OpenAI's legacy completions (and vLLM): echo with max_tokens 0 gives the prompt back with
     its logprobs and no generated token, streamed or not (lm-evaluation-harness's loglikelihood)."""
     ids = tokenizer.encode("one two three four")
-    body = {"prompt": "one two three four", "max_tokens": 0, "echo": True, "logprobs": 1}
+    body = {"prompt": "one two three four", "max_tokens": 0, "echo": True, "logprobs": 1,
+            "stop_token_ids": list(range(tokenizer.vocab_size))}  # (the token made, dropped, ends it as a stop)
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         scored = (await server.http.post("/v1/completions", json=body)).json()
         plain = (await server.http.post("/v1/completions", json={"prompt": body["prompt"], "max_tokens": 1,

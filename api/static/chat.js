@@ -235,7 +235,7 @@ async function answer() {
   showError("");
   render();
   const body = { messages: requestMessages(history), stream: true };
-  // A blank setting is left to the server (temperature 1, max tokens up to the context's end),
+  // A blank setting is left to the server (the model's temperature, tokens up to the context's end),
   // not sent as 0 (Number("") is 0: greedy, and a 400 for max_tokens).
   const temperature = $("temperature").value.trim(), maxTokens = $("max-tokens").value.trim();
   if (temperature) body.temperature = Number(temperature);
