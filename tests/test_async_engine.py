@@ -487,9 +487,9 @@ async def test_a_request_of_several_completions_counts_one_gap_a_step_for_each(t
 
 
 def test_a_completion_that_starts_late_waits_for_its_first_token_not_between_tokens(tokenizer):
-    """The second of n completions may start steps after the first ended (its prompt computed
-    later): that wait is its time to first token; each completion ends as a sequence of its own,
-    the request's n and longest completion once at the end."""
+    """The second of n completions may be scheduled steps after the first ended: that wait is
+    its queue time and part of its time to first token, not a gap between tokens; each
+    completion ends as a sequence of its own, the request's n and longest completion once."""
     from engine.frontend.request_state import RequestState
     from engine.frontend.stats import IterationStats
 
@@ -497,13 +497,14 @@ def test_a_completion_that_starts_late_waits_for_its_first_token_not_between_tok
     steps = [IterationStats(now) for now in (1.0, 2.0, 5.0, 6.0)]
     state.apply(TokenDelta("x", 0, (300,), first_scheduled_at=0.5), steps[0])
     state.apply(TokenDelta("x", 0, (301,), finish_reason="length"), steps[1])
-    state.apply(TokenDelta("x", 1, (302,)), steps[2])
+    state.apply(TokenDelta("x", 1, (302,), first_scheduled_at=3.0), steps[2])
     state.apply(TokenDelta("x", 1, (303,), finish_reason="length"), steps[3])
     assert [s.time_to_first_tokens for s in steps] == [[1.0], [], [5.0], []]
     assert [s.inter_token_latencies for s in steps] == [[], [1.0], [], [1.0]]
     [first], [second] = steps[1].finished, steps[3].finished
     assert (first.e2e_latency, first.prefill_time, first.decode_time, first.num_generation_tokens) == (2.0, 0.5, 1.0, 2)
-    assert (second.e2e_latency, second.prefill_time, second.decode_time) == (6.0, 4.5, 1.0)
+    assert (first.queue_time, second.queue_time) == (0.5, 3.0)  # (each its own scheduling)
+    assert (second.e2e_latency, second.prefill_time, second.decode_time) == (6.0, 2.0, 1.0)
     assert first.finish_reason == second.finish_reason == "length" and first.num_prompt_tokens == 2
     assert (steps[1].params_n, steps[3].params_n, steps[3].max_num_generation_tokens) == ([], [2], [2])
 

@@ -90,6 +90,8 @@ class RequestState:
         times = self.times
         if times.first_scheduled is None:
             times.first_scheduled = delta.first_scheduled_at
+        if completion.clock.scheduled is None:
+            completion.clock.scheduled = delta.first_scheduled_at
         if not completion.started and (delta.new_token_ids or delta.finished):
             self._start(completion)
         # Ended by a stop token (EOS or one of stop_token_ids; a stop string is the detokenizer's):

@@ -53,8 +53,10 @@ StatLogger = Callable[[IterationStats], None]
 
 @attrs.define
 class TokenClock:
-    """One sequence's first and latest token (monotonic seconds)."""
+    """One sequence's first scheduling, first and latest token (monotonic seconds): the
+    completions of a request may be scheduled steps apart."""
 
+    scheduled: float | None = None
     first: float | None = None
     last: float | None = None
 
@@ -79,10 +81,11 @@ class RequestTimes:
     def finished(self, clock: TokenClock, stats: IterationStats, reason: str, num_prompt_tokens: int,
                  num_generation_tokens: int) -> None:
         """The sequence of ``clock`` ended."""
-        queue = None if self.first_scheduled is None else max(0.0, self.first_scheduled - self.arrival)
+        scheduled = self.first_scheduled if clock.scheduled is None else clock.scheduled
+        queue = None if scheduled is None else max(0.0, scheduled - self.arrival)
         prefill = decode = None
-        if clock.first is not None and self.first_scheduled is not None:
-            prefill = max(0.0, clock.first - self.first_scheduled)
+        if clock.first is not None and scheduled is not None:
+            prefill = max(0.0, clock.first - scheduled)
             decode = max(0.0, (clock.last or clock.first) - clock.first)
         stats.finished.append(FinishedRequestStats(reason, stats.now - self.arrival, queue, num_prompt_tokens,
                                                    num_generation_tokens, prefill, decode))
