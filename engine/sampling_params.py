@@ -264,7 +264,7 @@ class SamplingParams:
         # (logits divided or multiplied by a value past _SCALE_LIMIT overflow float32: a row of
         # NaNs samples a token no mask allows)
         _check("temperature", _is_number(self.temperature) and 0 <= self.temperature <= _SCALE_LIMIT,
-               f"must be a number from 0 to {_SCALE_LIMIT:g}; got {self.temperature!r}")
+               f"must be a number >= 0 and <= {_SCALE_LIMIT:g}; got {self.temperature!r}")
         _check("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, f"must be in (0, 1]; got {self.top_p!r}")
         _check("top_k", is_int64(self.top_k) and self.top_k >= -1,
                f"must be an integer >= -1 of 64 bits (0 or -1 disable it); got {self.top_k!r}")
