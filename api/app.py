@@ -821,27 +821,28 @@ class _Handlers:
                     output = _generated_dropped(output) if scoring_only(req) else output
                     tracker.observe(output, index)
                     finals[index] = output
-        choices = []
-        for p, final in enumerate(finals):
-            for c in final.outputs:
-                prefix = prompt_texts[p] if req.echo else ""
-                logprobs = None
-                as_ids = req.return_tokens_as_token_ids
-                if echo_logprobs:
-                    logprobs = completion_logprobs(final.prompt_logprobs + c.logprobs,
-                                                   final.prompt_token_ids + c.token_ids, req.logprobs, 0,
-                                                   self.client.tokenizer.decode, as_ids)
-                elif req.logprobs is not None:
-                    logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, len(prefix), as_ids=as_ids)
-                choice = {"index": p * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                if req.return_token_ids:
-                    choice |= {"prompt_token_ids": final.prompt_token_ids, "token_ids": c.token_ids}
-                if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
-                choices.append(choice)
+        choices = [self._completion_choice(req, p, final, c, prompt_texts[p] if req.echo else "", echo_logprobs)
+                   for p, final in enumerate(finals) for c in final.outputs]
         return json_response({"id": request_id, "object": "text_completion", "created": int(time.time()),
                               "model": self.state.model_name, "choices": choices, "usage": tracker.usage()})
+
+    def _completion_choice(self, req, p: int, final: RequestOutput, c, prefix: str, echo_logprobs: bool) -> dict:
+        """Choice ``c`` of prompt ``p`` in a whole (not streamed) completion; ``prefix``: the
+        echoed prompt's text."""
+        logprobs = None
+        as_ids = req.return_tokens_as_token_ids
+        if echo_logprobs:
+            logprobs = completion_logprobs(final.prompt_logprobs + c.logprobs, final.prompt_token_ids + c.token_ids,
+                                           req.logprobs, 0, self.client.tokenizer.decode, as_ids)
+        elif req.logprobs is not None:
+            logprobs = completion_logprobs(c.logprobs, c.token_ids, req.logprobs, len(prefix), as_ids=as_ids)
+        choice = {"index": p * req.n + c.index, "text": prefix + c.text, "logprobs": logprobs,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            choice |= {"prompt_token_ids": final.prompt_token_ids, "token_ids": c.token_ids}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+        return choice
 
     async def _completion_chunks(self, req, request_id: str, outputs, tracker: UsageTracker, prompt_texts):
         chunk = ChunkWriter(request_id, "text_completion", self.state.model_name, req.stream_options, tracker)
