@@ -160,7 +160,8 @@ def beam_search_params(request: SamplingFields, max_tokens: int) -> BeamSearchPa
             raise bad_request("length_penalty applies only with use_beam_search", "length_penalty")
         return None
     for name, neutral in _NOT_WITH_BEAM_SEARCH.items():
-        if getattr(request, name, None) not in neutral:
+        value = getattr(request, name, None)  # (False by identity: completions' logprobs 0 asks for logprobs)
+        if not any(value is n if isinstance(n, bool) else value == n for n in neutral):
             raise bad_request(f"{name} is not available with use_beam_search", name)
     if not 1 <= request.n <= MAX_BEAM_WIDTH:
         raise bad_request(f"n (the number of beams) must be in [1, {MAX_BEAM_WIDTH}] with use_beam_search; "

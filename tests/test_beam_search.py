@@ -96,7 +96,8 @@ async def test_beam_search_over_http_gives_n_beams_per_prompt(tiny_vocab_core, t
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
+    ({"stream": True}, "stream"), ({"logprobs": 2}, "logprobs"), ({"logprobs": 0}, "logprobs"),
+    ({"logprobs": 0, "echo": True}, "logprobs"), ({"stop": ["x"]}, "stop"), ({"n": 11}, "n"),
     ({"top_p": 0.5}, "top_p"), ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
 ])
 async def test_what_beam_search_does_not_use_is_refused_by_name(tiny_vocab_core, tokenizer, body, param):
