@@ -895,16 +895,17 @@ class _Handlers:
 
     async def _beam_search(self, prompts: list[list[int]], params: list[BeamSearchParams], request_id: str,
                            priority: int, tracker: UsageTracker) -> list[RequestOutput]:
-        """Each prompt's beams (``use_beam_search``), the searches side by side; an exit (an error,
+        """Each prompt's beams (``use_beam_search``), the searches side by side in waiting room
+        held for all their beams (all or none, as ``n`` without beam search); an exit (an error,
         a deadline, a disconnect) aborts what they have queued."""
         finals: list[RequestOutput | None] = [None] * len(prompts)
 
         async def search(i: int) -> None:
             finals[i] = await self.client.beam_search({"prompt_token_ids": prompts[i]}, params[i],
-                                                      f"{request_id}-{i}", priority)
+                                                      f"{request_id}-{i}", priority, admitted=True)
             tracker.observe(finals[i], i)
 
-        with ungrouped():
+        with self.client.reserve(sum(p.beam_width for p in params), "n"), ungrouped():
             async with trio.open_nursery() as nursery:
                 for i in range(len(prompts)):
                     nursery.start_soon(search, i)

@@ -106,6 +106,18 @@ async def test_what_beam_search_does_not_use_is_refused_by_name(tiny_vocab_core,
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+async def test_a_beam_search_request_is_held_to_the_waiting_limit_as_a_whole(tiny_vocab_model, tokenizer):
+    """Prompts x beams against max_waiting_requests, as prompts x n without beam search: a
+    request that fits exactly runs; one that can never fit is a 400 naming n, not a 503 to retry."""
+    body = {"prompt": ["Hi", "Yo"], "max_tokens": 3, "use_beam_search": True, "ignore_eos": True}
+    async with serve_http(tiny_engine_core(tiny_vocab_model, max_waiting_requests=4), tokenizer) as server:
+        response = await server.http.post("/v1/completions", json={**body, "n": 2})
+        assert response.status_code == 200 and len(response.json()["choices"]) == 4, response.text
+        response = await server.http.post("/v1/completions", json={**body, "n": 3})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "n", response.text
+        assert server.client.num_waiting_sequences == 0 and server.client.stats().kv_blocks_used == 0
+
+
 def _on_step(client, step: int, act) -> None:
     """Call ``act()`` when the search queues its ``step``-th step (counted from 1), just after."""
     real, calls = client.add_requests, 0
@@ -141,20 +153,21 @@ async def test_a_search_cancelled_mid_step_aborts_that_steps_requests(tiny_vocab
 
 async def test_a_running_search_holds_room_for_its_beams_between_steps(tiny_vocab_model, tokenizer):
     """max_waiting_requests counts a search's beams while it runs, not only while a step waits
-    (between steps nothing of it waits: searches admitted then went past the limit at once)."""
+    (between steps nothing of it waits: searches admitted then went past the limit at once),
+    and counts them once while a step's requests are queued (they wait in the search's room)."""
     core = tiny_engine_core(tiny_vocab_model, max_waiting_requests=4)
     async with Engine(core, tokenizer).serve() as client:
         seen = []
 
-        def between_steps(when):
-            if when == "before":
-                seen.append(client.num_waiting_sequences)
-                with pytest.raises(EngineOverloadedError):
-                    client.check_room(2)
+        def at_step(when):
+            seen.append(client.num_waiting_sequences)
+            with pytest.raises(EngineOverloadedError):
+                client.check_room(2)
+            client.check_room(1)  # (room for one more: 3 + 1)
 
-        _on_step(client, 3, between_steps)
+        _on_step(client, 3, at_step)
         await client.beam_search("Hi", BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
-        assert seen == [3] and client.num_waiting_sequences == 0
+        assert seen == [3, 3] and client.num_waiting_sequences == 0
         with pytest.raises(InvalidParameterError) as exc:  # (more beams than the server ever queues)
             await client.beam_search("Hi", BeamSearchParams(beam_width=5, max_tokens=2))
         assert exc.value.param == "beam_width"

@@ -443,8 +443,8 @@ class EngineClient:
                            sampling_params: SamplingParams | None = None, request_ids: Sequence[str] | None = None,
                            priority: int = 0, admitted: bool = False) -> QueuedRequests:
         """``add_request`` for several prompts (``generate_many``'s queueing): every prompt checked,
-        then all queued or none; the outputs come as ``(prompt index, output)``. ``admitted``: the
-        caller checked the room for them already (a beam search's later steps)."""
+        then all queued or none; the outputs come as ``(prompt index, output)``. ``admitted``: they
+        wait in room the caller holds (``reserve``: a beam search's steps), and count only there."""
         params = self.tokenize_bad_words(sampling_params_or_none(sampling_params) or SamplingParams())  # (once)
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         truncating = self.truncates(params.truncate_prompt_tokens)
@@ -460,7 +460,7 @@ class EngineClient:
         try:
             for request_id, (text, token_ids) in zip(ids, inputs):
                 channels.append(self.submit({"prompt": text, "prompt_token_ids": token_ids}, params, request_id,
-                                            priority, wakeup, grammar))
+                                            priority, wakeup, grammar, waits=not admitted))
         except BaseException:
             QueuedRequests(self, channels, None).close()
             raise
@@ -479,7 +479,7 @@ class EngineClient:
 
     def submit(self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
                request_id: str | None = None, priority: int = 0, wakeup: Wakeup | None = None,
-               grammar: CompiledGrammar | None = None) -> RequestOutputChannel:
+               grammar: CompiledGrammar | None = None, waits: bool = True) -> RequestOutputChannel:
         """Queue a request now (no await) and return its output channel.
 
         ``grammar`` is the compiled structured-output constraint (``compile``); without it, one
@@ -491,7 +491,8 @@ class EngineClient:
         before the engine takes its next step (the offline ``LLM`` does, so that batches
         do not depend on task timing); it applies no ``max_waiting_requests`` limit, the
         caller bounds its own queue. A request id stays taken until the engine has finished
-        that request, even after its stream ended.
+        that request, even after its stream ended. ``waits``: it counts as waiting
+        (``num_waiting_sequences``) until it starts; not when it waits in room held for it.
         """
         engine = self._engine
         params = sampling_params_or_none(sampling_params) or SamplingParams()
@@ -510,7 +511,7 @@ class EngineClient:
         self.validate(ids, params, priority)
         if params.structured_outputs is not None and grammar is None:
             grammar = engine.structured_outputs.compile(params.structured_outputs)
-        channel = RequestOutputChannel(RequestState(request_id, text, ids, params, self.tokenizer), wakeup,
+        channel = RequestOutputChannel(RequestState(request_id, text, ids, params, self.tokenizer, waits=waits), wakeup,
                                        engine.core.config.stream_interval)
         engine.send(AddRequest(request_id, tuple(ids), params, priority, grammar))
         engine.registry[request_id] = channel
@@ -520,8 +521,8 @@ class EngineClient:
                           request_id: str | None = None, priority: int = 0, admitted: bool = False) -> RequestOutput:
         """The ``params.beam_width`` best continuations of ``prompt`` (engine/frontend/beam_search.py),
         best first, as one finished output (vLLM's ``beam_search``). It holds waiting room for
-        its beams from start to end (``admitted``: the caller bounds its own queue, as the
-        offline ``LLM`` does)."""
+        its beams from start to end (``admitted``: the caller holds it, or bounds its own queue,
+        as the offline ``LLM`` does)."""
         return await beam_search(self, prompt, params, request_id, priority, admitted)
 
     @property
@@ -560,10 +561,11 @@ class EngineClient:
         return sum(channel.state.num_waiting for channel in engine.registry.values()) + engine.reserved
 
     @contextlib.contextmanager
-    def reserve(self, num_sequences: int) -> Iterator[None]:
-        """Hold waiting room for ``num_sequences`` for the block (a beam search's, whose steps
-        queue without a check of their own), after checking there is room (``check_room``)."""
-        self.check_room(num_sequences, "beam_width")
+    def reserve(self, num_sequences: int, param: str = "beam_width") -> Iterator[None]:
+        """Hold waiting room for ``num_sequences`` for the block (beam searches', whose steps
+        wait in it: ``add_requests(admitted=True)``), after checking there is room
+        (``check_room``, naming ``param``)."""
+        self.check_room(num_sequences, param)
         self._engine.reserved += num_sequences
         try:
             yield

@@ -108,8 +108,8 @@ async def beam_search(client: EngineClient, prompt: str | list[int] | dict[str, 
     Raises:
         InvalidParameterError: a bad prompt or parameter (nothing is queued).
         EngineOverloadedError: no room for ``beam_width`` sequences now. The room is held
-            until the search ends, so a search that started runs to its end (``admitted``: the
-            caller bounds its own queue, and nothing is held).
+            until the search ends, so a search that started runs to its end; its steps wait in
+            it (``admitted``: the caller holds the room, or bounds its own queue).
         EngineDeadError, RequestFailedError: the engine, or a step's request, failed.
     """
     text, prompt_ids = client.prepare(prompt)

@@ -45,7 +45,9 @@ class RequestState:
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer, arrival: float | None = None) -> None:
+                 tokenizer, arrival: float | None = None, waits: bool = True) -> None:
+        """``waits``: its completions count as waiting until they start (``num_waiting``); not
+        for requests that wait in room their caller holds (a beam search's steps)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -59,7 +61,8 @@ class RequestState:
         self.error: str | None = None
         self.error_param: str | None = None  # where the caller's parameters were at fault
         self._num_unfinished = params.n
-        self.num_waiting = params.n  # completions with no token yet that have not ended
+        self._waits = waits
+        self.num_waiting = params.n if waits else 0  # completions with no token yet that have not ended
 
     @property
     def finished(self) -> bool:
@@ -118,7 +121,7 @@ class RequestState:
 
     def _start(self, completion: CompletionState) -> None:
         completion.started = True
-        self.num_waiting -= 1
+        self.num_waiting -= self._waits
 
     def add_token(self, index: int, token: int, stats: IterationStats) -> StopStringHit | None:
         """One more token of completion ``index``: the common delta (``Decodes``: a completion
