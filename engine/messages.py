@@ -133,11 +133,13 @@ class AbortRequest:
 
 @attrs.frozen
 class StopRequest:
-    """Finish one completion as 'stop' (the detokenizer found stop string ``stop_reason``)."""
+    """Finish one completion as 'stop' (the detokenizer found stop string ``stop_reason``) after
+    its first ``num_tokens`` output tokens (the core may have made more: no output shows them)."""
 
     request_id: str
     index: int
     stop_reason: str
+    num_tokens: int
 
 
 @attrs.frozen

@@ -179,7 +179,7 @@ def test_a_stopped_request_keeps_its_id_until_the_core_has_finished_it(tokenizer
 
     step(TokenDelta("x", 0, tuple(ids)))
     assert state.finished and channel.poll().outputs[0].text == "one two "
-    assert inbox_receive.receive_nowait() == StopRequest("x", 0, "three")
+    assert inbox_receive.receive_nowait() == StopRequest("x", 0, "three", len(tokenizer.encode("one two three")))
     assert "x" in registry  # the core has not finished it yet
     kept = list(state.completions[0].token_ids)
     step(TokenDelta("x", 0, tuple(tokenizer.encode(" five"))))  # the core ran one more step: ignored
@@ -244,7 +244,7 @@ def test_a_plain_stream_never_shows_text_held_back_for_a_stop_string(tokenizer):
             break
         step(decodes=Decodes(("x",), (0,), (token,)))
     assert state.finished and "".join(texts) == "hello "
-    assert inbox_receive.receive_nowait() == StopRequest("x", 0, "STOP")
+    assert inbox_receive.receive_nowait() == StopRequest("x", 0, "STOP", len(tokenizer.encode("hello STOP")))
 
 
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])

@@ -341,7 +341,7 @@ async def test_a_grammar_compiling_in_the_engine_process_holds_back_only_its_own
         nursery.start_soon(core)
         nursery.start_soon(fronts.inlet, 0, link_receive, inbox_send)
         for message in [AddRequest("x", (1,), constrained), AddRequest("y", (1,), SamplingParams()),
-                        StopRequest("x", 0, "stop"), AbortRequest(("x", "z")), AddRequest("b", (1,), refused),
+                        StopRequest("x", 0, "stop", 1), AbortRequest(("x", "z")), AddRequest("b", (1,), refused),
                         AbortRequest(("y",))]:
             link_send.send_nowait(message)
         await until(lambda: len(received) == 4)
@@ -353,7 +353,7 @@ async def test_a_grammar_compiling_in_the_engine_process_holds_back_only_its_own
         await until(lambda: len(received) == 7)
         add, stop, abort = received[4:]
         assert add.request_id == "x" and add.grammar == ("compiled", "slow")
-        assert (stop, abort) == (StopRequest("x", 0, "stop"), AbortRequest(("x",)))
+        assert (stop, abort) == (StopRequest("x", 0, "stop", 1), AbortRequest(("x",)))
         link_send.close()  # the front goes: its requests are aborted
         await until(lambda: len(received) == 8)
         assert isinstance(received[-1], AbortRequest) and "x" in received[-1].request_ids

@@ -827,7 +827,8 @@ def test_the_activity_line_says_the_mean_acceptance_length():
 async def test_streamed_answers_with_proposals_equal_the_whole_answer_and_stop_strings_hold(model, tokenizer):
     """Chat completions with n-gram proposals: streamed deltas (several tokens a step) add up
     to the non-streamed text; a stop string inside a copied passage ends both at the same
-    place, leaving it out, as a server without proposals does."""
+    place, leaving it out, as a server without proposals does, and vllm:generation_tokens
+    counts what usage does (not the kept drafts past the stop string)."""
     import orjson
 
     from tests.conftest import serve_http
@@ -845,7 +846,12 @@ async def test_streamed_answers_with_proposals_equal_the_whole_answer_and_stop_s
                     if line.startswith("data: {"):
                         events += 1
                         streamed += orjson.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-            stopped = (await server.http.post("/v1/chat/completions", json={**body, "stop": ["the lamp"]})).json()
+            await server.client.wait_idle()
+            before = server.client.stats().num_generation_tokens
+            stopped = (await server.http.post("/v1/chat/completions",  # (ignore_eos: the core hears of
+                                              json={**body, "stop": ["the lamp"], "ignore_eos": True})).json()
+            await server.client.wait_idle()  # the stop before it could end the sequence itself)
+            assert server.client.stats().num_generation_tokens - before == stopped["usage"]["completion_tokens"]
             answers.append((whole["choices"][0]["message"]["content"], streamed,
                             stopped["choices"][0]["message"]["content"], events))
             if speculative:

@@ -57,7 +57,7 @@ def samples():
     return [
         AddRequest("req-1", (1, 2, 3), params, priority=2),
         AbortRequest(("a", "b")),
-        StopRequest("req-1", 1, "###"),
+        StopRequest("req-1", 1, "###", 7),
         StepOutput((delta, TokenDelta("r2", 0, ())), (), stats, 64, 2, StepTimings(0.001, 0.02, 0.003)),
         StepOutput((), (), stats, 0, 0, None),
         StepOutput((delta,), (), stats, 4, 4, None, Decodes(("a", "b", "b"), (0, 0, 1), (11, 12, 13))),

@@ -130,7 +130,8 @@ class CoreActor:
         elif isinstance(message, AbortRequest):
             self._extra_deltas += self.core.abort_requests(message.request_ids)
         elif isinstance(message, StopRequest):
-            delta = self.core.finish_request(message.request_id, message.index, message.stop_reason)
+            delta = self.core.finish_request(message.request_id, message.index, message.stop_reason,
+                                             message.num_tokens)
             if delta is not None:
                 self._extra_deltas.append(delta)
         elif isinstance(message, RequestRejected):

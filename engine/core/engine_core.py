@@ -354,12 +354,20 @@ class EngineCore:
         """Abort every live request (after a fault, or at shutdown)."""
         return self.abort_requests(list(self._children))
 
-    def finish_request(self, request_id: str, index: int, stop_reason: int | str | None) -> TokenDelta | None:
-        """End one sequence as stopped (e.g. on a stop string found after detokenization)."""
+    def finish_request(self, request_id: str, index: int, stop_reason: int | str | None,
+                       num_tokens: int | None = None) -> TokenDelta | None:
+        """End one sequence as stopped (e.g. on a stop string found after detokenization) after
+        its first ``num_tokens`` output tokens: those made past them (kept drafts of the step
+        that made the stop string, steps run before this call) leave the generation-token
+        count, as they leave the output (usage, vllm:request_generation_tokens). (A sequence the
+        core ended itself, by an end token or its length, before it heard of the stop string
+        keeps its count, as vLLM's, which counts each step's tokens before its stop check.)"""
         children = self._children.get(request_id, [])
         request = self.scheduler.requests.get(children[index]) if index < len(children) else None
         if request is None:
             return None
+        if num_tokens is not None:
+            self._num_generation_tokens -= max(0, request.num_output_tokens - num_tokens)
         self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, stop_reason)
         return self._delta(request, ())
 
@@ -426,12 +434,15 @@ class EngineCore:
             grammar_finished = self._advance_grammars(plan, result.sampled, failed)
         deltas, failed_parents = self._fail_requests(failed)
         accepted = result.accepted
+        running = RequestStatus.RUNNING
+        # Tokens of rows that ended while the step ran (a stop string, an abort) are dropped
+        # (scheduler.update): they are not generated output (and a drafted row's kept ones, below).
+        self._num_generation_tokens += len(result.sampled) - sum(
+            1 for request, *_ in plan.chunks if request.status is not running and request.request_id in result.sampled)
         self.scheduler.update(plan, result.sampled, grammar_finished, accepted, result.proposals)
         self._num_steps += 1
-        self._num_generation_tokens += len(result.sampled)  # (and a drafted row's kept tokens, below)
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
         ids, indices, tokens = [], [], []
-        running = RequestStatus.RUNNING
         plain = not prompt_logprobs and not logprobs  # no row of this step has logprobs to send
         for request, start, num_new, _ in plan.chunks:
             num_prompt = len(request.prompt_token_ids)
@@ -468,8 +479,8 @@ class EngineCore:
     def _drafted_delta(self, request: Request, start: int, last_logprobs, kept_logprobs) -> TokenDelta:
         """The tokens a drafted step appended (the kept drafts and the sampled token, up to
         one that stopped the request) and, where asked, their logprobs."""
-        new_tokens = tuple(request.token_ids[start + 1:])
-        self._num_generation_tokens += len(new_tokens) - 1
+        new_tokens = tuple(request.token_ids[start + 1:])  # (none: it ended while the step ran)
+        self._num_generation_tokens += max(len(new_tokens) - 1, 0)
         new_logprobs = (*kept_logprobs, last_logprobs) if last_logprobs is not None else ()
         return self._delta(request, new_tokens, new_logprobs[:len(new_tokens)])
 

@@ -77,7 +77,7 @@ class OutputActor:
                     self._fail(channel, request_id, stats, exc)
                     continue
                 if hit is not None:
-                    self._core_inbox.send_nowait(StopRequest(request_id, hit.index, hit.stop))
+                    self._core_inbox.send_nowait(StopRequest(request_id, hit.index, hit.stop, hit.num_tokens))
                 channel.notify()
         self._on_step(step, stats)
 
@@ -85,7 +85,7 @@ class OutputActor:
         """A delta is in the request's state: report a stop-string hit to the core, end a failed
         request's stream, wake the stream."""
         if hit is not None:
-            self._core_inbox.send_nowait(StopRequest(request_id, hit.index, hit.stop))
+            self._core_inbox.send_nowait(StopRequest(request_id, hit.index, hit.stop, hit.num_tokens))
         state = channel.state
         if state.error is not None:
             channel.fail(InvalidParameterError(state.error_param, state.error) if state.error_param else

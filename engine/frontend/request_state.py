@@ -15,10 +15,12 @@ from engine.sampling_params import SamplingParams
 
 @attrs.frozen
 class StopStringHit:
-    """Completion ``index`` produced stop string ``stop``: the core must finish it."""
+    """Completion ``index`` produced stop string ``stop`` at its ``num_tokens``-th token: the
+    core must finish it."""
 
     index: int
     stop: str
+    num_tokens: int
 
 
 @attrs.define
@@ -143,7 +145,7 @@ class RequestState:
         if stop is None:
             return None
         self._finish(completion, "stop", stop, stats)
-        return StopStringHit(index, stop)
+        return StopStringHit(index, stop, len(completion.token_ids))
 
     def fail(self, stats: IterationStats, error: str = "the engine failed") -> None:
         """End every unfinished completion as 'error' (this request, or the engine, failed)."""
