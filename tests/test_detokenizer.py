@@ -387,6 +387,17 @@ def test_a_prompt_that_does_not_decode_to_whole_characters_leaves_the_completion
     assert detok.text.lstrip() == "Paris." and shown[-1] == detok.text
 
 
+def test_stop_strings_found_at_the_same_place_go_by_the_requests_order(tokenizer):
+    """The earliest match wins; at the same place (one token made both), the stop string listed
+    first (vLLM's order): "\n\n" before "\n", whichever sorts first."""
+    for stops, hit in [(["\n\n", "\n"], "\n\n"), (["\n", "\n\n"], "\n"), (["b", "\n\n", "\n"], "\n\n")]:
+        detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=stops, include_stop_str_in_output=True))
+        for token in [tokenizer.encode("a")[0], 1116, tokenizer.encode("b")[0]]:  # (1116: "\n\n", one token)
+            if detok.add_token(token) is not None:
+                break
+        assert (detok.stop_hit, detok.text) == (hit, "a" + hit), stops
+
+
 def test_a_stop_string_in_the_bytes_flushed_at_the_end_is_found(tokenizer):
     """A completion cut off inside a character flushes its bytes as U+FFFD at the end; a stop
     string that this completes ends the text there and finishes the completion as 'stop'."""

@@ -213,10 +213,11 @@ class IncrementalDetokenizer:
         window_start = max(0, previous - self._longest_stop + 1)
         window = self._text.slice(window_start)
         floor = self._stop_floor - window_start  # (a match ends past it: 0 or less but after min_tokens)
-        found = [(pos, s) for s in self._stops if (pos := window.find(s, max(0, floor - len(s) + 1))) >= 0]
+        found = [(pos, i, s) for i, s in enumerate(self._stops)
+                 if (pos := window.find(s, max(0, floor - len(s) + 1))) >= 0]
         if not found:
             return False
-        pos, stop = min(found)
+        pos, _, stop = min(found)  # the earliest; at one place, the first listed (vLLM's order)
         cut = window_start + pos + (len(stop) if self._include_stop else 0)
         self._text.reset(self._text.slice(0, cut))
         self.num_visible = self._text.length
