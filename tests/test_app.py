@@ -254,9 +254,13 @@ async def test_streamed_text_offsets_are_the_whole_responses(tiny_vocab_core, to
 
 async def test_echo_with_logprobs_scores_the_prompt_too(tiny_vocab_core, tokenizer):
     """OpenAI's legacy completions (and vLLM): echo with logprobs gives the prompt's tokens their
-    logprobs as well, the first null (how lm-evaluation-harness scores a continuation)."""
-    ids = tokenizer.encode("one two three four")
-    body = {"prompt": "one two three four", "max_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    logprobs as well, the first null (how lm-evaluation-harness scores a continuation). A
+    character made of several tokens (the emoji's, the CJK one's) is the text of the token that
+    completes it, the ones before "" (vLLM's): the tokens make the text, at their offsets."""
+    prompt = "one two 😀 three 中文 four"
+    ids = tokenizer.encode(prompt)
+    assert sum(tokenizer.decode([t]).endswith("\ufffd") for t in ids) >= 2
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": 1}
     async with serve_http(tiny_vocab_core, tokenizer) as server:
         echoed = (await server.http.post("/v1/completions", json={**body, "echo": True})).json()["choices"][0]
         plain = (await server.http.post("/v1/completions", json={**body, "prompt_logprobs": 1})).json()["choices"][0]
@@ -268,6 +272,8 @@ async def test_echo_with_logprobs_scores_the_prompt_too(tiny_vocab_core, tokeniz
     assert logprobs["token_logprobs"][len(ids):] == plain["logprobs"]["token_logprobs"]
     for token, offset in zip(logprobs["tokens"], logprobs["text_offset"]):
         assert echoed["text"][offset:offset + len(token)] == token
+    assert "".join(logprobs["tokens"]) == echoed["text"]
+    assert [p[str(t)]["decoded_token"] for t, p in zip(ids[1:], plain["prompt_logprobs"][1:])] == logprobs["tokens"][1:len(ids)]
     assert all(1 <= len(entry) <= 2 for entry in logprobs["top_logprobs"][1:])
 
 

@@ -16,6 +16,7 @@ from engine.frontend.output_channel import RequestOutputChannel
 from engine.frontend.request_state import RequestState
 from engine.frontend.stats import IterationStats
 from engine.messages import Decodes, EngineStats, StepOutput, StopRequest, TokenDelta
+from engine.outputs import TokenLogprobs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
@@ -396,6 +397,23 @@ def test_stop_strings_found_at_the_same_place_go_by_the_requests_order(tokenizer
             if detok.add_token(token) is not None:
                 break
         assert (detok.stop_hit, detok.text) == (hit, "a" + hit), stops
+
+
+def test_logprobs_give_a_character_of_several_tokens_to_the_token_that_completes_it(tokenizer):
+    """A token that ends inside a character (byte-level pieces of an emoji) has "" as its text,
+    and the one that completes it the whole character (vLLM's, from the tokens before it):
+    the tokens' texts add up to the text; whole tokens keep their own."""
+    text = "I love 😀😀 中文!"
+    ids = tokenizer.encode(text)
+    assert sum(tokenizer.decode([t]).endswith("\ufffd") for t in ids) >= 4
+    state = RequestState("x", None, [1, 2], SamplingParams(logprobs=1, max_tokens=len(ids)), tokenizer)
+    lps = tuple(TokenLogprobs(t, -0.5, 2, (ids[0], t), (-0.25, -0.5)) for t in ids)
+    state.apply(TokenDelta("x", 0, tuple(ids), lps, finish_reason="length"), IterationStats(1.0))
+    output = state.completion_output(0)
+    texts = [position[t].decoded_token for t, position in zip(ids, output.logprobs)]
+    assert output.text == text and "".join(texts) == text
+    assert all(t == tokenizer.decode([i]) for t, i in zip(texts, ids) if not tokenizer.decode([i]).endswith("\ufffd"))
+    assert [position[ids[0]].decoded_token for position in output.logprobs] == ["I"] * len(ids)  # (an alternative)
 
 
 def test_a_stop_string_in_the_bytes_flushed_at_the_end_is_found(tokenizer):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import time
+from collections.abc import Sequence
 
 import attrs
 
@@ -188,7 +191,9 @@ class RequestState:
         c = self.completions[index]
         logprobs = cumulative = None
         if self.params.logprobs is not None:
-            logprobs = [lp.to_dict(self.decode_one) for lp in c.logprobs[tokens_from:]]
+            history = c.logprobs
+            logprobs = [lp.to_dict(functools.partial(self.decode_one, context=[h.token_id for h in history[max(0, i - 4):i]]))
+                        for i, lp in enumerate(history[tokens_from:], start=tokens_from)]
             cumulative = sum(lp.logprob for lp in c.logprobs)
         return CompletionOutput(index, c.detokenizer.visible_since(text_from), c.token_ids[tokens_from:],
                                 cumulative, logprobs, c.finish_reason, c.stop_reason)
@@ -196,7 +201,9 @@ class RequestState:
     def prompt_logprobs_output(self) -> list[PositionLogprobs | None] | None:
         if self.params.prompt_logprobs is None:
             return None
-        return [None] + [lp.to_dict(self.decode_one) for lp in self.prompt_logprobs]
+        ids = self.prompt_token_ids  # (position i + 1's, read after the prompt's tokens before it)
+        return [None] + [lp.to_dict(functools.partial(self.decode_one, context=ids[max(0, i - 3):i + 1]))
+                         for i, lp in enumerate(self.prompt_logprobs)]
 
     def output(self) -> RequestOutput:
         """The whole request so far (vLLM's CUMULATIVE form)."""
@@ -204,5 +211,23 @@ class RequestState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs_output(),
                              outputs, self.finished, self.num_cached_tokens, self.first_scheduled_at)
 
-    def decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def decode_one(self, token_id: int, context: Sequence[int] = ()) -> str:
+        """A token's text as logprobs show it, read after ``context`` (the up to 4 tokens before
+        it: a UTF-8 character's most bytes), as vLLM's: a token that ends inside a character
+        (byte-level pieces of an emoji) is "", and the one that completes it has the character
+        (with the text of the pieces before it), so that the tokens' texts make the text."""
+        decode = self.tokenizer.decode
+        text = decode([token_id])
+        if not text.endswith("\ufffd"):
+            return text
+        for n in range(1, min(len(context), 4) + 1):
+            before = list(context[-n:])
+            whole = decode(before + [token_id])
+            if whole.endswith("\ufffd"):
+                continue
+            clean = n  # the tokens before the unfinished pieces: their text is theirs, not this one's
+            while clean and decode([before[clean - 1]]).endswith("\ufffd"):
+                clean -= 1
+            prefix = decode(before[:clean]) if clean else ""
+            return whole[len(os.path.commonprefix([prefix, whole])):]
+        return ""
