@@ -128,9 +128,6 @@ class SamplingFields:
         for name, default in _NOT_HONOURED.items():
             if getattr(self, name) not in (default, None):
                 raise unsupported(name, name)
-        if not self.spaces_between_special_tokens:
-            raise unsupported("spaces_between_special_tokens",
-                              "spaces_between_special_tokens=false (this server's fast tokenizers never add them)")
 
 
 _NOT_HONOURED = {"logits_processors": None}
