@@ -77,6 +77,30 @@ def test_two_ranks_give_the_tokens_and_logprobs_of_one(tmp_path, num_kv_heads, b
                                    torch.tensor([lp.logprob for lp in want_lps]), atol=1e-4, rtol=1e-4)
 
 
+def test_phi3s_fused_products_split_over_two_ranks_as_their_parts_do(tmp_path):
+    """Phi-3's checkpoint fuses q, k, v (qkv_proj) and gate, up (gate_up_proj): each rank takes
+    its heads' rows of each part (a name ending in "v_proj.weight" is not a v matrix)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.test_model_families import FAMILIES, SHAPE
+
+    model_type, fields = FAMILIES["phi3-partial-rotary"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{**SHAPE, **fields}), dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1 + 0.3 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    batch = prompts(SHAPE["vocab_size"], (5, 30, 50))
+    one, _ = run(1, str(tmp_path), batch, params, num_kv_blocks=64, max_num_batched_tokens=16)
+    two, _ = run(2, str(tmp_path), batch, params, num_kv_blocks=64, max_num_batched_tokens=16)
+    for (tokens, logprobs), (want, want_lps) in zip(two, one):
+        assert tokens == want
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in logprobs]),
+                                   torch.tensor([lp.logprob for lp in want_lps]), atol=1e-4, rtol=1e-4)
+
+
 def test_the_default_model_over_three_ranks_writes_the_text_of_one(tokenizer):
     """9 heads and 3 KV heads: 3 of each per rank; the packed matrices split on their blocks."""
     texts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]

@@ -91,22 +91,26 @@ def shard(config, weights: Mapping[str, object], tp: TensorParallel, fused_check
     q_size, kv_size, inter = config.num_heads * d, config.num_kv_heads * d, config.intermediate_size
     out = {}
     for name, value in weights.items():
-        if ".self_attn." in name and name.endswith(("q_proj.weight", "q_proj.bias")):
+        # By module, whole ("self_attn.qkv_proj.weight" ends with "v_proj.weight" too).
+        parts = name.split(".")
+        module, kind = ".".join(parts[-3:-1]), parts[-1]
+        product = kind in ("weight", "bias")
+        if product and module == "self_attn.q_proj":
             out[name] = _rows(value, q)
-        elif ".self_attn." in name and name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+        elif product and module in ("self_attn.k_proj", "self_attn.v_proj"):
             out[name] = _rows(value, kv)
-        elif name.endswith(("self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias")):  # Phi-3's fused q, k, v
+        elif product and module == "self_attn.qkv_proj":  # Phi-3's fused q, k, v
             out[name] = _cat([_rows(value, q), _rows(value, _shift(kv, q_size)), _rows(value, _shift(kv, q_size + kv_size))])
-        elif name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias")):
+        elif product and module in ("mlp.gate_proj", "mlp.up_proj"):
             out[name] = _rows(value, mlp)
-        elif name.endswith(("self_attn.o_proj.bias", "mlp.down_proj.bias")):
+        elif kind == "bias" and module in ("self_attn.o_proj", "mlp.down_proj"):
             # The ranks' partial products are summed: the bias is added once, by rank 0.
             out[name] = value if tp.rank == 0 else torch.zeros_like(value)
-        elif name.endswith("mlp.gate_up_proj.weight"):
+        elif kind == "weight" and module == "mlp.gate_up_proj":  # Phi-3's fused gate, up
             out[name] = _cat([_rows(value, mlp), _rows(value, _shift(mlp, inter))])
-        elif name.endswith("self_attn.o_proj.weight"):
+        elif kind == "weight" and module == "self_attn.o_proj":
             out[name] = _columns(value, q)
-        elif name.endswith("mlp.down_proj.weight"):
+        elif kind == "weight" and module == "mlp.down_proj":
             out[name] = _columns(value, mlp)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _rows(value, vocab_part(config.vocab_size, tp))
