@@ -277,6 +277,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--enable-responses-store keeps responses in one server's memory: it needs --api-server-count 1")
     if any(not name.strip() for name in args.served_model_name or ()):
         parser.error("--served-model-name: a name must not be empty")
+    if args.nnodes > 1 and args.node_rank > 0 and not args.headless:
+        parser.error(f"--node-rank {args.node_rank} runs this machine's tensor-parallel ranks only: add --headless "
+                     "(node 0 runs the engine and the HTTP server)")
     if args.headless and args.api_server_count > 1:
         parser.error("--api-server-count does not combine with --headless (a headless node runs engines only: "
                      "the API servers run on the node without it)")
