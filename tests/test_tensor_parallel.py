@@ -163,6 +163,66 @@ def test_a_master_port_in_use_ends_the_start_with_one_line(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def _node(model: str, port: int, *flags: str) -> subprocess.Popen:
+    """Node 1 of two (``--headless``) on this machine, meeting node 0 at 127.0.0.1:``port``."""
+    return subprocess.Popen([sys.executable, "-m", "engine.api", "--headless", "--nnodes", "2", "--node-rank", "1",
+                             "--tensor-parallel-size", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                             "--model", model, "--distributed-timeout", "5", "--num-kv-blocks", "32",
+                             *(f"--{k.replace('_', '-')}={v}" for k, v in {**FP32, **dict(flags)}.items())],
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_node_0_may_take_longer_to_load_than_the_distributed_timeout(tmp_path, monkeypatch):
+    """Both nodes start at once (as a LeaderWorkerSet, Slurm): node 0 serves the group's store
+    before it loads its shard, so node 1's ranks wait through loading, not distributed_timeout
+    (5 s here; node 0's load takes 20). Node 1 ran out of time connecting before."""
+    import engine.core.engine_core as engine_core
+    from tests.test_server import free_port
+
+    model, port = random_llama(tmp_path, 4), free_port()
+    real = engine_core.load_model
+    monkeypatch.setattr(engine_core, "load_model", lambda *a: (time.sleep(20), real(*a))[1])
+    node = _node(model, port)
+    try:
+        core = EngineCore(EngineConfig(model=model, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
+                                       master_port=port, distributed_timeout=5.0, num_kv_blocks=32, **FP32))
+        try:
+            [(tokens, _)] = run_prompts(core, prompts(250)[:1], SamplingParams(temperature=0, max_tokens=4))
+            assert len(tokens) == 4
+        finally:
+            core.close()
+        assert node.wait(30) == 0
+    finally:
+        node.kill()
+        node.wait()
+
+
+@pytest.mark.parametrize("flags, words", [
+    ((("model", "/nowhere/model"),), "rank 1 failed to start: ConfigError: model '/nowhere/model' not found"),
+    ((("dtype", "bfloat16"),), "rank 1 failed to start: ConfigError: node 1's settings are not node 0's: "
+                               "--dtype 'bfloat16' here, 'float32' on node 0"),
+])
+def test_a_rank_of_another_node_that_cannot_start_ends_the_start_at_once_saying_why(tmp_path, flags, words):
+    """Node 1's model missing on that machine, or settings that would fail the first collective
+    (the model's dtype): node 0 stops at once with the rank's reason, not after 15 minutes of
+    waiting (or a server that fails its first request); node 1 exits with one line."""
+    from engine.errors import EngineDeadError
+    from tests.test_server import free_port
+
+    model, port = random_llama(tmp_path, 4), free_port()
+    node = _node(model, port, *flags)
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match=words):
+            EngineCore(EngineConfig(model=model, tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1",
+                                    master_port=port, distributed_timeout=5.0, num_kv_blocks=32, **FP32))
+        assert time.monotonic() - started < 60
+        assert node.wait(30) != 0 and "Traceback" not in node.stderr.read()
+    finally:
+        node.kill()
+        node.wait()
+
+
 def test_two_nodes_serve_and_the_loss_of_one_ends_every_stream(tmp_path):
     """Two launches on this machine, as on two (``--nnodes 2``, node ranks 0 and 1, meeting at
     127.0.0.1): the server answers; SIGKILL of the second node ends the open streams with an

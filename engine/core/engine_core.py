@@ -27,12 +27,12 @@ from engine.config import (
 )
 from engine.core.core_actor import CoreActor
 from engine.core.device_thread import DeviceThread
-from engine.core.tensor_parallel import TensorParallelDriver
+from engine.core.tensor_parallel import TensorParallelDriver, shared_settings
 from engine.errors import ConfigError, InvalidParameterError
 from engine.messages import Decodes, EngineStats, KVCacheInfo, TokenDelta
 from engine.models.llama import LlamaModel, fix_summation_order
-from engine.models.loader import load_model, resolve_model
-from engine.models.parallel import TensorParallel
+from engine.models.loader import load_model, read_config, resolve_model
+from engine.models.parallel import TensorParallel, check_sizes
 from engine.plan import RunnerOutput, StepPlan
 from engine.runner.drafter import Drafter
 from engine.runner.model_runner import ModelRunner, kv_groups
@@ -75,9 +75,24 @@ class EngineCore:
         self.device_thread = DeviceThread.shared()
         if model is not None and config.tensor_parallel_size > 1:
             raise ConfigError("tensor_parallel_size", "a model handed in runs on one rank only")
-        self.tensor_parallel: TensorParallelDriver | None = None  # (_start_runner starts the other ranks)
+        self.tensor_parallel: TensorParallelDriver | None = None  # (the other ranks: they load beside this one)
         tp = TensorParallel(0, config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
-        # (rank 0's shard first: sizes that do not divide the model are refused before any rank starts)
+        if tp is not None:  # (sizes that do not divide the model are refused before any rank starts)
+            try:
+                check_sizes(read_config(source), tp.size)
+            except ValueError as exc:
+                raise ConfigError("tensor_parallel_size", str(exc)) from None
+            self.tensor_parallel = TensorParallelDriver(config, self.device,
+                                                        shared_settings(config, dtype, self.kv_dtype.name))
+        try:
+            self._set_up(model, source, dtype, tp)
+        except BaseException:
+            self.close()  # (the other ranks, started beside this one's loading)
+            raise
+
+    def _set_up(self, model: LlamaModel | None, source, dtype, tp: TensorParallel | None) -> None:
+        """The model (this rank's shard), the KV cache, the scheduler and the runner."""
+        config = self.config
         self.model = model or self.device_thread.run_sync(
             load_model, source, config.load_format, dtype, self.device, config.seed,
             config.quantization, config.activations, tp)
@@ -159,8 +174,7 @@ class EngineCore:
                                                   config.speculative.num_speculative_tokens, config.max_num_seqs,
                                                   config.max_num_batched_tokens,  # (max_catch_up)
                                                   window)  # (of the table it lies over)
-        if config.tensor_parallel_size > 1:
-            self.tensor_parallel = TensorParallelDriver(config, self.device)
+        if self.tensor_parallel is not None:
             self.device_thread.run_sync(self.tensor_parallel.join, num_blocks)
         return self.device_thread.run_sync(ModelRunner, self.model, self.backend, num_blocks, config.block_size,
                                            self.device, config.seed, self.kv_dtype, config.calculate_kv_scales,

@@ -8,6 +8,12 @@ forward pass, whose row-split products all-reduce and whose LM head all-gathers,
 sampling from the same logits with the same seeds, so every rank draws the same tokens; rank 0's
 result is the step's. No scheduler state crosses a process: a rank knows only the plans.
 
+Start-up: rank 0 serves the group's store before it loads its own shard, so every rank loads
+beside it (other nodes' too, whenever they start, within ``_LOADING``); a rank reports its
+shard loaded (or why it failed: a missing model, settings other than node 0's), and once all
+have, they join the process group together (within ``distributed_timeout``), build their KV
+caches and say so.
+
 A rank that stops answering (hung or gone) makes the next collective fail after
 ``distributed_timeout`` seconds, and the engine fails with it (its streams end with an error).
 """
@@ -32,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, EngineDeadError
 from engine.plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,23 @@ def _backend(device: str) -> str:
 _IDLE = timedelta(days=365)
 _KEPT_PLANS = 64  # (a plan's key is deleted this many steps later: every rank has read it by then)
 _LOADING = 900.0  # seconds the ranks may take to load their shards (not a hang: no collective runs yet)
+_POLL = 0.25  # seconds between rank 0's looks at the ranks' start-up (store.check: no waits to time out)
+
+# What every rank must hold as rank 0 does, resolved (``auto`` may differ between machines): other
+# nodes' ranks read theirs from their own flags. (KV sizes come from rank 0.)
+_SHARED = ("tensor_parallel_size", "nnodes", "load_format", "quantization", "activation_quantization", "block_size",
+           "seed", "batch_invariant", "disable_hybrid_kv_cache_manager", "calculate_kv_scales")
+
+
+def shared_settings(config: EngineConfig, dtype: torch.dtype, kv_cache_dtype: str) -> dict[str, object]:
+    """The settings a rank must share with rank 0 (``_SHARED``, the model's dtype, the KV cache's)."""
+    return {**{name: getattr(config, name) for name in _SHARED}, "dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_dtype": kv_cache_dtype}
+
+
+def _differences(theirs: dict[str, object], ours: dict[str, object]) -> list[str]:
+    return [f"--{name.replace('_', '-')} {ours.get(name)!r} here, {value!r} on node 0"
+            for name, value in theirs.items() if ours.get(name) != value]
 
 
 def _serve_store(address: str, port: int, size: int, timeout: float) -> dist.TCPStore:
@@ -64,17 +87,12 @@ def _serve_store(address: str, port: int, size: int, timeout: float) -> dist.TCP
         raise ConfigError("master_port", f"{where} for the other tensor-parallel ranks ({exc})") from None
 
 
-def _join(rank: int, size: int, address: str, port: int, device: str, timeout: float,
-          store: dist.TCPStore | None = None) -> dist.TCPStore:
-    """Join the group: its store on rank 0 at ``address:port`` (rank 0 passes the ``store`` it
-    serves); returns the store."""
+def _join(rank: int, size: int, store: dist.TCPStore, device: str, timeout: float) -> None:
+    """Join the group, whose store ``store`` is (rank 0 serves it)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
-    limit = timedelta(seconds=timeout)
-    if store is None:
-        store = dist.TCPStore(address, port, size, is_master=False, timeout=limit)
-    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size, timeout=limit)
-    return store
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout))
 
 
 def _rank_command(rank: int, address: str, port: int, config: EngineConfig) -> list[str]:
@@ -94,7 +112,9 @@ class TensorParallelDriver:
     """Rank 0's side: starts the other ranks, joins the process group with them, and sends them
     what to do. Resource handling: ``stop`` (also at exit) ends the ranks and leaves the group."""
 
-    def __init__(self, config: EngineConfig, device: str) -> None:
+    def __init__(self, config: EngineConfig, device: str, shared: dict[str, object]) -> None:
+        """Serve the group's store and start this machine's other ranks (they load their shards
+        beside rank 0's); ``shared``: ``shared_settings``, which other nodes' ranks must hold."""
         self.config, self.device, self.size = config, device, config.tensor_parallel_size
         # The group's store first (other nodes' ranks meet this one at master_addr:master_port;
         # on one machine a free port of the loopback): a port in use ends the start here.
@@ -102,6 +122,7 @@ class TensorParallelDriver:
         self._store = _serve_store(self.address, config.master_port if config.nnodes > 1 else 0, self.size,
                                    config.distributed_timeout)
         self.port = self._store.port
+        self._store.set("settings", json.dumps(shared))
         self._joined = False
         self.processes = [subprocess.Popen(_rank_command(rank, self.address, self.port, config))
                           for rank in range(1, ranks_per_node(config))]
@@ -110,32 +131,38 @@ class TensorParallelDriver:
         atexit.register(self._kill)
 
     def join(self, num_blocks: int) -> None:
-        """Join the group (on the device thread, as every later collective) and tell every rank
-        the KV cache's size."""
+        """Once every rank has loaded its shard, tell them the KV cache's size and join the group
+        with them (on the device thread, as every later collective); return once they have
+        built their caches.
+
+        Raises:
+            EngineDeadError: a rank failed to start (its reason), or did not start within ``_LOADING``.
+        """
         torch.set_num_threads(_threads(self.size))
-        _join(0, self.size, self.address, self.port, self.device, self.config.distributed_timeout, self._store)
+        self._wait_for("loaded", "loaded their shards")
+        self._store.set("num_blocks", str(num_blocks))  # (the ranks' word to join)
+        _join(0, self.size, self._store, self.device, self.config.distributed_timeout)
         self._joined = True
-        self._store.set("num_blocks", str(num_blocks))
-        self._wait_for_ranks()
+        self._wait_for("ready", "built their KV caches")
         log.info("tensor parallel: %d ranks (%s), every step's plan broadcast from rank 0", self.size,
                  _backend(self.device))
 
-    def _wait_for_ranks(self) -> None:
-        """Until every rank has loaded its shard and built its cache (a rank of this machine that
-        exits meanwhile fails the start at once)."""
-        keys = [f"ready/{rank}" for rank in range(1, self.size)]
+    def _wait_for(self, stage: str, done: str) -> None:
+        """Until every rank has reached ``stage``; a rank that failed (it says why in the store;
+        one of this machine's may just exit) fails the start at once."""
+        ranks = range(1, self.size)
         deadline = time.monotonic() + _LOADING
-        while True:
-            try:
-                self._store.wait(keys, timedelta(seconds=1))
-                return
-            except dist.DistStoreError:
-                failed = [p for p in self.processes if p.poll() is not None]
-                if failed:
-                    raise RuntimeError(f"a tensor-parallel rank exited while starting (exit status "
-                                       f"{failed[0].returncode}): see its log above") from None
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the tensor-parallel ranks were not ready after {_LOADING:.0f} s") from None
+        while not self._store.check([f"{stage}/{rank}" for rank in ranks]):
+            for rank in ranks:
+                if self._store.check([f"failed/{rank}"]):
+                    raise EngineDeadError(f"tensor-parallel rank {rank} failed to start: "
+                                          f"{self._store.get(f'failed/{rank}').decode(errors='replace')}")
+            if exited := [p for p in self.processes if p.poll() is not None]:
+                raise EngineDeadError(f"a tensor-parallel rank exited while starting (exit status "
+                                      f"{exited[0].returncode}): see its log above")
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"the tensor-parallel ranks had not {done} after {_LOADING:.0f} s")
+            time.sleep(_POLL)
 
     def send(self, plan: StepPlan) -> None:
         """The step's plan to every rank (before rank 0 runs it)."""
@@ -157,9 +184,9 @@ class TensorParallelDriver:
                 raise RuntimeError("never joined")
             self._put(b"")  # (the end)
             dist.destroy_process_group()
-        except Exception:  # (a rank already gone: nothing to tell)
+        except Exception:  # (a rank already gone, or never joined: nothing to tell)
             pass
-        self._kill(wait=10.0)
+        self._kill(wait=10.0 if self._joined else 0.0)
 
     def _kill(self, wait: float = 0.0) -> None:
         deadline = time.monotonic() + wait
@@ -212,15 +239,28 @@ def main(argv: list[str] | None = None) -> None:
     backend = get_backend(config.backend, device)
     dtype = resolve_dtype(config, device)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, backend, dtype)
-    store = _join(args.rank, size, args.address, args.port, device, config.distributed_timeout)
-    source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
-    model = load_model(source, config.load_format, dtype, device, config.seed, config.quantization,
-                       config.activations, TensorParallel(args.rank, size))
-    if config.batch_invariant:
-        fix_summation_order(model, backend, device)
-    num_blocks = int(store.get("num_blocks"))
-    runner = ModelRunner(model, backend, num_blocks, config.block_size, device, config.seed, kv_dtype,
-                         config.calculate_kv_scales, hybrid_kv=not config.disable_hybrid_kv_cache_manager)
+    # (rank 0 serves the store before it loads: waiting for it, as for its word to join, is loading time)
+    store = dist.TCPStore(args.address, args.port, size, is_master=False, timeout=timedelta(seconds=_LOADING))
+    try:
+        theirs = json.loads(store.get("settings"))
+        if wrong := _differences(theirs, shared_settings(config, dtype, kv_dtype.name)):
+            raise ConfigError("tensor_parallel_size", f"node {config.node_rank}'s settings are not node 0's: "
+                                                      + "; ".join(wrong))
+        source = resolve_model(config.model, allow_missing_default=config.load_format == "dummy")
+        model = load_model(source, config.load_format, dtype, device, config.seed, config.quantization,
+                           config.activations, TensorParallel(args.rank, size))
+        if config.batch_invariant:
+            fix_summation_order(model, backend, device)
+        store.set(f"loaded/{args.rank}", "1")
+        num_blocks = int(store.get("num_blocks"))
+        _join(args.rank, size, store, device, config.distributed_timeout)
+        runner = ModelRunner(model, backend, num_blocks, config.block_size, device, config.seed, kv_dtype,
+                             config.calculate_kv_scales, hybrid_kv=not config.disable_hybrid_kv_cache_manager)
+    except BaseException as exc:
+        store.set(f"failed/{args.rank}", f"{type(exc).__name__}: {exc}")  # (rank 0 says it, and ends the start)
+        if isinstance(exc, ConfigError):  # (a wrong flag or file: one line, as the server's own)
+            raise SystemExit(f"rank {args.rank}: error: {exc}") from None
+        raise
     store.set(f"ready/{args.rank}", "1")
     store.set_timeout(_IDLE)  # (waiting for the next plan: as long as the engine idles)
     with torch.inference_mode():
