@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import attrs
 import pytest
 import torch
 
@@ -221,6 +222,36 @@ def test_a_rank_of_another_node_that_cannot_start_ends_the_start_at_once_saying_
     finally:
         node.kill()
         node.wait()
+
+
+def test_the_kv_cache_is_held_to_the_memory_this_machines_ranks_share(monkeypatch):
+    """On a CPU, a machine's ranks each allocate their cache from one memory: a cache that fits
+    once but not twice is refused at two ranks (it was allowed, past the free memory)."""
+    import engine.core.engine_core as engine_core
+    from engine.runner.model_runner import ModelRunner
+
+    stopped = []
+
+    class Ranks:  # (the other ranks are not started: the refusal comes before they join)
+        def __init__(self, *args):
+            pass
+
+        def join(self, num_blocks):
+            pass
+
+        def stop(self):
+            stopped.append(True)
+
+    monkeypatch.setattr(engine_core, "TensorParallelDriver", Ranks)
+    config = EngineConfig(tensor_parallel_size=3, num_kv_blocks=100, **FP32)
+    one = EngineCore(EngineConfig(num_kv_blocks=100, **FP32))
+    per_block = ModelRunner.kv_bytes_per_block(one.model, 16, one.kv_dtype, True) // 3  # (a rank's heads: a third)
+    monkeypatch.setattr(engine_core, "device_free_memory", lambda device: 200 * per_block)
+    with pytest.raises(ConfigError, match="for each of this machine's 3 tensor-parallel ranks"):
+        EngineCore(config)
+    assert stopped == [True]
+    EngineCore(attrs.evolve(config, num_kv_blocks=60)).close()
+    assert stopped == [True, True]
 
 
 def test_two_nodes_serve_and_the_loss_of_one_ends_every_stream(tmp_path):

@@ -27,7 +27,7 @@ from engine.config import (
 )
 from engine.core.core_actor import CoreActor
 from engine.core.device_thread import DeviceThread
-from engine.core.tensor_parallel import TensorParallelDriver, shared_settings
+from engine.core.tensor_parallel import TensorParallelDriver, ranks_per_node, shared_settings
 from engine.errors import ConfigError, InvalidParameterError
 from engine.messages import Decodes, EngineStats, KVCacheInfo, TokenDelta
 from engine.models.llama import LlamaModel, fix_summation_order
@@ -252,8 +252,10 @@ class EngineCore:
         """Refuse a cache of more bytes than the device has free (a petabyte's block lists were
         built until the machine ran out; a cache of all its memory would be zeroed into swap or
         the OOM killer)."""
-        if num_bytes > (free := device_free_memory(self.device)):
-            raise ConfigError(field, f"{asked} is more than this {self.device} has free ({free} bytes)")
+        ranks = ranks_per_node(self.config) if self.device == "cpu" else 1  # (this machine's ranks share its memory)
+        if num_bytes * ranks > (free := device_free_memory(self.device)):
+            each = f" for each of this machine's {ranks} tensor-parallel ranks" if ranks > 1 else ""
+            raise ConfigError(field, f"{asked}{each} is more than this {self.device} has free ({free} bytes)")
 
     def _max_model_len(self, kv_capacity: int | None) -> int:
         """The longest sequence: asked for, or the model's, within what the cache holds of a
