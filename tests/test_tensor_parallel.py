@@ -18,6 +18,7 @@ import time
 import attrs
 import pytest
 import torch
+import trio
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
@@ -252,6 +253,34 @@ def test_the_kv_cache_is_held_to_the_memory_this_machines_ranks_share(monkeypatc
     assert stopped == [True]
     EngineCore(attrs.evolve(config, num_kv_blocks=60)).close()
     assert stopped == [True, True]
+
+
+@pytest.mark.parametrize("where", ["this machine", "another node"])
+async def test_a_rank_lost_while_the_engine_idles_fails_the_engine_at_once(tmp_path, tokenizer, where):
+    """A rank that dies between requests ends the engine within seconds (/health turns 503, the
+    server exits) rather than at the next request, after a load balancer kept sending it work:
+    this machine's ranks are its children; another node's tells node 0 through the store."""
+    from engine.frontend.async_engine import Engine
+    from tests.test_server import child_pids, free_port
+
+    model, port = random_llama(tmp_path, 4), free_port()
+    node = _node(model, port) if where == "another node" else None
+    core = EngineCore(EngineConfig(model=model, tensor_parallel_size=2, nnodes=2 if node else 1,
+                                   master_addr="127.0.0.1", master_port=port, distributed_timeout=60.0,
+                                   num_kv_blocks=32, **FP32))
+    try:
+        async with Engine(core, tokenizer).serve() as client:
+            await trio.sleep(2)  # (idle, and well)
+            assert not client.errored
+            os.kill(child_pids(node.pid)[0] if node else core.tensor_parallel.processes[0].pid, signal.SIGKILL)
+            with trio.fail_after(20):
+                error = await client.wait_failed()
+            assert "tensor-parallel rank 1" in str(error), error
+    finally:
+        core.close()
+        if node:
+            node.kill()
+            node.wait()
 
 
 def test_two_nodes_serve_and_the_loss_of_one_ends_every_stream(tmp_path):

@@ -35,6 +35,9 @@ Message = AddRequest | AbortRequest | StopRequest | RequestRejected
 
 # Step outputs the core may run ahead of the output actor before it waits.
 STEP_QUEUE_SIZE = 4
+# Seconds between looks, while idle, at what a step would find broken (a tensor-parallel rank
+# gone): an idle server whose engine cannot step says so (/health 503, exit) before a request does.
+IDLE_CHECK_INTERVAL = 1.0
 
 
 class CoreActor:
@@ -71,9 +74,12 @@ class CoreActor:
                     if self._rejected or self._extra_deltas:
                         await self._send(self._step_output([], 0, 0, None))
                     try:
-                        self._apply(await self._inbox.receive())
+                        with trio.move_on_after(IDLE_CHECK_INTERVAL) as idle:
+                            self._apply(await self._inbox.receive())
                     except trio.EndOfChannel:
                         return
+                    if idle.cancelled_caught:
+                        self.core.check_health()
                     continue
                 await self._step()
 

@@ -436,6 +436,15 @@ class EngineCore:
             self.tensor_parallel.send(plan)
         return self.runner.execute(plan)
 
+    def check_health(self) -> None:
+        """Raise what the next step would (between steps, cheap: no collective).
+
+        Raises:
+            EngineDeadError: a tensor-parallel rank is gone.
+        """
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.check()
+
     def close(self) -> None:
         """End what the core started beside it (tensor-parallel ranks); idempotent."""
         if getattr(self, "tensor_parallel", None) is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -164,6 +165,22 @@ class TensorParallelDriver:
                 raise EngineDeadError(f"the tensor-parallel ranks had not {done} after {_LOADING:.0f} s")
             time.sleep(_POLL)
 
+    def check(self) -> None:
+        """Raise if a rank is gone (between steps: the next collective would wait
+        ``distributed_timeout`` for it, and an idle server would not know).
+
+        Raises:
+            EngineDeadError: one of this machine's ranks exited, or another node's did (its
+                node says so in the store: ``run_node``).
+        """
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                raise EngineDeadError(f"tensor-parallel rank {rank} exited (status {process.returncode})")
+        for rank in range(len(self.processes) + 1, self.size):
+            if self._store.check([f"failed/{rank}"]):
+                raise EngineDeadError(f"tensor-parallel rank {rank} failed: "
+                                      f"{self._store.get(f'failed/{rank}').decode(errors='replace')}")
+
     def send(self, plan: StepPlan) -> None:
         """The step's plan to every rank (before rank 0 runs it)."""
         self._put(_ENCODER.encode(plan))
@@ -289,8 +306,22 @@ def run_node(config: EngineConfig) -> int:
         raise SystemExit(1)
 
     signal.signal(signal.SIGTERM, end)
-    codes = [process.wait() for process in processes]
-    return next((code for code in codes if code), 0)
+    store = None  # (node 0's, to say a rank was lost: an idle engine would not know until its next step)
+    with contextlib.suppress(Exception):
+        store = dist.TCPStore(config.master_addr, config.master_port, config.tensor_parallel_size, is_master=False,
+                              timeout=timedelta(seconds=config.distributed_timeout))
+    left = dict(enumerate(processes, start=first))
+    while left:
+        time.sleep(_POLL)
+        for rank, process in list(left.items()):
+            if (code := process.poll()) is None:
+                continue
+            del left[rank]
+            if code and store is not None:
+                with contextlib.suppress(Exception):  # (node 0 gone: nobody to tell)
+                    if not store.check([f"failed/{rank}"]):
+                        store.set(f"failed/{rank}", f"it exited with status {code} on node {config.node_rank}")
+    return next((code for code in (p.returncode for p in processes) if code), 0)
 
 
 if __name__ == "__main__":
