@@ -130,14 +130,20 @@ def test_prompt_logprobs_are_reported_once_across_a_preemption(tiny_model):
 def test_a_stop_string_finish_frees_the_sequence_in_the_core(tiny_core):
     """The front found the stop string in the completion's first 2 tokens while the core had run
     4 steps: the sequence ends, and the tokens past the stop (which no output shows) leave
-    vllm:generation_tokens, as they are not in usage or vllm:request_generation_tokens."""
+    vllm:generation_tokens, as they are not in usage or vllm:request_generation_tokens: out of
+    later steps' counts, as a counter never falls."""
     tiny_core.add_request("r", prompt(1), SamplingParams(n=2, temperature=0, max_tokens=50, ignore_eos=True))
     for _ in range(4):
         tiny_core.step()
     assert tiny_core.finish_request("r", 1, "STOP", 2).finish_reason == "stop"
     assert tiny_core.finish_request("r", 1, "STOP", 2) is None  # already finished: nothing to report
-    held = tiny_core.stats().kv_blocks_used
-    deltas = run_to_end(tiny_core)
+    held, counts = tiny_core.stats().kv_blocks_used, [tiny_core.stats().num_generation_tokens]
+    deltas = {}
+    while tiny_core.has_unfinished_requests:
+        for delta in tiny_core.step():
+            deltas.setdefault((delta.request_id, delta.index), []).append(delta)
+        counts.append(tiny_core.stats().num_generation_tokens)
+    assert counts == sorted(counts) and counts[0] == 8  # (4 steps of 2; it never fell)
     assert ("r", 1) not in deltas  # not one more token for the stopped completion
     assert len(tokens(deltas[("r", 0)])) == 50 - 4 and held > 0 and tiny_core.stats().kv_blocks_used == 0
     assert tiny_core.stats().num_generation_tokens == 50 + 2

@@ -840,18 +840,20 @@ async def test_streamed_answers_with_proposals_equal_the_whole_answer_and_stop_s
         async with serve_http(_core(model, "cpu", speculative), tokenizer) as server:
             whole = (await server.http.post("/v1/chat/completions", json=body)).json()
             streamed, events = "", 0
-            async with server.http.stream("POST", "/v1/chat/completions",
-                                          json={**body, "stream": True, "stop": ["the lamp"]}) as response:
+            stop = {"stop": ["the lamp"], "ignore_eos": True}  # (ignore_eos: the core hears of the stop
+            async with server.http.stream("POST", "/v1/chat/completions",  # before it could end the sequence itself)
+                                          json={**body, **stop, "stream": True}) as response:
                 async for line in response.aiter_lines():
                     if line.startswith("data: {"):
                         events += 1
                         streamed += orjson.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+            stopped = (await server.http.post("/v1/chat/completions", json={**body, **stop})).json()
             await server.client.wait_idle()
-            before = server.client.stats().num_generation_tokens
-            stopped = (await server.http.post("/v1/chat/completions",  # (ignore_eos: the core hears of
-                                              json={**body, "stop": ["the lamp"], "ignore_eos": True})).json()
-            await server.client.wait_idle()  # the stop before it could end the sequence itself)
-            assert server.client.stats().num_generation_tokens - before == stopped["usage"]["completion_tokens"]
+            after = (await server.http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 12,
+                                                                     "ignore_eos": True})).json()
+            await server.client.wait_idle()  # (its steps' counts pay for the tokens past the stops)
+            assert server.client.stats().num_generation_tokens == whole["usage"]["completion_tokens"] + (
+                2 * stopped["usage"]["completion_tokens"] + after["usage"]["completion_tokens"])  # (streamed: stopped's)
             answers.append((whole["choices"][0]["message"]["content"], streamed,
                             stopped["choices"][0]["message"]["content"], events))
             if speculative:

@@ -129,6 +129,7 @@ class EngineCore:
         self._num_prompt_tokens = 0
         self._num_request_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self._generation_debt = 0  # tokens counted past stop strings, taken off as later steps count theirs
         self._num_steps = 0
         self.fault: Exception | None = None  # set when a step failed: the core's state is then unknown
         self.kv_cache_info = self._describe_kv_cache(num_blocks)
@@ -375,15 +376,17 @@ class EngineCore:
         """End one sequence as stopped (e.g. on a stop string found after detokenization) after
         its first ``num_tokens`` output tokens: those made past them (kept drafts of the step
         that made the stop string, steps run before this call) leave the generation-token
-        count, as they leave the output (usage, vllm:request_generation_tokens). (A sequence the
-        core ended itself, by an end token or its length, before it heard of the stop string
-        keeps its count, as vLLM's, which counts each step's tokens before its stop check.)"""
+        count, as they leave the output (usage, vllm:request_generation_tokens): out of the
+        next steps' counts, as a counter never falls (Prometheus reads a fall as a reset). (A
+        sequence the core ended itself, by an end token or its length, before it heard of the
+        stop string keeps its count, as vLLM's, which counts each step's tokens before its stop
+        check.)"""
         children = self._children.get(request_id, [])
         request = self.scheduler.requests.get(children[index]) if index < len(children) else None
         if request is None:
             return None
         if num_tokens is not None:
-            self._num_generation_tokens -= max(0, request.num_output_tokens - num_tokens)
+            self._generation_debt += max(0, request.num_output_tokens - num_tokens)
         self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, stop_reason)
         return self._delta(request, ())
 
@@ -460,10 +463,11 @@ class EngineCore:
         deltas, failed_parents = self._fail_requests(failed)
         accepted = result.accepted
         running = RequestStatus.RUNNING
-        # Tokens of rows that ended while the step ran (a stop string, an abort) are dropped
-        # (scheduler.update): they are not generated output (and a drafted row's kept ones, below).
-        self._num_generation_tokens += len(result.sampled) - sum(
-            1 for request, *_ in plan.chunks if request.status is not running and request.request_id in result.sampled)
+        counted = self._num_generation_tokens
+        # (and a drafted row's kept tokens, below; a failed row's token is dropped: not output)
+        self._num_generation_tokens += len(result.sampled) - (sum(
+            request.request_id in result.sampled for request, _, _, _ in plan.chunks if request.status is not running)
+            if failed else 0)
         self.scheduler.update(plan, result.sampled, grammar_finished, accepted, result.proposals)
         self._num_steps += 1
         sampled, logprobs, prompt_logprobs = result.sampled, result.logprobs, result.prompt_logprobs
@@ -499,6 +503,10 @@ class EngineCore:
             new_lp = logprobs.get(request.request_id) if logprobs else None
             deltas.append(self._delta(request, () if token is None else (token,),
                                       () if new_lp is None else (new_lp,), tuple(prompt_lps)))
+        if self._generation_debt:  # (tokens past stop strings: out of this step's count, never below the last)
+            paid = min(self._generation_debt, self._num_generation_tokens - counted)
+            self._num_generation_tokens -= paid
+            self._generation_debt -= paid
         return deltas, Decodes(tuple(ids), tuple(indices), tuple(tokens))
 
     def _drafted_delta(self, request: Request, start: int, last_logprobs, kept_logprobs) -> TokenDelta:
