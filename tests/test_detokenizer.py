@@ -414,6 +414,12 @@ def test_logprobs_give_a_character_of_several_tokens_to_the_token_that_completes
     assert output.text == text and "".join(texts) == text
     assert all(t == tokenizer.decode([i]) for t, i in zip(texts, ids) if not tokenizer.decode([i]).endswith("\ufffd"))
     assert [position[ids[0]].decoded_token for position in output.logprobs] == ["I"] * len(ids)  # (an alternative)
+    # A prompt that ends inside a character: the completion's first token completes it, read after it.
+    ab, piece, last = tokenizer.encode("ab 😀")
+    state = RequestState("y", None, [ab, piece], SamplingParams(logprobs=0, max_tokens=1), tokenizer)
+    state.apply(TokenDelta("y", 0, (last,), (TokenLogprobs(last, -0.5, 1, (), ()),), finish_reason="length"),
+                IterationStats(1.0))
+    assert state.completion_output(0).logprobs[0][last].decoded_token == " 😀"
 
 
 def test_a_stop_string_in_the_bytes_flushed_at_the_end_is_found(tokenizer):

@@ -192,7 +192,7 @@ class RequestState:
         logprobs = cumulative = None
         if self.params.logprobs is not None:
             history = c.logprobs
-            logprobs = [lp.to_dict(functools.partial(self.decode_one, context=[h.token_id for h in history[max(0, i - 4):i]]))
+            logprobs = [lp.to_dict(functools.partial(self.decode_one, context=self._before(history, i)))
                         for i, lp in enumerate(history[tokens_from:], start=tokens_from)]
             cumulative = sum(lp.logprob for lp in c.logprobs)
         return CompletionOutput(index, c.detokenizer.visible_since(text_from), c.token_ids[tokens_from:],
@@ -210,6 +210,12 @@ class RequestState:
         outputs = [self.completion_output(i) for i in range(len(self.completions))]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs_output(),
                              outputs, self.finished, self.num_cached_tokens, self.first_scheduled_at)
+
+    def _before(self, history: list[TokenLogprobs], i: int) -> list[int]:
+        """The up to 4 tokens before position ``i`` of a completion: the prompt's last ones first."""
+        if i >= 4:
+            return [h.token_id for h in history[i - 4:i]]
+        return [*self.prompt_token_ids[-4:], *(h.token_id for h in history[:i])][-4:]
 
     def decode_one(self, token_id: int, context: Sequence[int] = ()) -> str:
         """A token's text as logprobs show it, read after ``context`` (the up to 4 tokens before
