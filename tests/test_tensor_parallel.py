@@ -225,6 +225,40 @@ def test_a_rank_of_another_node_that_cannot_start_ends_the_start_at_once_saying_
         node.wait()
 
 
+def test_a_start_that_fails_frees_the_master_port_and_one_abandoned_stops_waiting():
+    """Node 0 serves the group's store before it loads: a start that fails after (here the KV
+    cache refused) gives the port back, for the next try; a start waiting for another node's
+    ranks gives up when abandoned (Ctrl-C: close() while join holds the device thread)."""
+    import threading
+
+    from engine.core.tensor_parallel import TensorParallelDriver, _serve_store
+    from engine.errors import EngineDeadError
+    from tests.test_server import free_port
+
+    port = free_port()
+    two_nodes = dict(tensor_parallel_size=3, nnodes=3, master_addr="127.0.0.1", master_port=port, **FP32)
+    with pytest.raises(ConfigError, match="num_kv_blocks"):
+        EngineCore(EngineConfig(num_kv_blocks=10**9, **two_nodes))
+    _serve_store("127.0.0.1", port, 2, 5.0)  # (free again: it raised "cannot listen there")
+    driver = TensorParallelDriver(EngineConfig(**two_nodes), "cpu", {})
+    failures = []
+
+    def join():
+        try:
+            driver.join(8)
+        except EngineDeadError as exc:
+            failures.append(exc)
+
+    waiting = threading.Thread(target=join)
+    waiting.start()
+    time.sleep(1)
+    assert waiting.is_alive()  # (no other node: it waits)
+    driver.abandon()
+    waiting.join(5)
+    assert not waiting.is_alive() and "abandoned" in str(failures[0])
+    driver.stop()
+
+
 def test_the_kv_cache_is_held_to_the_memory_this_machines_ranks_share(monkeypatch):
     """On a CPU, a machine's ranks each allocate their cache from one memory: a cache that fits
     once but not twice is refused at two ranks (it was allowed, past the free memory)."""

@@ -451,6 +451,7 @@ class EngineCore:
     def close(self) -> None:
         """End what the core started beside it (tensor-parallel ranks); idempotent."""
         if getattr(self, "tensor_parallel", None) is not None:
+            self.tensor_parallel.abandon()  # (a start still waiting for ranks holds the device thread)
             self.device_thread.run_sync(self.tensor_parallel.stop)
 
     def update(self, plan: SchedulerOutput, result: RunnerOutput) -> tuple[list[TokenDelta], Decodes]:

@@ -60,8 +60,9 @@ _KEPT_PLANS = 64  # (a plan's key is deleted this many steps later: every rank h
 _LOADING = 900.0  # seconds the ranks may take to load their shards (not a hang: no collective runs yet)
 _POLL = 0.25  # seconds between rank 0's looks at the ranks' start-up (store.check: no waits to time out)
 
-# What every rank must hold as rank 0 does, resolved (``auto`` may differ between machines): other
-# nodes' ranks read theirs from their own flags. (KV sizes come from rank 0.)
+# What every rank must hold as rank 0 does (other nodes' ranks read theirs from their own flags):
+# these as given, and the model's and KV cache's dtypes resolved (``auto`` may differ between
+# machines). (KV sizes come from rank 0.)
 _SHARED = ("tensor_parallel_size", "nnodes", "load_format", "quantization", "activation_quantization", "block_size",
            "seed", "batch_invariant", "disable_hybrid_kv_cache_manager", "calculate_kv_scales")
 
@@ -125,6 +126,7 @@ class TensorParallelDriver:
         self.port = self._store.port
         self._store.set("settings", json.dumps(shared))
         self._joined = False
+        self._abandoned = threading.Event()  # (``abandon``: a start that waits for ranks gives up)
         self.processes = [subprocess.Popen(_rank_command(rank, self.address, self.port, config))
                           for rank in range(1, ranks_per_node(config))]
         self._stopped = False
@@ -163,7 +165,13 @@ class TensorParallelDriver:
                                       f"{exited[0].returncode}): see its log above")
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"the tensor-parallel ranks had not {done} after {_LOADING:.0f} s")
-            time.sleep(_POLL)
+            if self._abandoned.wait(_POLL):
+                raise EngineDeadError("the engine's start was abandoned while it waited for its tensor-parallel ranks")
+
+    def abandon(self) -> None:
+        """Give up a start that waits for the ranks (from any thread: ``join`` holds the device
+        thread, where ``stop`` runs, for as long as it waits)."""
+        self._abandoned.set()
 
     def check(self) -> None:
         """Raise if a rank is gone (between steps: the next collective would wait
@@ -173,6 +181,8 @@ class TensorParallelDriver:
             EngineDeadError: one of this machine's ranks exited, or another node's did (its
                 node says so in the store: ``run_node``).
         """
+        if self._stopped:
+            return
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
                 raise EngineDeadError(f"tensor-parallel rank {rank} exited (status {process.returncode})")
@@ -204,6 +214,10 @@ class TensorParallelDriver:
         except Exception:  # (a rank already gone, or never joined: nothing to tell)
             pass
         self._kill(wait=10.0 if self._joined else 0.0)
+        atexit.unregister(self._kill)
+        # The store's server goes with its last reference: --master-port is free again, and other
+        # nodes' ranks still waiting to join see it gone.
+        self._store = None
 
     def _kill(self, wait: float = 0.0) -> None:
         deadline = time.monotonic() + wait
@@ -274,7 +288,8 @@ def main(argv: list[str] | None = None) -> None:
         runner = ModelRunner(model, backend, num_blocks, config.block_size, device, config.seed, kv_dtype,
                              config.calculate_kv_scales, hybrid_kv=not config.disable_hybrid_kv_cache_manager)
     except BaseException as exc:
-        store.set(f"failed/{args.rank}", f"{type(exc).__name__}: {exc}")  # (rank 0 says it, and ends the start)
+        with contextlib.suppress(Exception):  # (rank 0 says it, and ends the start; unless it is gone)
+            store.set(f"failed/{args.rank}", f"{type(exc).__name__}: {exc}")
         if isinstance(exc, ConfigError):  # (a wrong flag or file: one line, as the server's own)
             raise SystemExit(f"rank {args.rank}: error: {exc}") from None
         raise
@@ -306,10 +321,6 @@ def run_node(config: EngineConfig) -> int:
         raise SystemExit(1)
 
     signal.signal(signal.SIGTERM, end)
-    store = None  # (node 0's, to say a rank was lost: an idle engine would not know until its next step)
-    with contextlib.suppress(Exception):
-        store = dist.TCPStore(config.master_addr, config.master_port, config.tensor_parallel_size, is_master=False,
-                              timeout=timedelta(seconds=config.distributed_timeout))
     left = dict(enumerate(processes, start=first))
     while left:
         time.sleep(_POLL)
@@ -317,11 +328,19 @@ def run_node(config: EngineConfig) -> int:
             if (code := process.poll()) is None:
                 continue
             del left[rank]
-            if code and store is not None:
-                with contextlib.suppress(Exception):  # (node 0 gone: nobody to tell)
-                    if not store.check([f"failed/{rank}"]):
-                        store.set(f"failed/{rank}", f"it exited with status {code} on node {config.node_rank}")
+            if code:  # (an idle engine would not know until its next step: node 0 hears it now)
+                _tell_node_0(config, rank, f"it exited with status {code} on node {config.node_rank}")
     return next((code for code in (p.returncode for p in processes) if code), 0)
+
+
+def _tell_node_0(config: EngineConfig, rank: int, why: str) -> None:
+    """Say in node 0's store that ``rank`` failed (unless it said so itself); nothing if node 0
+    is gone too (its ranks' exit is then what ends this node)."""
+    with contextlib.suppress(Exception):
+        store = dist.TCPStore(config.master_addr, config.master_port, config.tensor_parallel_size, is_master=False,
+                              timeout=timedelta(seconds=5))
+        if not store.check([f"failed/{rank}"]):
+            store.set(f"failed/{rank}", why)
 
 
 if __name__ == "__main__":
