@@ -274,6 +274,9 @@ def test_the_kv_cache_is_held_to_the_memory_this_machines_ranks_share(monkeypatc
         def join(self, num_blocks):
             pass
 
+        def abandon(self):
+            pass
+
         def stop(self):
             stopped.append(True)
 
