@@ -156,13 +156,8 @@ class TensorParallelDriver:
         ranks = range(1, self.size)
         deadline = time.monotonic() + _LOADING
         while not self._store.check([f"{stage}/{rank}" for rank in ranks]):
-            for rank in ranks:
-                if self._store.check([f"failed/{rank}"]):
-                    raise EngineDeadError(f"tensor-parallel rank {rank} failed to start: "
-                                          f"{self._store.get(f'failed/{rank}').decode(errors='replace')}")
-            if exited := [p for p in self.processes if p.poll() is not None]:
-                raise EngineDeadError(f"a tensor-parallel rank exited while starting (exit status "
-                                      f"{exited[0].returncode}): see its log above")
+            if lost := self._lost():
+                raise EngineDeadError(f"tensor-parallel rank {lost[0]} failed to start: {lost[1]}")
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"the tensor-parallel ranks had not {done} after {_LOADING:.0f} s")
             if self._abandoned.wait(_POLL):
@@ -181,15 +176,19 @@ class TensorParallelDriver:
             EngineDeadError: one of this machine's ranks exited, or another node's did (its
                 node says so in the store: ``run_node``).
         """
-        if self._stopped:
-            return
+        if not self._stopped and (lost := self._lost()):
+            raise EngineDeadError(f"tensor-parallel rank {lost[0]} failed: {lost[1]}")
+
+    def _lost(self) -> tuple[int, str] | None:
+        """A rank that is gone, and why: what it (or its node: ``run_node``) said in the store,
+        or the exit of one of this machine's (which may have had no time to say)."""
+        for rank in range(1, self.size):
+            if self._store.check([f"failed/{rank}"]):
+                return rank, self._store.get(f"failed/{rank}").decode(errors="replace")
         for rank, process in enumerate(self.processes, start=1):
             if process.poll() is not None:
-                raise EngineDeadError(f"tensor-parallel rank {rank} exited (status {process.returncode})")
-        for rank in range(len(self.processes) + 1, self.size):
-            if self._store.check([f"failed/{rank}"]):
-                raise EngineDeadError(f"tensor-parallel rank {rank} failed: "
-                                      f"{self._store.get(f'failed/{rank}').decode(errors='replace')}")
+                return rank, f"it exited with status {process.returncode} (its log is above)"
+        return None
 
     def send(self, plan: StepPlan) -> None:
         """The step's plan to every rank (before rank 0 runs it)."""
