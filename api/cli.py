@@ -153,6 +153,10 @@ def _add_process_flags(p: argparse.ArgumentParser) -> None:
                         "engines connect (the link is not authenticated: keep it on a private network)")
     p.add_argument("--data-parallel-rpc-port", type=_meeting_port, default=29550,
                    help="the port of --data-parallel-address")
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None,
+                   help="with --headless: the data-parallel rank of this machine's first engine (default: the "
+                        "group's last --data-parallel-size-local ranks); with three or more machines, give each its "
+                        "own. Requests without a seed draw from --seed + the engine's rank")
     p.add_argument("--api-server-count", type=_at_least_one, default=1,
                    help="HTTP front processes accepting on the one listening socket, each linked to every "
                         "engine process (which then runs apart from them); /metrics covers them all")

@@ -15,6 +15,7 @@ import attrs
 
 from backends.kv_cache_names import KV_CACHE_DTYPE_ALIASES, KV_CACHE_DTYPE_NAMES
 from engine.errors import ConfigError
+from engine.sampling_params import MIN_SEED
 from engine.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -177,7 +178,8 @@ class EngineConfig:
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes.
         enable_chunked_prefill: split long prompts over several steps.
         scheduling_policy: ``fcfs``, or ``priority`` (lower value first, as in vLLM).
-        seed: seeds dummy weights and requests that carry no seed of their own.
+        seed: seeds dummy weights and requests that carry no seed of their own (those draw
+            from ``sampling_seed``).
         backend: attention backend; ``auto`` picks the best one this machine can run.
         device: ``auto`` is cuda when a GPU is visible, else cpu.
         max_waiting_requests: sequences (prompts x ``n``) that may wait for their first token;
@@ -211,6 +213,11 @@ class EngineConfig:
             elsewhere by ``python -m engine.api --headless`` (as in vLLM).
         data_parallel_address, data_parallel_rpc_port: where the front listens for engines
             of other machines (and where headless engines connect).
+        data_parallel_start_rank: (``--headless``) the rank of this machine's first engine;
+            default: the group's last ``data_parallel_size_local`` ranks (the usual two
+            machines). With three or more machines, give each its own.
+        data_parallel_rank: this engine's place in its data-parallel group, set on each engine
+            process by whoever starts it (the front; ``--headless`` from the start rank).
     """
 
     model: str | None = None
@@ -257,6 +264,8 @@ class EngineConfig:
     data_parallel_size_local: int | None = attrs.field(default=None, validator=_count)
     data_parallel_address: str = "127.0.0.1"
     data_parallel_rpc_port: int = attrs.field(default=29550, validator=_port)
+    data_parallel_start_rank: int | None = attrs.field(default=None, validator=_count)
+    data_parallel_rank: int = attrs.field(default=0, validator=_count)
 
     def __attrs_post_init__(self) -> None:
         from engine.structured_outputs import StructuredOutputsConfig
@@ -266,6 +275,17 @@ class EngineConfig:
         if self.data_parallel_size_local is not None and self.data_parallel_size_local > self.data_parallel_size:
             raise ConfigError("data_parallel_size_local", f"data_parallel_size_local ({self.data_parallel_size_local}) "
                                                           f"exceeds data_parallel_size ({self.data_parallel_size})")
+        if self.data_parallel_rank >= self.data_parallel_size:
+            raise ConfigError("data_parallel_rank", f"data_parallel_rank {self.data_parallel_rank} is out of range "
+                                                    f"for data_parallel_size {self.data_parallel_size}")
+        if self.data_parallel_start_rank is not None and (
+                self.data_parallel_start_rank + self.data_parallel_local > self.data_parallel_size):
+            raise ConfigError("data_parallel_start_rank", (
+                f"data_parallel_start_rank {self.data_parallel_start_rank} and {self.data_parallel_local} engines on "
+                f"this machine go past data_parallel_size {self.data_parallel_size}"))
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ConfigError("nnodes", "tensor parallelism across machines (nnodes > 1) runs one engine: it does not "
+                                        "combine with data_parallel_size > 1 yet")
         if self.tensor_parallel_size > 1 and (self.speculative is not None and self.speculative.method == "draft_model"):
             raise ConfigError("tensor_parallel_size", "speculative method draft_model does not run with tensor "
                                                       "parallelism yet (ngram does)")
@@ -289,6 +309,18 @@ class EngineConfig:
             raise ConfigError("num_kv_blocks", "set num_kv_blocks or kv_cache_memory, not both")
         if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:
             self.check_unchunked_batch(self.max_num_batched_tokens)
+
+    @property
+    def data_parallel_local(self) -> int:
+        """The engines this machine starts."""
+        return self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
+
+    @property
+    def sampling_seed(self) -> int:
+        """What requests without a seed of their own draw from: ``seed`` offset by the engine's
+        data-parallel rank (wrapping around the seed range), so that the group's engines do not
+        all draw the same numbers (two unseeded requests on two engines came out the same)."""
+        return (self.seed + self.data_parallel_rank - MIN_SEED) % 2**64 + MIN_SEED
 
     def batch_tokens(self, max_model_len: int) -> int:
         """``max_num_batched_tokens``, or its default for sequences of up to ``max_model_len``."""

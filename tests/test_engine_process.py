@@ -242,7 +242,86 @@ async def test_data_parallel_routes_to_the_least_loaded_engine_and_aborts_follow
                 await trio.sleep(0.02)
 
 
+async def test_data_parallel_engines_draw_their_own_numbers_for_requests_without_a_seed():
+    """Each engine draws from seed + its rank: two unseeded requests on two engines came out
+    the same, token for token, and a seeded request is still the same on either engine."""
+    async with open_engine(**CONFIG, data_parallel_size=2) as client:
+        async def run(prompt: str, params: SamplingParams) -> list[list[int]]:
+            outputs = {}
+
+            async def one(i: int) -> None:
+                async for output in client.generate(prompt, params, request_id=f"{prompt}-{i}"):
+                    outputs[i] = output.outputs[0].token_ids
+
+            async with trio.open_nursery() as nursery:
+                for i in range(2):  # (one on each engine: the least loaded)
+                    nursery.start_soon(one, i)
+            return [outputs[0], outputs[1]]
+
+        with trio.fail_after(120):
+            before = [s.num_generation_tokens for s in client.engine_stats()]
+            unseeded = await run("My favourite animal is", SamplingParams(temperature=1.0, max_tokens=16,
+                                                                          ignore_eos=True))
+            assert [s.num_generation_tokens - b for s, b in zip(client.engine_stats(), before)] == [16, 16]
+            assert unseeded[0] != unseeded[1]
+            seeded = await run("My favourite animal is", SamplingParams(temperature=1.0, max_tokens=16,
+                                                                        ignore_eos=True, seed=7))
+            assert seeded[0] == seeded[1]
+
+
+async def test_two_engines_of_one_data_parallel_rank_are_refused_at_start():
+    """Two --headless machines left at the default start rank would give two engines one rank
+    (and so the same random numbers): the start ends naming --data-parallel-start-rank."""
+    from engine.config import EngineConfig
+    from engine.messages import EngineStats, KVCacheInfo
+    from engine.transport.processes import engine_processes
+    from engine.transport.protocol import CODEC, EngineReady
+    from engine.transport.wire import open_link
+
+    with socket.socket() as probe:  # (a port free a moment ago)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = EngineConfig(data_parallel_size=2, data_parallel_size_local=0, data_parallel_rpc_port=port)
+
+    async def engine(pid: int) -> None:
+        while True:
+            try:
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                break
+            except OSError:
+                await trio.sleep(0.05)
+        async with open_link(stream, CODEC, role="engine") as (send, receive):
+            cache, stats = KVCacheInfo(16, 64, "float32", 1, True, None), EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0)
+            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, pid, 1))
+            try:
+                async for _ in receive:  # until the front ends the link
+                    pass
+            except trio.BrokenResourceError:
+                pass
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine, 101)
+            nursery.start_soon(engine, 102)
+            with pytest.raises(ConfigError, match="engines 0 and 1 both have data-parallel rank 1") as error:
+                async with engine_processes(config, 2):
+                    pass
+    assert error.value.param == "data_parallel_start_rank"
+
+
+def test_requests_without_a_seed_draw_from_the_seed_offset_by_the_engines_rank():
+    from engine.config import EngineConfig
+    from engine.sampling_params import MAX_SEED, MIN_SEED
+
+    assert EngineConfig(seed=5).sampling_seed == 5
+    assert EngineConfig(seed=5, data_parallel_size=3, data_parallel_rank=2).sampling_seed == 7
+    assert EngineConfig(seed=MAX_SEED, data_parallel_size=2, data_parallel_rank=1).sampling_seed == MIN_SEED
+
+
 @pytest.mark.parametrize("fields, param", [
+    (dict(data_parallel_size=2, data_parallel_rank=2), "data_parallel_rank"),
+    (dict(data_parallel_size=3, data_parallel_size_local=2, data_parallel_start_rank=2), "data_parallel_start_rank"),
+    (dict(data_parallel_size=2, nnodes=2, tensor_parallel_size=2), "nnodes"),
     (dict(data_parallel_size=0), "data_parallel_size"),
     (dict(data_parallel_size=2, data_parallel_size_local=3), "data_parallel_size_local"),
     (dict(data_parallel_size_local=-1), "data_parallel_size_local"),
@@ -468,7 +547,7 @@ async def test_headless_engines_join_past_strangers_on_every_address_and_hear_th
             heard[pid] = True
             task_status.started()
             cache, stats = KVCacheInfo(16, 64, "float32", 1, True, None), EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0)
-            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, pid))
+            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, pid, pid - 101))
             async for _ in receive:  # until the front ends the link
                 pass
             await send.aclose()

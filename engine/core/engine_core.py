@@ -178,7 +178,7 @@ class EngineCore:
         if self.tensor_parallel is not None:
             self.device_thread.run_sync(self.tensor_parallel.join, num_blocks)
         return self.device_thread.run_sync(ModelRunner, self.model, self.backend, num_blocks, config.block_size,
-                                           self.device, config.seed, self.kv_dtype, config.calculate_kv_scales,
+                                           self.device, config.sampling_seed, self.kv_dtype, config.calculate_kv_scales,
                                            drafter, not config.disable_hybrid_kv_cache_manager)
 
     def _load_draft_model(self, dtype) -> LlamaModel | None:

@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         store.set(f"loaded/{args.rank}", "1")
         num_blocks = int(store.get("num_blocks"))
         _join(args.rank, size, store, device, config.distributed_timeout)
-        runner = ModelRunner(model, backend, num_blocks, config.block_size, device, config.seed, kv_dtype,
+        runner = ModelRunner(model, backend, num_blocks, config.block_size, device, config.sampling_seed, kv_dtype,
                              config.calculate_kv_scales, hybrid_kv=not config.disable_hybrid_kv_cache_manager)
     except BaseException as exc:
         with contextlib.suppress(Exception):  # (rank 0 says it, and ends the start; unless it is gone)

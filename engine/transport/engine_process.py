@@ -61,7 +61,7 @@ async def serve(fds: list[int], config: EngineConfig) -> int:
             return 1
         ready = EngineReady(resolve_model(config.model).name, core.max_model_len, core.vocab_size, core.backend_name,
                             core.sampling_defaults, core.eos_token_ids, core.kv_cache_info, core.stats(),
-                            os.getpid())
+                            os.getpid(), config.data_parallel_rank)
         fronts = Fronts(core, [send for send, _ in links])
         for front, (send, _) in enumerate(links):
             try:

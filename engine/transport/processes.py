@@ -43,14 +43,14 @@ async def engine_processes(config: EngineConfig, count: int = 1) -> AsyncIterato
         an engine's own error (``ConfigError``...) if it could not start; ``EngineDeadError``
         if a process died first.
     """
-    local = count if config.data_parallel_size_local is None else min(count, config.data_parallel_size_local)
+    local = min(count, config.data_parallel_local)
     processes, streams = [], []
     shares = device_shares(config, local)
     try:
-        for share in shares:
+        for rank, share in enumerate(shares):  # (this machine's engines first: ranks 0 .. local - 1)
             front_socket, engine_socket = socket.socketpair()
             try:
-                processes.append(await _start_engine(config, [engine_socket], share))
+                processes.append(await _start_engine(config, rank, [engine_socket], share))
             except BaseException:
                 front_socket.close()
                 raise
@@ -94,6 +94,7 @@ async def _engines(config: EngineConfig, streams: list[trio.SocketStream], proce
         if joining:
             ends += await _join_engines(config, joining, links)
         cores = []
+        ranks: dict[int, int] = {}  # data-parallel rank -> engine
         for rank, (send, receive) in enumerate(ends):
             process = processes[rank] if rank < len(processes) else None
             first = await _first_message(receive, process)
@@ -102,6 +103,14 @@ async def _engines(config: EngineConfig, streams: list[trio.SocketStream], proce
                 first = EngineFailed(ConfigError("data_parallel_size", (
                     f"engine {rank} serves {first.model} ({first.vocab_size} tokens), engine 0 "
                     f"{cores[0].model} ({cores[0].vocab_size}): every engine must serve the same model")))
+            elif isinstance(first, EngineReady) and first.data_parallel_rank in ranks:
+                # (they would draw the same random numbers for requests without a seed)
+                first = EngineFailed(ConfigError("data_parallel_start_rank", (
+                    f"engines {ranks[first.data_parallel_rank]} and {rank} both have data-parallel rank "
+                    f"{first.data_parallel_rank}: with several --headless machines, give each its own "
+                    "--data-parallel-start-rank")))
+            elif isinstance(first, EngineReady):
+                ranks[first.data_parallel_rank] = rank
             if isinstance(first, EngineFailed):
                 startup_error = first.error  # raised below, outside the links' nurseries: as in one process
                 break
@@ -126,9 +135,9 @@ async def start_engines_for_fronts(config: EngineConfig, count: int,
     """``--api-server-count``: ``count`` engine processes, each linked to ``fronts`` fronts;
     returns the processes, and for each front its sockets (one per engine) to hand it."""
     processes, per_front = [], [[] for _ in range(fronts)]
-    for share in device_shares(config, count):
+    for rank, share in enumerate(device_shares(config, count)):
         pairs = [socket.socketpair() for _ in range(fronts)]
-        processes.append(await _start_engine(config, [engine for _, engine in pairs], share))
+        processes.append(await _start_engine(config, rank, [engine for _, engine in pairs], share))
         for front, (front_socket, _) in enumerate(pairs):
             per_front[front].append(front_socket)
     return processes, per_front
@@ -167,9 +176,11 @@ def device_shares(config: EngineConfig, count: int) -> list[dict[str, str]]:
     return [{"OMP_NUM_THREADS": str(threads)} for _ in range(count)]
 
 
-async def _start_engine(config: EngineConfig, engine_sockets: list[socket.socket], share: dict[str, str]):
-    """An engine process serving over ``engine_sockets`` (one per front; handed to it, and
-    closed here), with ``share`` (``device_shares``) added to its environment."""
+async def _start_engine(config: EngineConfig, rank: int, engine_sockets: list[socket.socket], share: dict[str, str]):
+    """The engine process of data-parallel rank ``rank``, serving over ``engine_sockets`` (one
+    per front; handed to it, and closed here), with ``share`` (``device_shares``) added to its
+    environment."""
+    config = attrs.evolve(config, data_parallel_rank=rank)
     argv = [sys.executable, "-m", "engine.transport.engine_process", "--config", json.dumps(attrs.asdict(config)),
             "--log-level", logging.getLevelName(logging.getLogger().getEffectiveLevel())]
     for engine_socket in engine_sockets:
@@ -195,9 +206,10 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
 
     Raises:
         ConfigError: no front took the engines within ``connect_timeout`` seconds."""
-    local = config.data_parallel_size if config.data_parallel_size_local is None else config.data_parallel_size_local
+    local = config.data_parallel_local
     if local < 1:
         raise ConfigError("data_parallel_size_local", "--headless needs at least one local engine")
+    start = config.data_parallel_size - local if config.data_parallel_start_rank is None else config.data_parallel_start_rank
     address, port = config.data_parallel_address, config.data_parallel_rpc_port
     processes: list = []
     shares = device_shares(config, local)
@@ -219,12 +231,13 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
             await nursery.start(on_stop_signals, stop)
             log.info("waiting for the API server at %s:%d", address, port)
             with connecting:
-                for share in shares:
+                for rank, share in enumerate(shares, start):
                     stream = await _connect(address, port, connect_timeout)
                     if stream is None:
                         unanswered = True
                         break
-                    processes.append(await _start_engine(config, [socket.socket(fileno=stream.socket.detach())], share))
+                    processes.append(await _start_engine(config, rank, [socket.socket(fileno=stream.socket.detach())],
+                                                         share))
                     log.info("engine process %d joining %s:%d", processes[-1].pid, address, port)
             if unanswered or connecting.cancel_called:  # (engines already started do not serve alone,
                 stop_engines()  # and one started while a signal came is stopped here)

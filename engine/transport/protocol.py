@@ -22,6 +22,7 @@ class EngineReady:
     kv_cache_info: KVCacheInfo
     stats: EngineStats
     pid: int
+    data_parallel_rank: int  # (no two engines of a group may share one)
 
 
 @attrs.frozen
