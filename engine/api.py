@@ -18,7 +18,7 @@ import trio
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.errors import EngineDeadError, InvalidParameterError, ungrouped
+from engine.errors import ConfigError, EngineDeadError, InvalidParameterError, ungrouped
 from engine.frontend.async_engine import Engine, EngineClient, open_engine
 from engine.frontend.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.messages import EngineStats, StepOutput
@@ -52,11 +52,19 @@ class LLM:
         **fields: any ``EngineConfig`` field, e.g. ``backend="torch"``, ``num_kv_blocks=64``.
 
     Raises:
-        ConfigError: an unknown or invalid configuration field (naming it).
+        ConfigError: an unknown or invalid configuration field (naming it); a process layout
+            (``engine_process``, ``data_parallel_size``): ``LLM`` runs the engine in this
+            process, ``open_engine`` and the server run the others.
     """
 
     def __init__(self, model: str | None = None, **fields: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **fields)
+        for name, value in (("engine_process", self.config.engine_process),
+                            ("data_parallel_size", self.config.data_parallel_size > 1),
+                            ("data_parallel_size_local", self.config.data_parallel_size_local is not None)):
+            if value:
+                raise ConfigError(name, f"LLM runs the engine in this process: {name} is for open_engine and the "
+                                        "server (python -m engine.api)")
         self.engine = EngineCore(self.config)
         self.tokenizer = tokenizer_for(self.config)
         self.structured_outputs = StructuredOutputManager.for_engine(self.tokenizer, self.engine.vocab_size, self.config)

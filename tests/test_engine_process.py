@@ -309,6 +309,50 @@ async def test_two_engines_of_one_data_parallel_rank_are_refused_at_start():
     assert error.value.param == "data_parallel_start_rank"
 
 
+async def test_a_front_with_no_engine_of_its_own_loads_no_model_and_waits_for_one_to_join(monkeypatch):
+    """``data_parallel_size_local=0`` with one engine (a front on a machine without the
+    accelerator): the front listens for the engine, instead of loading the model itself."""
+    import engine.frontend.async_engine as async_engine
+
+    monkeypatch.setattr(async_engine, "EngineCore", lambda config: pytest.fail("the front loaded the model"))
+    with socket.socket() as probe:  # (a port free a moment ago)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    listening = trio.Event()
+
+    async def knock() -> None:
+        while True:
+            try:
+                (await trio.open_tcp_stream("127.0.0.1", port)).socket.close()  # (a stranger: dropped)
+            except OSError:
+                await trio.sleep(0.05)
+                continue
+            listening.set()
+            return
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(knock)
+
+            async def front() -> None:
+                async with open_engine(data_parallel_size=1, data_parallel_size_local=0, data_parallel_rpc_port=port):
+                    pytest.fail("the front started without its engine")
+
+            nursery.start_soon(front)
+            await listening.wait()
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("fields", [dict(engine_process=True), dict(data_parallel_size=2),
+                                    dict(data_parallel_size=2, data_parallel_size_local=1)])
+def test_the_offline_llm_refuses_a_process_layout_it_would_not_run(fields):
+    from engine.api import LLM
+
+    with pytest.raises(ConfigError, match="LLM runs the engine in this process") as error:
+        LLM(**fields)
+    assert error.value.param == next(iter(fields))
+
+
 def test_requests_without_a_seed_draw_from_the_seed_offset_by_the_engines_rank():
     from engine.config import EngineConfig
     from engine.sampling_params import MAX_SEED, MIN_SEED

@@ -630,7 +630,7 @@ async def open_engine(config=None, *, engine_fds: Sequence[int] | None = None,
         config = EngineConfig.from_kwargs(**fields)
     elif fields:
         raise InvalidParameterError(next(iter(fields)), "give a config or keyword fields, not both")
-    if engine_fds or config.engine_process or config.data_parallel_size > 1:
+    if engine_fds or config.engine_process or config.data_parallel_size > 1 or config.data_parallel_local < 1:
         engines = attached_engines(config, engine_fds) if engine_fds else engine_processes(
             config, config.data_parallel_size)
         # (ungrouped: an error of the caller's block, or the engine's, leaves it as itself, not
