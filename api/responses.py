@@ -135,7 +135,9 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[dic
         body["max_completion_tokens"] = req.max_output_tokens
     if req.tools:
         body["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
-    if req.tool_choice is not None:
+    if req.tool_choice is not None and (req.tools or req.tool_choice not in ("auto", "none")):
+        # (auto is the Responses API's default, which a response echoes: sent back with no tools,
+        # it means none, as OpenAI takes it; chat refuses a tool_choice without tools)
         body["tool_choice"] = _chat_tool_choice(req.tool_choice)
     format_ = (req.text or {}).get("format")
     if format_ is not None:
@@ -270,6 +272,8 @@ def _chat_tool(tool: Any, index: int) -> dict[str, Any]:
 def _chat_tool_choice(choice: Any) -> Any:
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict) and not isinstance(choice.get("type"), str):
+        raise bad_request(f"a tool_choice object needs a type; got {choice!r}", "tool_choice")
     if isinstance(choice, dict):
         raise unsupported("tool_choice", f"tool_choice of type {choice.get('type')!r}")
     return choice  # none / auto / required (checked with the chat request)

@@ -327,6 +327,7 @@ class _Client:
     ({"input": "x", "text": {"verbosity": "loud"}}, "text", "text.verbosity must be one of low"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "strict": "yes"}]}, "tools",
      "tools[0].strict must be a boolean or null"),
+    ({"input": "x", "tool_choice": {"name": "f"}}, "tool_choice", "a tool_choice object needs a type"),
 ])
 async def test_bad_input_is_a_400_naming_the_field(body, param, words):
     status, data = await post(ServerState("m", client=_Client()), "/v1/responses", body)
@@ -349,6 +350,19 @@ async def test_the_tools_errors_speak_of_responses_tools(tiny_vocab_core, tokeni
     assert response.status_code == 400, response.text
     err = error(response.content)
     assert err["param"] == param and words in err["message"] and "function." not in err["message"], err
+
+
+@pytest.mark.parametrize("tools", [None, []])
+async def test_tool_choice_auto_without_tools_is_the_default_it_reads(tiny_vocab_core, tokenizer, tools):
+    """``auto`` is the Responses API's default, echoed in every response: sent (back) with no
+    tools it is accepted, as OpenAI takes it; ``required`` still needs tools."""
+    body = {"input": "x", "max_output_tokens": 16, "tool_choice": "auto", **({} if tools is None else {"tools": tools})}
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        response = await server.http.post("/v1/responses", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["tool_choice"] == "auto" and response.json()["status"] in ("completed", "incomplete")
+        refused = await server.http.post("/v1/responses", json={**body, "tool_choice": "required"})
+    assert refused.status_code == 400 and error(refused.content)["param"] == "tool_choice"
 
 
 def test_metadata_at_openais_bounds_is_accepted():
