@@ -123,7 +123,7 @@ class SamplingFields:
             raise bad_request(f"n must be at most {MAX_N_API} (OpenAI's limit); got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
-        if self.stream and self.prompt_logprobs:
+        if self.stream and self.prompt_logprobs is not None:  # (0 too: the prompt's own tokens' logprobs)
             raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         for name, default in _NOT_HONOURED.items():
             if getattr(self, name) not in (default, None):
@@ -195,11 +195,21 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: str | None = attrs.field(default=None, metadata={"schema": {"enum": [*REASONING_EFFORTS, None]}})
     audio: Any = None
     modalities: list[str] | None = None
+    # OpenAI's deprecated forms of tools and tool_choice: refused by name (a client sending them
+    # relies on the model calling the functions; tools and tool_choice say the same).
+    functions: list[dict] | None = None
+    function_call: Any = attrs.field(default=None, metadata={"schema": {"anyOf": [{"type": "string"},
+                                                                                  {"type": "object"}]}})
 
     def check_supported(self) -> None:
         self.check_common()
-        if self.audio is not None or (self.modalities and self.modalities != ["text"]):
+        if self.audio is not None:
             raise unsupported("audio", "audio output")
+        if self.modalities and self.modalities != ["text"]:
+            raise unsupported("modalities", f"output modalities {self.modalities!r} (only [\"text\"])")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise unsupported(name, f"{name} (deprecated by OpenAI: use tools and tool_choice)")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
         if not self.messages:
@@ -221,6 +231,8 @@ class CompletionRequest(SamplingFields):
         self.check_common()
         if self.suffix:
             raise unsupported("suffix", "suffix (insertion)")
+        if isinstance(self.best_of, int) and isinstance(self.n, int) and self.best_of < self.n:
+            raise bad_request(f"best_of must be at least n ({self.n}); got {self.best_of}", "best_of")
         if self.best_of not in (None, self.n):
             raise unsupported("best_of", "best_of other than n")
 

@@ -619,6 +619,12 @@ async def test_special_tokens_in_the_text_are_joined_without_spaces_as_asked_or_
     ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {**CHAT, "truncate_prompt_tokens": 10**6}, "truncate_prompt_tokens"),
     ("/v1/chat/completions", {**CHAT, "return_tokens_as_token_ids": 3}, "return_tokens_as_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "prompt_logprobs": 0}, "prompt_logprobs"),  # (never streamed)
+    ("/v1/completions", {"prompt": "Hi", "stream": True, "prompt_logprobs": 0}, "prompt_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
+    ("/v1/chat/completions", {**CHAT, "modalities": ["text", "image"]}, "modalities"),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1}, "best_of"),
 ])
 async def test_accepted_means_honoured_else_400(tiny_vocab_core, tokenizer, path, body, param):
     async with serve_http(tiny_vocab_core, tokenizer) as server:
