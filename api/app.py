@@ -417,9 +417,11 @@ class _Handlers:
         if req.messages is not None:
             plan = plan_tools(req.tools)
             ids = (await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                          req.chat_template_kwargs, plan, req.chat_template)).ids
+                                          req.chat_template_kwargs, plan, req.chat_template,
+                                          add_special_tokens=bool(req.add_special_tokens),
+                                          documents=req.documents)).ids
         else:
-            ids = await _off_loop(len(req.prompt), self.client.encode, req.prompt, req.add_special_tokens)
+            ids = await _off_loop(len(req.prompt), self.client.encode, req.prompt, req.add_special_tokens is not False)
         body = {"count": len(ids), "max_model_len": self.client.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = self.client.tokenizer.convert_ids_to_tokens(ids)
@@ -444,10 +446,13 @@ class _Handlers:
 
     async def render_chat(self, messages, add_generation_prompt: bool, continue_final_message: bool,
                           template_kwargs: dict | None, plan: ToolPlan | None, chat_template: str | None = None,
-                          truncating: bool = False) -> RenderedChat:
+                          truncating: bool = False, *, add_special_tokens: bool = False,
+                          documents: list[dict[str, str]] | None = None) -> RenderedChat:
         """The conversation through the chat template (with the server's default template
         arguments under the request's own): the server's, or the request's ``chat_template``
-        where the server trusts requests' templates (vLLM's --trust-request-chat-template)."""
+        where the server trusts requests' templates (vLLM's --trust-request-chat-template).
+        ``add_special_tokens``: the tokenizer's own (a BOS) on top of what the template writes;
+        ``documents``: the template's ``documents`` (as transformers passes them)."""
         if chat_template is not None and not self.state.trust_request_chat_template:
             raise bad_request("a request's chat_template is refused: this server renders chats with its own "
                               "(start it with --trust-request-chat-template to accept requests' templates)",
@@ -463,24 +468,25 @@ class _Handlers:
                 raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {m.role!r}",
                                   "messages")
             converted.append(self._template_message(m, i))
-        size = sum(map(_text_size, converted))
+        size = sum(map(_text_size, converted)) + sum(len(orjson.dumps(d)) for d in documents or ())
         if plan is not None:
             size += sum(len(orjson.dumps(t.parameters)) + len(t.description or "") for t in plan.tools)
         if not truncating:  # (truncate_prompt_tokens: any length may come, its last tokens are kept)
             self.client.check_text_length(size, "messages")
         return await _off_loop(size + len(chat_template or ""), self._apply_template, converted,
                                add_generation_prompt, continue_final_message, template_kwargs, plan, template,
-                               "messages" if chat_template is None else "chat_template")
+                               "messages" if chat_template is None else "chat_template", add_special_tokens,
+                               documents)
 
     def _apply_template(self, messages: list[dict], add_generation_prompt: bool, continue_final_message: bool,
                         template_kwargs: dict, plan: ToolPlan | None, template: str | None, param: str,
-                        ) -> RenderedChat:
+                        add_special_tokens: bool, documents: list[dict[str, str]] | None) -> RenderedChat:
         tokenizer = self.client.tokenizer
         try:
             messages, tool_kwargs = render_inputs(tokenizer, messages, plan, template)
             text = render_chat_template(tokenizer, messages, add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message,
-                                        chat_template=template, **{**template_kwargs, **tool_kwargs})
+                                        continue_final_message=continue_final_message, chat_template=template,
+                                        documents=documents, **{**template_kwargs, **tool_kwargs})
         except InvalidParameterError:
             raise
         except (jinja2.TemplateError, ValueError, TypeError) as exc:  # the caller's messages, kwargs or template
@@ -490,7 +496,7 @@ class _Handlers:
                 raise
             raise bad_request(f"could not apply the chat template: {type(exc).__name__}: {exc}", param) from None
         continued = messages[-1]["content"] if continue_final_message and messages else None
-        return RenderedChat(tokenizer.encode(text, add_special_tokens=False), text, continued)
+        return RenderedChat(tokenizer.encode(text, add_special_tokens=add_special_tokens), text, continued)
 
     def reasoning(self, rendered: RenderedChat, params: SamplingParams, budget: int | None,
                   ) -> tuple[ReasoningPlan | None, SamplingParams]:
@@ -604,7 +610,8 @@ class _Handlers:
         params = sampling_params(req, chat=True, defaults=self.state.client.default_sampling)  # (checked first)
         rendered = await self.render_chat(req.messages, req.add_generation_prompt, req.continue_final_message,
                                           template_kwargs, plan, req.chat_template,
-                                          self.client.truncates(params.truncate_prompt_tokens))
+                                          self.client.truncates(params.truncate_prompt_tokens),
+                                          add_special_tokens=req.add_special_tokens, documents=req.documents)
         try:
             if plan is not None:
                 params = plan.constrain(params)
@@ -785,8 +792,8 @@ class _Handlers:
         self.check_prompts(len(prompts), req.n)  # before tokenizing any of them
         params = sampling_params(req, chat=False, defaults=self.state.client.default_sampling)
         truncating = self.client.truncates(params.truncate_prompt_tokens)
-        inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p, truncating)
-                  for p in prompts]
+        inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p, truncating,
+                                  req.add_special_tokens) for p in prompts]
         if params.truncate_prompt_tokens is not None:  # (an echo shows the prompt the model read)
             inputs = [(None, self.client.truncate(ids, params)) for _, ids in inputs]
         # echo with logprobs: the prompt's tokens have logprobs too (OpenAI's legacy completions,

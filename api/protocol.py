@@ -195,6 +195,8 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: str | None = attrs.field(default=None, metadata={"schema": {"enum": [*REASONING_EFFORTS, None]}})
     audio: Any = None
     modalities: list[str] | None = None
+    add_special_tokens: bool = False  # (vLLM's: the tokenizer's BOS on top of what the template writes)
+    documents: list[dict[str, str]] | None = None  # (vLLM's: for templates that cite them, RAG)
     # OpenAI's deprecated forms of tools and tool_choice: refused by name (a client sending them
     # relies on the model calling the functions; tools and tool_choice say the same).
     functions: list[dict] | None = None
@@ -226,6 +228,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # (vLLM's: the tokenizer's BOS and such on a text prompt)
 
     def check_supported(self) -> None:
         self.check_common()
@@ -285,7 +288,8 @@ class TokenizeRequest:
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[dict] | None = None
-    add_special_tokens: bool = True
+    documents: list[dict[str, str]] | None = None
+    add_special_tokens: bool | None = None  # (vLLM's defaults: true for a prompt, false for messages)
     add_generation_prompt: bool = True  # (these four: the messages' rendering, as for a chat completion)
     continue_final_message: bool = False
     chat_template: str | None = None

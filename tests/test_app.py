@@ -594,6 +594,52 @@ async def test_special_tokens_in_the_text_are_joined_without_spaces_as_asked_or_
     assert texts[0].startswith("<|") and " " not in texts[0] and len(texts) == 2
 
 
+async def test_add_special_tokens_is_honoured_with_vllms_defaults(tiny_vocab_core, tokenizer):
+    """With a tokenizer that adds a BOS (as Llama's): a text prompt has it unless
+    add_special_tokens is false, a chat only what its template writes unless it is true; and
+    /tokenize counts them alike (it ignored the flag for messages, completions did for prompts)."""
+    import copy
+
+    from tokenizers import processors
+
+    bos = copy.deepcopy(tokenizer)
+    bos.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", pair="<|endoftext|> $A $B", special_tokens=[("<|endoftext|>", 0)])
+    hello = tokenizer.encode("Hello")
+    async with serve_http(tiny_vocab_core, bos) as server:
+        async def ids(path: str, body: dict, **flag) -> list[int]:
+            response = await server.http.post(path, json={**body, **flag})
+            assert response.status_code == 200, response.text
+            data = response.json()
+            return data["tokens"] if path == "/tokenize" else data.get("prompt_token_ids") or data["choices"][0][
+                "prompt_token_ids"]
+
+        prompt = {"prompt": "Hello", "max_tokens": 1, "return_token_ids": True}
+        assert await ids("/v1/completions", prompt) == [0, *hello]
+        assert await ids("/v1/completions", prompt, add_special_tokens=False) == hello
+        assert await ids("/tokenize", {"prompt": "Hello"}) == [0, *hello]
+        assert await ids("/tokenize", {"prompt": "Hello"}, add_special_tokens=False) == hello
+        chat = await ids("/v1/chat/completions", {**CHAT, "max_tokens": 1, "return_token_ids": True})
+        assert chat[0] != 0 and await ids("/tokenize", CHAT) == chat
+        assert await ids("/v1/chat/completions", {**CHAT, "max_tokens": 1, "return_token_ids": True},
+                         add_special_tokens=True) == [0, *chat]
+        assert await ids("/tokenize", CHAT, add_special_tokens=True) == [0, *chat]
+
+
+async def test_documents_reach_the_chat_template(tiny_vocab_core, tokenizer):
+    """vLLM's documents (RAG templates: Command-R, Granite) are the template's ``documents``."""
+    template = ("{% for d in documents %}DOC {{ d.title }}: {{ d.text }}\n{% endfor %}"
+                "{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    documents = [{"title": "t", "text": "The secret is 42"}]
+    async with serve_http(tiny_vocab_core, tokenizer, trust_request_chat_template=True) as server:
+        response = await server.http.post("/tokenize", json={**CHAT, "chat_template": template, "documents": documents})
+        assert response.status_code == 200, response.text
+        assert tokenizer.decode(response.json()["tokens"]) == "DOC t: The secret is 42\nhi\n"
+        chat = await server.http.post("/v1/chat/completions", json={
+            **CHAT, "chat_template": template, "documents": documents, "max_tokens": 1, "return_token_ids": True})
+        assert chat.status_code == 200 and chat.json()["prompt_token_ids"] == response.json()["tokens"]
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", {"prompt": "Hi", "n": 2, "seed": 18446744073709551615}, "seed"),
     ("/v1/completions", {"prompt": "Hi", "seed": -(2**63) - 1}, "seed"),

@@ -353,12 +353,12 @@ class EngineClient:
             self.check_text_length(len(text))
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def prepare(self, prompt: str | list[int] | dict[str, Any],
-                truncating: bool = False) -> tuple[str | None, list[int]]:
+    def prepare(self, prompt: str | list[int] | dict[str, Any], truncating: bool = False,
+                add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text, prompt token ids) for a prompt given as text, token ids or vLLM's dict
-        forms; ``truncating`` as ``encode``'s."""
+        forms; ``truncating`` and ``add_special_tokens`` (for a text) as ``encode``'s."""
         if isinstance(prompt, str):
-            return prompt, self.encode(prompt, truncating=truncating)
+            return prompt, self.encode(prompt, add_special_tokens, truncating)
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown:  # e.g. vLLM's prompt-level cache_salt: here it is a SamplingParams field
@@ -367,7 +367,7 @@ class EngineClient:
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _integers(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return self.prepare(prompt["prompt"], truncating)
+                return self.prepare(prompt["prompt"], truncating, add_special_tokens)
             raise InvalidParameterError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
         ids = _integers(prompt) if isinstance(prompt, (list, tuple)) else None
         if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
