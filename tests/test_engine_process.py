@@ -402,6 +402,12 @@ def test_engine_processes_on_one_machine_share_its_cores_or_take_a_gpu_each(monk
     with pytest.raises(ConfigError, match="2 engine processes on this machine need a GPU each; 1 visible") as error:
         device_shares(gpu, 2)
     assert error.value.param == "data_parallel_size"
+    # with tensor parallel, an engine takes a GPU per rank (its ranks each took the same one)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4")
+    assert device_shares(EngineConfig(device="cuda", tensor_parallel_size=2), 2) == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    with pytest.raises(ConfigError, match="3 engine processes on this machine need 2 GPUs each .*; 5 visible"):
+        device_shares(EngineConfig(device="cuda", tensor_parallel_size=2), 3)
 
 
 @pytest.mark.parametrize("engine_process", [False, True], ids=["one process", "engine process"])

@@ -259,6 +259,29 @@ def test_a_start_that_fails_frees_the_master_port_and_one_abandoned_stops_waitin
     driver.stop()
 
 
+@pytest.mark.parametrize("omp, affinity, fields, threads", [
+    (None, 8, dict(tensor_parallel_size=2), 4),
+    ("2", 8, dict(tensor_parallel_size=2), 1),  # (a data-parallel engine's share: 2 of the 8 cores)
+    (None, 2, dict(tensor_parallel_size=4), 1),
+    (None, 8, dict(tensor_parallel_size=4, nnodes=2), 4),  # (2 ranks here, 2 on the other machine)
+    ("", 6, dict(tensor_parallel_size=3), 2),
+])
+def test_each_rank_takes_its_share_of_the_engines_cores(monkeypatch, omp, affinity, fields, threads):
+    """Ranks divide the engine's threads (OMP_NUM_THREADS: with data parallel, its share of the
+    machine) among this machine's ranks: the machine's whole count ran data parallel x tensor
+    parallel at dp times too many threads, and a node's ranks at a share of all the nodes'."""
+    from engine.config import EngineConfig
+    from engine.core.tensor_parallel import threads_per_rank
+
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert threads_per_rank(EngineConfig(**fields)) == threads
+
+
 def test_the_kv_cache_is_held_to_the_memory_this_machines_ranks_share(monkeypatch):
     """On a CPU, a machine's ranks each allocate their cache from one memory: a cache that fits
     once but not twice is refused at two ranks (it was allowed, past the free memory)."""

@@ -106,8 +106,13 @@ def ranks_per_node(config: EngineConfig) -> int:
     return config.tensor_parallel_size // config.nnodes
 
 
-def _threads(size: int) -> int:
-    return max(1, (os.cpu_count() or 1) // size)
+def threads_per_rank(config: EngineConfig) -> int:
+    """Each of this machine's ranks' share of the engine's cores: of ``OMP_NUM_THREADS`` where
+    it is set (a data-parallel engine's share of the machine, ``device_shares``, or the user's),
+    else of the cores this process may run on (its affinity, not the machine's count)."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    cores = int(given) if given.isdigit() and int(given) > 0 else len(os.sched_getaffinity(0))
+    return max(1, cores // ranks_per_node(config))
 
 
 class TensorParallelDriver:
@@ -141,7 +146,7 @@ class TensorParallelDriver:
         Raises:
             EngineDeadError: a rank failed to start (its reason), or did not start within ``_LOADING``.
         """
-        torch.set_num_threads(_threads(self.size))
+        torch.set_num_threads(threads_per_rank(self.config))
         self._wait_for("loaded", "loaded their shards")
         self._store.set("num_blocks", str(num_blocks))  # (the ranks' word to join)
         _join(0, self.size, self._store, self.device, self.config.distributed_timeout)
@@ -264,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     config = EngineConfig(**json.loads(args.config))
     size = config.tensor_parallel_size
-    torch.set_num_threads(_threads(size))
+    torch.set_num_threads(threads_per_rank(config))
     device = resolve_device(config)
     backend = get_backend(config.backend, device)
     dtype = resolve_dtype(config, device)

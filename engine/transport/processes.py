@@ -150,15 +150,17 @@ def device_shares(config: EngineConfig, count: int) -> list[dict[str, str]]:
     On the CPU each gets an equal share of this process's cores as its thread count
     (``OMP_NUM_THREADS``: torch's and the native libraries' OpenMP pools both read it), unless
     ``OMP_NUM_THREADS`` is set already; on CUDA each gets a GPU of its own
-    (``CUDA_VISIBLE_DEVICES``), as vLLM's data-parallel ranks do. One engine takes the machine
-    as it is.
+    (``CUDA_VISIBLE_DEVICES``), as vLLM's data-parallel ranks do; one per tensor-parallel rank
+    (whose ranks then share the engine's cores, or take its GPUs one each). One engine takes the
+    machine as it is.
 
     Raises:
-        ConfigError: fewer GPUs visible than engine processes on this machine.
+        ConfigError: fewer GPUs visible than engine processes (times their ranks) on this machine.
     """
     if count <= 1:
         return [{} for _ in range(count)]
     if resolve_device(config) == "cuda":
+        per = config.tensor_parallel_size  # (an engine's ranks are all on this machine: nnodes is 1 here)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is not None:
             gpus = [g.strip() for g in visible.split(",") if g.strip()]
@@ -166,10 +168,11 @@ def device_shares(config: EngineConfig, count: int) -> list[dict[str, str]]:
             import torch
 
             gpus = [str(i) for i in range(torch.cuda.device_count())]
-        if len(gpus) < count:
-            raise ConfigError("data_parallel_size", f"{count} engine processes on this machine need a GPU each; "
+        if len(gpus) < count * per:
+            each = "a GPU each" if per == 1 else f"{per} GPUs each (one per tensor-parallel rank)"
+            raise ConfigError("data_parallel_size", f"{count} engine processes on this machine need {each}; "
                                                     f"{len(gpus)} visible")
-        return [{"CUDA_VISIBLE_DEVICES": gpu} for gpu in gpus[:count]]
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])} for i in range(count)]
     if "OMP_NUM_THREADS" in os.environ:
         return [{} for _ in range(count)]
     threads = max(1, len(os.sched_getaffinity(0)) // count)
