@@ -4,6 +4,7 @@ engine's own start-up errors, and no process left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -292,7 +293,7 @@ async def test_two_engines_of_one_data_parallel_rank_are_refused_at_start():
                 await trio.sleep(0.05)
         async with open_link(stream, CODEC, role="engine") as (send, receive):
             cache, stats = KVCacheInfo(16, 64, "float32", 1, True, None), EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0)
-            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, pid, 1))
+            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, pid, 1, 0.0))
             try:
                 async for _ in receive:  # until the front ends the link
                     pass
@@ -340,6 +341,54 @@ async def test_a_front_with_no_engine_of_its_own_loads_no_model_and_waits_for_on
 
             nursery.start_soon(front)
             await listening.wait()
+            nursery.cancel_scope.cancel()
+
+
+async def test_an_engine_of_another_machine_has_its_times_read_on_the_fronts_clock():
+    """A headless engine's monotonic clock runs from its machine's zero: when it first
+    scheduled a request (queue and prefill times, ``first_scheduled_at``) is kept on the front's
+    clock, by the offset its ready message and heartbeats show (queue times read 200000 s)."""
+    import time
+
+    from engine.messages import AddRequest, EngineStats, KVCacheInfo, StepOutput, TokenDelta
+    from engine.transport.protocol import CODEC, EngineReady, Heartbeat
+    from engine.transport.wire import open_link
+
+    with socket.socket() as probe:  # (a port free a moment ago)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    elsewhere = 100_000.0  # the engine's clock, ahead of the front's by this
+
+    async def engine() -> None:
+        while True:
+            try:
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                break
+            except OSError:
+                await trio.sleep(0.05)
+        async with open_link(stream, CODEC, role="engine") as (send, receive):
+            cache, stats = KVCacheInfo(16, 64, "float32", 1, True, None), EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0)
+            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, 101, 0,
+                                        time.monotonic() + elsewhere))
+            with contextlib.suppress(trio.BrokenResourceError):
+                async for message in receive:
+                    if isinstance(message, AddRequest):
+                        # (its ready message waited for the front's start: a heartbeat, read at once, corrects it)
+                        await send.send(Heartbeat(time.monotonic() + elsewhere))
+                        await trio.sleep(0.2)  # (it waited 0.2 s in the queue)
+                        scheduled = time.monotonic() + elsewhere
+                        await send.send(StepOutput((TokenDelta(message.request_id, 0, (5,), finish_reason="length",
+                                                               first_scheduled_at=scheduled),), (), stats, 1, 1, None))
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine)
+            async with open_engine(data_parallel_size=1, data_parallel_size_local=0,
+                                   data_parallel_rpc_port=port) as client:
+                sent = time.monotonic()
+                async for output in client.generate([1, 2, 3], SamplingParams(max_tokens=1)):
+                    pass
+                assert sent + 0.15 < output.first_scheduled_at < time.monotonic()
             nursery.cancel_scope.cancel()
 
 
@@ -597,7 +646,7 @@ async def test_headless_engines_join_past_strangers_on_every_address_and_hear_th
             heard[pid] = True
             task_status.started()
             cache, stats = KVCacheInfo(16, 64, "float32", 1, True, None), EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0)
-            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, pid, pid - 101))
+            await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, pid, pid - 101, 0.0))
             async for _ in receive:  # until the front ends the link
                 pass
             await send.aclose()

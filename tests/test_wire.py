@@ -87,7 +87,7 @@ async def test_every_message_round_trips_equal():
 @pytest.mark.parametrize("window", [None, 4096])
 async def test_the_engine_processs_ready_message_round_trips_with_its_cache(window):
     ready = EngineReady("m", 8192, 49152, "cpu", {"temperature": 0.6, "top_k": 20}, (2, 7),
-                        KVCacheInfo(16, 2048, "int8", 11520, True, window), samples()[3].stats, 1234, 1)
+                        KVCacheInfo(16, 2048, "int8", 11520, True, window), samples()[3].stats, 1234, 1, 12.5)
     left, right = await stream_pair()
     async with open_link(left, PROTOCOL, role="engine") as (send, _), \
             open_link(right, PROTOCOL, role="front") as (_, recv):

@@ -22,6 +22,7 @@ import math
 import os
 import socket
 import sys
+import time
 from contextlib import AsyncExitStack
 
 import attrs
@@ -61,7 +62,7 @@ async def serve(fds: list[int], config: EngineConfig) -> int:
             return 1
         ready = EngineReady(resolve_model(config.model).name, core.max_model_len, core.vocab_size, core.backend_name,
                             core.sampling_defaults, core.eos_token_ids, core.kv_cache_info, core.stats(),
-                            os.getpid(), config.data_parallel_rank)
+                            os.getpid(), config.data_parallel_rank, time.monotonic())
         fronts = Fronts(core, [send for send, _ in links])
         for front, (send, _) in enumerate(links):
             try:
@@ -177,7 +178,7 @@ class Fronts:
             for front, send in enumerate(self._sends):
                 if self._live[front]:
                     try:
-                        send.send_nowait(Heartbeat())
+                        send.send_nowait(Heartbeat(time.monotonic()))
                     except trio.WouldBlock:
                         pass
                     except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -115,7 +115,7 @@ async def _engines(config: EngineConfig, streams: list[trio.SocketStream], proce
                 startup_error = first.error  # raised below, outside the links' nurseries: as in one process
                 break
             log.info("engine process %d (engine %d%s) ready", first.pid, rank, "" if process else ", not a child")
-            cores.append(RemoteCore(config, first, send, receive, process, rank))
+            cores.append(RemoteCore(config, first, send, receive, process, rank, joined=rank >= len(streams)))
         if startup_error is None:
             try:
                 yield cores

@@ -23,6 +23,7 @@ class EngineReady:
     stats: EngineStats
     pid: int
     data_parallel_rank: int  # (no two engines of a group may share one)
+    clock: float  # the engine's time.monotonic() as it sent this (another machine's runs from another zero)
 
 
 @attrs.frozen
@@ -36,7 +37,10 @@ class EngineFailed:
 class Heartbeat:
     """Sent by the engine process to each front every ``HEARTBEAT_S``, whatever it is doing: a
     front that hears nothing for ``SILENCE_LIMIT_S`` knows the process has stopped (SIGSTOP, a
-    wedged interpreter), which no watchdog inside it could report."""
+    wedged interpreter), which no watchdog inside it could report. ``clock``: as EngineReady's
+    (a front keeps the times of an engine of another machine on its own clock by it)."""
+
+    clock: float
 
 
 # Seconds between an engine process's heartbeats, and of silence after which a front declares

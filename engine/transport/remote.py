@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import time
 
 import attrs
 import trio
@@ -44,12 +45,23 @@ log = logging.getLogger(__name__)
 EXIT_STATUS_WAIT_S = 2.0
 
 
+# How fast two machines' monotonic clocks may drift apart (seconds per second): NTP slews a
+# clock by at most 500 ppm, a few ppm in practice.
+CLOCK_DRIFT = 1e-4
+
+
 class RemoteCore:
     """The front's stand-in for an ``EngineCore`` running in an engine process."""
 
-    def __init__(self, config: EngineConfig, ready: EngineReady, send, receive, process, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, ready: EngineReady, send, receive, process, rank: int = 0, *,
+                 joined: bool = False) -> None:
+        """``joined``: the engine joined over TCP (``--headless``, maybe on another machine, whose
+        monotonic clock runs from another zero: its times are kept on this one's, ``on_our_clock``)."""
         self.config = config
         self.rank = rank  # which engine of a data-parallel group (the ``engine`` label of its metrics)
+        self.joined = joined
+        self._clock_heard = time.monotonic()
+        self.clock_offset = self._clock_heard - ready.clock if joined else 0.0  # ours minus the engine's
         self.model = ready.model
         self.max_model_len = ready.max_model_len
         self.vocab_size = ready.vocab_size
@@ -63,6 +75,24 @@ class RemoteCore:
         self._send = send
         self._receive = receive
         self._process = process
+
+    def heard_clock(self, clock: float) -> None:
+        """The engine's clock read ``clock`` as it sent a message that arrives now: the offset
+        is the least such difference (each is late by the message's way here, which a message
+        queued behind a step, or behind the front's start, makes long), allowed to grow as the
+        two clocks drift apart (``CLOCK_DRIFT``)."""
+        now = time.monotonic()
+        self.clock_offset = min(now - clock, self.clock_offset + CLOCK_DRIFT * (now - self._clock_heard))
+        self._clock_heard = now
+
+    def on_our_clock(self, step: StepOutput) -> StepOutput:
+        """``step`` with its times (when the engine first scheduled each request) on this
+        process's clock: the front measures queue and prefill times against its own (a remote
+        engine's read 200000 s of queueing)."""
+        offset = self.clock_offset
+        return attrs.evolve(step, deltas=tuple(
+            d if d.first_scheduled_at is None else attrs.evolve(d, first_scheduled_at=d.first_scheduled_at + offset)
+            for d in step.deltas))
 
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
         max_tokens = validate_request(prompt, params, priority, max_model_len=self.max_model_len,
@@ -144,11 +174,13 @@ class RemoteCoreActor:
                 if message is None:
                     break
                 if isinstance(message, Heartbeat):
+                    if core.joined:
+                        core.heard_clock(message.clock)
                     continue
                 if isinstance(message, EngineFailed):
                     raise EngineDeadError(f"the engine failed: {message.error!r}") from message.error
                 core._stats = message.stats
-                await self._outbox.send(message)
+                await self._outbox.send(core.on_our_clock(message) if core.joined and message.deltas else message)
         except trio.BrokenResourceError as exc:
             cause: BaseException = exc
         else:  # only the front ends the link in order; an engine that ends it has stopped
