@@ -197,6 +197,28 @@ async def test_a_killed_engine_process_fails_every_stream_and_nothing_is_left():
     assert not os.path.exists(f"/proc/{pid}")  # reaped
 
 
+async def test_when_one_engine_of_a_group_dies_the_others_end_at_once():
+    """One engine's death is the group's: the others exit then (their model and KV cache
+    freed), not when the front does (under --on-engine-failure refuse, never)."""
+    import signal
+
+    async with open_engine(**CONFIG, data_parallel_size=2) as client:
+        pids = [engine.pid for engine in client._engine.core.engines]
+        os.kill(pids[0], signal.SIGKILL)
+        with trio.fail_after(30):
+            await client.wait_failed()
+            while os.path.exists(f"/proc/{pids[1]}") and _state(pids[1]) != "Z":  # (exited: a zombie till reaped)
+                await trio.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
+
+
 async def test_an_engine_process_that_stops_answering_is_declared_dead(monkeypatch):
     """A stopped engine process (SIGSTOP; a wedged interpreter) can report nothing: its
     heartbeats stop, and the front declares it dead after the silence limit (requests waited

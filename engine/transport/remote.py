@@ -284,13 +284,22 @@ class DataParallelActor:
         engines = self._group.engines
         inboxes = [trio.open_memory_channel(math.inf) for _ in engines]
         relays = [trio.open_memory_channel(0) for _ in engines]
-        with ungrouped():  # one engine's death: its EngineDeadError, not a group of it
-            async with self._outbox, trio.open_nursery() as nursery:
-                for engine, (send, receive), (relay_send, relay_receive) in zip(engines, inboxes, relays):
-                    nursery.start_soon(RemoteCoreActor(engine, receive, relay_send).run)
-                    nursery.start_soon(self._merge, engine.rank, relay_receive)
-                await self._route([send for send, _ in inboxes])
-                nursery.cancel_scope.cancel()
+        try:
+            with ungrouped():  # one engine's death: its EngineDeadError, not a group of it
+                async with self._outbox, trio.open_nursery() as nursery:
+                    for engine, (send, receive), (relay_send, relay_receive) in zip(engines, inboxes, relays):
+                        nursery.start_soon(RemoteCoreActor(engine, receive, relay_send).run)
+                        nursery.start_soon(self._merge, engine.rank, relay_receive)
+                    await self._route([send for send, _ in inboxes])
+                    nursery.cancel_scope.cancel()
+        except EngineDeadError:
+            # The group is dead: the others end now (each aborts what it holds and exits), not
+            # when the server does (under --on-engine-failure refuse they held their model and
+            # KV cache, a GPU each, for a server that serves no more).
+            with trio.CancelScope(shield=True):
+                for engine in engines:
+                    await engine._send.aclose()
+            raise
 
     async def _route(self, inboxes: list[trio.MemorySendChannel]) -> None:
         async for message in self._inbox:
