@@ -109,7 +109,9 @@ class LLM:
         engine = Engine(self.engine, self.tokenizer, self.structured_outputs)
         inputs = [engine.client.prepare(p, engine.client.truncates(params.truncate_prompt_tokens))
                   for p, params in zip(prompt_list, params_list)]
-        inputs = [(text, engine.client.truncate(ids, params)) for (text, ids), params in zip(inputs, params_list)]
+        bos = engine.client.leading_special_tokens  # (a text's stay in front when truncated)
+        inputs = [(text, engine.client.truncate(ids, params, bos if _encoded(p) else 0))
+                  for p, (text, ids), params in zip(prompt_list, inputs, params_list)]
         for (_, ids), params, rank in zip(inputs, params_list, priorities):
             self.engine.validate(ids, params, rank)
             if params.structured_outputs is not None:  # a bad constraint fails before anything runs
@@ -252,6 +254,11 @@ class _Progress:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _encoded(prompt: PromptType) -> bool:
+    """Whether the prompt's ids come from the tokenizer (a text), not the caller."""
+    return isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
 
 
 def _no_lora(lora_request: Any) -> None:

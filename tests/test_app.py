@@ -624,6 +624,14 @@ async def test_add_special_tokens_is_honoured_with_vllms_defaults(tiny_vocab_cor
         assert await ids("/v1/chat/completions", {**CHAT, "max_tokens": 1, "return_token_ids": True},
                          add_special_tokens=True) == [0, *chat]
         assert await ids("/tokenize", CHAT, add_special_tokens=True) == [0, *chat]
+        # truncated, a text keeps its BOS in front (as a tokenizer's own truncation): Llama's read
+        # without one; ids the caller gave are cut as given
+        words = tokenizer.encode(" one two three four five six")
+        assert await ids("/v1/completions", {**prompt, "prompt": " one two three four five six",
+                                             "truncate_prompt_tokens": 3}) == [0, *words[-2:]]
+        assert await ids("/v1/completions", {**prompt, "prompt": [0, *words], "truncate_prompt_tokens": 3}) == words[-3:]
+        assert await ids("/v1/completions", {**prompt, "prompt": " one two three four five six",
+                                             "truncate_prompt_tokens": 3}, add_special_tokens=False) == words[-3:]
 
 
 async def test_documents_reach_the_chat_template(tiny_vocab_core, tokenizer):

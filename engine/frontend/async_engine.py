@@ -9,6 +9,7 @@ finishes first (one step is the shutdown deadline).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import numbers
@@ -329,8 +330,17 @@ class EngineClient:
         ``max_model_len``; only then may a text of any length come in (``encode``)."""
         return is_int64(keep) and (keep == -1 or 1 <= keep <= self.max_model_len)
 
-    def truncate(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt's last ``params.truncate_prompt_tokens`` tokens (all without it).
+    @functools.cached_property
+    def leading_special_tokens(self) -> int:
+        """How many special tokens the tokenizer puts before a text (a BOS: 1; none: 0)."""
+        plain = self.tokenizer.encode("a", add_special_tokens=False)
+        marked = self.tokenizer.encode("a")
+        return next((i for i in range(len(marked)) if marked[i:i + len(plain)] == plain), 0)
+
+    def truncate(self, prompt_token_ids: list[int], params: SamplingParams, kept_in_front: int = 0) -> list[int]:
+        """The prompt's last ``params.truncate_prompt_tokens`` tokens (all without it), its first
+        ``kept_in_front`` among them: a text's leading special tokens (``leading_special_tokens``,
+        where the tokenizer added them) stay, as a tokenizer's own truncation keeps its BOS.
 
         Raises:
             InvalidParameterError: more tokens to keep than ``max_model_len``.
@@ -344,7 +354,10 @@ class EngineClient:
             raise InvalidParameterError("truncate_prompt_tokens",
                                         f"truncate_prompt_tokens ({keep}) is greater than this model's maximum "
                                         f"context length ({self.max_model_len})")
-        return prompt_token_ids[-keep:]
+        if len(prompt_token_ids) <= keep:
+            return prompt_token_ids
+        front = min(kept_in_front, keep)
+        return prompt_token_ids[:front] + prompt_token_ids[len(prompt_token_ids) - (keep - front):]
 
     def encode(self, text: str, add_special_tokens: bool = True, truncating: bool = False) -> list[int]:
         """Token ids of ``text`` (after ``check_text_length``, unless ``truncating``: the caller

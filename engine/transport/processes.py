@@ -212,7 +212,9 @@ async def run_headless(config: EngineConfig, connect_timeout: float = 300.0) -> 
     local = config.data_parallel_local
     if local < 1:
         raise ConfigError("data_parallel_size_local", "--headless needs at least one local engine")
-    start = config.data_parallel_size - local if config.data_parallel_start_rank is None else config.data_parallel_start_rank
+    start = config.data_parallel_start_rank
+    if start is None:  # (the group's last ranks: the usual two machines, the server's engines first)
+        start = config.data_parallel_size - local
     address, port = config.data_parallel_address, config.data_parallel_rpc_port
     processes: list = []
     shares = device_shares(config, local)
