@@ -523,7 +523,9 @@ def input_item_resources(value: Any) -> list[dict[str, Any]]:
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             item["content"] = [{"type": part, "text": item.get("content") or ""}]
         if kind == "message":
-            item["content"] = [_resource_part(part) for part in item["content"]]
+            item["content"] = [_resource_part(part, item.get("role")) for part in item["content"]]
+        if kind == "reasoning":  # (sent back with its content alone: the listed item has a summary)
+            item.setdefault("summary", [])
         if item.get("id") is None:  # (absent or null: a listed item always has one)
             item["id"] = _item_id(_ITEM_PREFIXES.get(kind, "item"))
         if item.get("status") is None:
@@ -532,11 +534,15 @@ def input_item_resources(value: Any) -> list[dict[str, Any]]:
     return resources
 
 
-def _resource_part(part: dict[str, Any]) -> dict[str, Any]:
-    """An output_text part as a response has it (annotations and logprobs always there)."""
-    if part.get("type") != "output_text":
+def _resource_part(part: dict[str, Any], role: str | None) -> dict[str, Any]:
+    """A text part as OpenAI lists it: an assistant's output_text (annotations and logprobs
+    always there), anyone else's input_text, whichever of the text types it was sent as."""
+    if part.get("type") not in ("text", "input_text", "output_text"):
         return part
-    return {**part, "annotations": part.get("annotations") or [], "logprobs": part.get("logprobs") or []}
+    if role != "assistant":
+        return {"type": "input_text", "text": part.get("text", "")}
+    return {**part, "type": "output_text", "annotations": part.get("annotations") or [],
+            "logprobs": part.get("logprobs") or []}
 
 
 def item_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:

@@ -278,6 +278,16 @@ def test_input_items_sent_in_any_form_are_listed_as_openai_describes_them(schema
     assert items[2]["content"] == [{"type": "output_text", "text": "t", "annotations": [], "logprobs": []}]
     [empty] = input_item_resources([{"role": "user", "content": None}])  # (null content: no text)
     assert empty["content"] == [{"type": "input_text", "text": ""}]
+    # parts of chat's type "text", or of the other side's type, and a reasoning item sent back
+    # with its content alone: listed in the types the spec gives each role, with a summary
+    items = input_item_resources([
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "output_text", "text": "b"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "c"}]},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "think"}]}])
+    schemas.validate("ResponseItemList", item_page(items, 10, "asc", None))
+    assert items[0]["content"] == [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    assert items[1]["content"] == [{"type": "output_text", "text": "c", "annotations": [], "logprobs": []}]
+    assert items[2]["summary"] == []
 
 
 def test_a_store_keeps_at_most_its_capacity():
