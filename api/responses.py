@@ -524,8 +524,8 @@ def input_item_resources(value: Any) -> list[dict[str, Any]]:
             item["content"] = [{"type": part, "text": item.get("content") or ""}]
         if kind == "message":
             item["content"] = [_resource_part(part, item.get("role")) for part in item["content"]]
-        if kind == "reasoning":  # (sent back with its content alone: the listed item has a summary)
-            item.setdefault("summary", [])
+        if kind == "reasoning" and item.get("summary") is None:  # (sent back with its content alone)
+            item["summary"] = []
         if item.get("id") is None:  # (absent or null: a listed item always has one)
             item["id"] = _item_id(_ITEM_PREFIXES.get(kind, "item"))
         if item.get("status") is None:

@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.nnodes > 1 and args.node_rank > 0 and not args.headless:
         parser.error(f"--node-rank {args.node_rank} runs this machine's tensor-parallel ranks only: add --headless "
                      "(node 0 runs the engine and the HTTP server)")
+    if args.data_parallel_start_rank is not None and not args.headless:
+        parser.error("--data-parallel-start-rank numbers a --headless machine's engines (the server's own are "
+                     "the first ranks)")
     if args.headless and args.api_server_count > 1:
         parser.error("--api-server-count does not combine with --headless (a headless node runs engines only: "
                      "the API servers run on the node without it)")

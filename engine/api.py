@@ -19,7 +19,7 @@ import trio
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.errors import ConfigError, EngineDeadError, InvalidParameterError, ungrouped
-from engine.frontend.async_engine import Engine, EngineClient, open_engine
+from engine.frontend.async_engine import Engine, EngineClient, encoded, open_engine
 from engine.frontend.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.messages import EngineStats, StepOutput
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -110,7 +110,7 @@ class LLM:
         inputs = [engine.client.prepare(p, engine.client.truncates(params.truncate_prompt_tokens))
                   for p, params in zip(prompt_list, params_list)]
         bos = engine.client.leading_special_tokens  # (a text's stay in front when truncated)
-        inputs = [(text, engine.client.truncate(ids, params, bos if _encoded(p) else 0))
+        inputs = [(text, engine.client.truncate(ids, params, bos if encoded(p) else 0))
                   for p, (text, ids), params in zip(prompt_list, inputs, params_list)]
         for (_, ids), params, rank in zip(inputs, params_list, priorities):
             self.engine.validate(ids, params, rank)
@@ -254,11 +254,6 @@ class _Progress:
 
     def close(self) -> None:
         self._bar.close()
-
-
-def _encoded(prompt: PromptType) -> bool:
-    """Whether the prompt's ids come from the tokenizer (a text), not the caller."""
-    return isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
 
 
 def _no_lora(lora_request: Any) -> None:

@@ -158,8 +158,9 @@ def template_switches(kwargs: Mapping[str, Any] | None, add_generation_prompt: b
     taken = sorted(set(kwargs) & engine_arguments())
     if taken:
         raise InvalidParameterError("chat_template_kwargs", f"chat_template_kwargs: {', '.join(taken)} is the "
-                                                            "server's to set; these kwargs are the chat template's "
-                                                            "own variables")
+                                                            "server's to set (tools and documents are request "
+                                                            "fields); these kwargs are the chat template's own "
+                                                            "variables")
     return add_generation_prompt, continue_final_message, kwargs
 
 

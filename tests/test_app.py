@@ -594,6 +594,17 @@ async def test_special_tokens_in_the_text_are_joined_without_spaces_as_asked_or_
     assert texts[0].startswith("<|") and " " not in texts[0] and len(texts) == 2
 
 
+async def test_best_of_below_n_is_a_bad_value_above_it_unsupported(tiny_vocab_core, tokenizer):
+    async with serve_http(tiny_vocab_core, tokenizer) as server:
+        below = await server.http.post("/v1/completions", json={"prompt": "Hi", "n": 2, "best_of": 1})
+        above = await server.http.post("/v1/completions", json={"prompt": "Hi", "n": 1, "best_of": 2})
+    assert below.status_code == above.status_code == 400
+    assert error(below.content) | {"message": ""} == {"message": "", "type": "invalid_request_error",
+                                                      "param": "best_of", "code": "bad_request"}
+    assert "best_of must be at least n (2); got 1" in error(below.content)["message"]
+    assert error(above.content)["code"] == "unsupported_parameter"
+
+
 async def test_add_special_tokens_is_honoured_with_vllms_defaults(tiny_vocab_core, tokenizer):
     """With a tokenizer that adds a BOS (as Llama's): a text prompt has it unless
     add_special_tokens is false, a chat only what its template writes unless it is true; and
@@ -629,7 +640,8 @@ async def test_add_special_tokens_is_honoured_with_vllms_defaults(tiny_vocab_cor
         words = tokenizer.encode(" one two three four five six")
         assert await ids("/v1/completions", {**prompt, "prompt": " one two three four five six",
                                              "truncate_prompt_tokens": 3}) == [0, *words[-2:]]
-        assert await ids("/v1/completions", {**prompt, "prompt": [0, *words], "truncate_prompt_tokens": 3}) == words[-3:]
+        given = {**prompt, "prompt": [0, *words], "truncate_prompt_tokens": 3}
+        assert await ids("/v1/completions", given) == words[-3:]
         assert await ids("/v1/completions", {**prompt, "prompt": " one two three four five six",
                                              "truncate_prompt_tokens": 3}, add_special_tokens=False) == words[-3:]
 
@@ -678,7 +690,6 @@ async def test_documents_reach_the_chat_template(tiny_vocab_core, tokenizer):
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
     ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
     ("/v1/chat/completions", {**CHAT, "modalities": ["text", "image"]}, "modalities"),
-    ("/v1/completions", {"prompt": "Hi", "n": 2, "best_of": 1}, "best_of"),
 ])
 async def test_accepted_means_honoured_else_400(tiny_vocab_core, tokenizer, path, body, param):
     async with serve_http(tiny_vocab_core, tokenizer) as server:

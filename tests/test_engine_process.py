@@ -301,19 +301,11 @@ async def test_two_engines_of_one_data_parallel_rank_are_refused_at_start():
     from engine.transport.protocol import CODEC, EngineReady
     from engine.transport.wire import open_link
 
-    with socket.socket() as probe:  # (a port free a moment ago)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     config = EngineConfig(data_parallel_size=2, data_parallel_size_local=0, data_parallel_rpc_port=port)
 
     async def engine(pid: int) -> None:
-        while True:
-            try:
-                stream = await trio.open_tcp_stream("127.0.0.1", port)
-                break
-            except OSError:
-                await trio.sleep(0.05)
-        async with open_link(stream, CODEC, role="engine") as (send, receive):
+        async with open_link(await _connected(port), CODEC, role="engine") as (send, receive):
             cache, stats = KVCacheInfo(16, 64, "float32", 1, True, None), EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0)
             await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, pid, 1, 0.0))
             try:
@@ -326,7 +318,8 @@ async def test_two_engines_of_one_data_parallel_rank_are_refused_at_start():
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine, 101)
             nursery.start_soon(engine, 102)
-            with pytest.raises(ConfigError, match="engines 0 and 1 both have data-parallel rank 1") as error:
+            with pytest.raises(ConfigError, match=r"two engines \(pids 10[12] and 10[12]\) both have data-parallel "
+                                                  r"rank 1") as error:
                 async with engine_processes(config, 2):
                     pass
     assert error.value.param == "data_parallel_start_rank"
@@ -338,20 +331,12 @@ async def test_a_front_with_no_engine_of_its_own_loads_no_model_and_waits_for_on
     import engine.frontend.async_engine as async_engine
 
     monkeypatch.setattr(async_engine, "EngineCore", lambda config: pytest.fail("the front loaded the model"))
-    with socket.socket() as probe:  # (a port free a moment ago)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     listening = trio.Event()
 
     async def knock() -> None:
-        while True:
-            try:
-                (await trio.open_tcp_stream("127.0.0.1", port)).socket.close()  # (a stranger: dropped)
-            except OSError:
-                await trio.sleep(0.05)
-                continue
-            listening.set()
-            return
+        (await _connected(port)).socket.close()  # (a stranger: dropped)
+        listening.set()
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
@@ -376,19 +361,11 @@ async def test_an_engine_of_another_machine_has_its_times_read_on_the_fronts_clo
     from engine.transport.protocol import CODEC, EngineReady, Heartbeat
     from engine.transport.wire import open_link
 
-    with socket.socket() as probe:  # (a port free a moment ago)
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     elsewhere = 100_000.0  # the engine's clock, ahead of the front's by this
 
     async def engine() -> None:
-        while True:
-            try:
-                stream = await trio.open_tcp_stream("127.0.0.1", port)
-                break
-            except OSError:
-                await trio.sleep(0.05)
-        async with open_link(stream, CODEC, role="engine") as (send, receive):
+        async with open_link(await _connected(port), CODEC, role="engine") as (send, receive):
             cache, stats = KVCacheInfo(16, 64, "float32", 1, True, None), EngineStats(0, 0, 0, 64, 0, 0, 0, 0, 0, 0)
             await send.send(EngineReady("m", 4096, 49152, "cpu", {}, (2,), cache, stats, 101, 0,
                                         time.monotonic() + elsewhere))
@@ -628,6 +605,22 @@ def _ipv6_loopback() -> bool:
         return True
     except OSError:
         return False
+
+
+def _free_port() -> int:
+    """A port of 127.0.0.1 free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def _connected(port: int) -> trio.SocketStream:
+    """A connection to 127.0.0.1:``port`` once something listens there."""
+    while True:
+        try:
+            return await trio.open_tcp_stream("127.0.0.1", port)
+        except OSError:
+            await trio.sleep(0.05)
 
 
 def _free_on_both_loopbacks() -> int:

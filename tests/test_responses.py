@@ -283,11 +283,12 @@ def test_input_items_sent_in_any_form_are_listed_as_openai_describes_them(schema
     items = input_item_resources([
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "output_text", "text": "b"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "c"}]},
-        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "think"}]}])
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "think"}]},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "more"}], "summary": None}])
     schemas.validate("ResponseItemList", item_page(items, 10, "asc", None))
     assert items[0]["content"] == [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]
     assert items[1]["content"] == [{"type": "output_text", "text": "c", "annotations": [], "logprobs": []}]
-    assert items[2]["summary"] == []
+    assert items[2]["summary"] == items[3]["summary"] == []
 
 
 def test_a_store_keeps_at_most_its_capacity():

@@ -371,6 +371,8 @@ def test_a_backend_this_machine_cannot_run_is_one_clear_line():
     (["--chat-template", ""], "--chat-template is empty"),
     (["--nnodes", "2", "--node-rank", "1", "--tensor-parallel-size", "2"], "--node-rank 1 runs this machine's "
      "tensor-parallel ranks only: add --headless"),  # (it tried to be a second rank 0)
+    (["--data-parallel-size", "2", "--data-parallel-start-rank", "1"], "--data-parallel-start-rank numbers a "
+     "--headless machine's engines"),
 ])
 def test_mistakes_in_every_process_layout_are_one_line_and_exit_2(argv, words):
     """Several API servers or a headless node: a wrong flag is argparse's kind of error (it was a

@@ -461,8 +461,8 @@ class EngineClient:
         params = self.tokenize_bad_words(sampling_params_or_none(sampling_params) or SamplingParams())  # (once)
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         truncating = self.truncates(params.truncate_prompt_tokens)
-        inputs = [(text, self.truncate(token_ids, params))
-                  for text, token_ids in (self.prepare(p, truncating) for p in prompts)]
+        inputs = [(text, self.truncate(token_ids, params, self.leading_special_tokens if encoded(p) else 0))
+                  for p, (text, token_ids) in ((p, self.prepare(p, truncating)) for p in prompts)]
         for _, token_ids in inputs:
             self.validate(token_ids, params, priority)
         grammar = await self.compile(params)
@@ -519,7 +519,8 @@ class EngineClient:
         if request_id in engine.registry:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt, self.truncates(params.truncate_prompt_tokens))
-        ids = self.truncate(ids, params)  # (``prompt`` stays the text given, as vLLM's)
+        # (``prompt`` stays the text given, as vLLM's; a text's BOS stays in front)
+        ids = self.truncate(ids, params, self.leading_special_tokens if encoded(prompt) else 0)
         params = self.tokenize_bad_words(params.clone())  # (the engine's own copy: the caller's may change)
         self.validate(ids, params, priority)
         if params.structured_outputs is not None and grammar is None:
@@ -620,6 +621,11 @@ class EngineClient:
                     yield step
         finally:
             self._engine.subscribers.discard(send)
+
+
+def encoded(prompt: str | list[int] | dict[str, Any]) -> bool:
+    """Whether a prompt's ids come from the tokenizer (a text), not the caller."""
+    return isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
 
 
 @asynccontextmanager

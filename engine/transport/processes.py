@@ -94,7 +94,7 @@ async def _engines(config: EngineConfig, streams: list[trio.SocketStream], proce
         if joining:
             ends += await _join_engines(config, joining, links)
         cores = []
-        ranks: dict[int, int] = {}  # data-parallel rank -> engine
+        ranks: dict[int, int] = {}  # data-parallel rank -> its engine's pid
         for rank, (send, receive) in enumerate(ends):
             process = processes[rank] if rank < len(processes) else None
             first = await _first_message(receive, process)
@@ -103,19 +103,27 @@ async def _engines(config: EngineConfig, streams: list[trio.SocketStream], proce
                 first = EngineFailed(ConfigError("data_parallel_size", (
                     f"engine {rank} serves {first.model} ({first.vocab_size} tokens), engine 0 "
                     f"{cores[0].model} ({cores[0].vocab_size}): every engine must serve the same model")))
+            elif isinstance(first, EngineReady) and not 0 <= first.data_parallel_rank < len(ends):
+                first = EngineFailed(ConfigError("data_parallel_start_rank", (
+                    f"an engine (pid {first.pid}) has data-parallel rank {first.data_parallel_rank}, outside this "
+                    f"group of {len(ends)}: check its machine's --data-parallel-size and --data-parallel-start-rank")))
             elif isinstance(first, EngineReady) and first.data_parallel_rank in ranks:
                 # (they would draw the same random numbers for requests without a seed)
                 first = EngineFailed(ConfigError("data_parallel_start_rank", (
-                    f"engines {ranks[first.data_parallel_rank]} and {rank} both have data-parallel rank "
-                    f"{first.data_parallel_rank}: with several --headless machines, give each its own "
+                    f"two engines (pids {ranks[first.data_parallel_rank]} and {first.pid}) both have data-parallel "
+                    f"rank {first.data_parallel_rank}: with several --headless machines, give each its own "
                     "--data-parallel-start-rank")))
             elif isinstance(first, EngineReady):
-                ranks[first.data_parallel_rank] = rank
+                ranks[first.data_parallel_rank] = first.pid
             if isinstance(first, EngineFailed):
                 startup_error = first.error  # raised below, outside the links' nurseries: as in one process
                 break
-            log.info("engine process %d (engine %d%s) ready", first.pid, rank, "" if process else ", not a child")
-            cores.append(RemoteCore(config, first, send, receive, process, rank, joined=rank >= len(streams)))
+            log.info("engine process %d (engine %d%s) ready", first.pid, first.data_parallel_rank,
+                     "" if process else ", not a child")
+            # (an engine's number, the ``engine`` label of its metrics, is its rank: not the order joined)
+            cores.append(RemoteCore(config, first, send, receive, process, first.data_parallel_rank,
+                                    joined=rank >= len(streams)))
+        cores.sort(key=lambda core: core.rank)
         if startup_error is None:
             try:
                 yield cores

@@ -89,9 +89,12 @@ class RemoteCore:
         """``step`` with its times (when the engine first scheduled each request) on this
         process's clock: the front measures queue and prefill times against its own (a remote
         engine's read 200000 s of queueing)."""
-        offset = self.clock_offset
+        # (the offset is late by the quickest message's way here, up to a heartbeat's interval
+        # after the start: never past now, when the step that says it has come)
+        offset, now = self.clock_offset, time.monotonic()
         return attrs.evolve(step, deltas=tuple(
-            d if d.first_scheduled_at is None else attrs.evolve(d, first_scheduled_at=d.first_scheduled_at + offset)
+            d if d.first_scheduled_at is None else attrs.evolve(d, first_scheduled_at=min(d.first_scheduled_at + offset,
+                                                                                          now))
             for d in step.deltas))
 
     def validate(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> int:
