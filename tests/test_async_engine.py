@@ -547,6 +547,17 @@ async def test_an_id_is_reusable_once_a_stopped_request_is_finished(tiny_core, t
         assert again.token_ids == alone.token_ids  # no late token of the old "x" leaked in
 
 
+@pytest.mark.parametrize("request_ids", [["x"], "xy", ["x", 2]])
+async def test_generate_many_refuses_request_ids_that_are_not_one_per_prompt(tiny_core, tokenizer, request_ids):
+    """Fewer ids than prompts queued only the first ones (zip), a string gave each prompt a
+    letter: nothing is queued, and the error names request_ids."""
+    async with Engine(tiny_core, tokenizer).serve() as client:
+        with pytest.raises(InvalidParameterError, match="one id per prompt") as exc:
+            async for _ in client.generate_many(["a", "b"], SamplingParams(max_tokens=2), request_ids=request_ids):
+                pass
+        assert exc.value.param == "request_ids" and tiny_core.num_running_requests == 0 and not client._engine.registry
+
+
 async def test_generate_many_merges_without_a_task_per_request(tiny_core, tokenizer):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     async with Engine(tiny_core, tokenizer).serve() as client:

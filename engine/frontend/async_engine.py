@@ -459,6 +459,10 @@ class EngineClient:
         then all queued or none; the outputs come as ``(prompt index, output)``. ``admitted``: they
         wait in room the caller holds (``reserve``: a beam search's steps), and count only there."""
         params = self.tokenize_bad_words(sampling_params_or_none(sampling_params) or SamplingParams())  # (once)
+        if isinstance(request_ids, str) or (request_ids is not None and (
+                len(request_ids) != len(prompts) or not all(isinstance(i, str) for i in request_ids))):
+            raise InvalidParameterError("request_ids", f"request_ids must be a list of one id per prompt "
+                                                       f"({len(prompts)}); got {request_ids!r}"[:200])
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         truncating = self.truncates(params.truncate_prompt_tokens)
         inputs = [(text, self.truncate(token_ids, params, self.leading_special_tokens if encoded(p) else 0))
