@@ -622,8 +622,7 @@ class _Handlers:
                 raise
             raise APIError(400, f"{source}: {exc}", source) from None
         try:
-            ids = self.client.truncate(rendered.ids, params,
-                                       self.client.leading_special_tokens if req.add_special_tokens else 0)
+            ids = self.client.truncate(rendered.ids, params, req.add_special_tokens)
             self.validate(ids, params, req.priority)
         except InvalidParameterError as exc:
             raise in_request_terms(exc, req, chat=True) from None
@@ -796,8 +795,7 @@ class _Handlers:
         inputs = [await _off_loop(len(p) if isinstance(p, str) else 0, self.client.prepare, p, truncating,
                                   req.add_special_tokens) for p in prompts]
         if params.truncate_prompt_tokens is not None:  # (an echo shows the prompt the model read)
-            front = self.client.leading_special_tokens if req.add_special_tokens else 0
-            inputs = [(None, self.client.truncate(ids, params, front if text is not None else 0))
+            inputs = [(None, self.client.truncate(ids, params, req.add_special_tokens and text is not None))
                       for text, ids in inputs]
         # echo with logprobs: the prompt's tokens have logprobs too (OpenAI's legacy completions,
         # vLLM; lm-evaluation-harness scores continuations so); a stream sends them with the echo,

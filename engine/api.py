@@ -109,8 +109,7 @@ class LLM:
         engine = Engine(self.engine, self.tokenizer, self.structured_outputs)
         inputs = [engine.client.prepare(p, engine.client.truncates(params.truncate_prompt_tokens))
                   for p, params in zip(prompt_list, params_list)]
-        bos = engine.client.leading_special_tokens  # (a text's stay in front when truncated)
-        inputs = [(text, engine.client.truncate(ids, params, bos if encoded(p) else 0))
+        inputs = [(text, engine.client.truncate(ids, params, encoded(p)))  # (a text's BOS stays in front)
                   for p, (text, ids), params in zip(prompt_list, inputs, params_list)]
         for (_, ids), params, rank in zip(inputs, params_list, priorities):
             self.engine.validate(ids, params, rank)

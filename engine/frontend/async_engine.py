@@ -337,10 +337,10 @@ class EngineClient:
         marked = self.tokenizer.encode("a")
         return next((i for i in range(len(marked)) if marked[i:i + len(plain)] == plain), 0)
 
-    def truncate(self, prompt_token_ids: list[int], params: SamplingParams, kept_in_front: int = 0) -> list[int]:
-        """The prompt's last ``params.truncate_prompt_tokens`` tokens (all without it), its first
-        ``kept_in_front`` among them: a text's leading special tokens (``leading_special_tokens``,
-        where the tokenizer added them) stay, as a tokenizer's own truncation keeps its BOS.
+    def truncate(self, prompt_token_ids: list[int], params: SamplingParams, specials: bool = False) -> list[int]:
+        """The prompt's last ``params.truncate_prompt_tokens`` tokens (all without it). With
+        ``specials`` (the ids are a text's, encoded with the tokenizer's special tokens) those in
+        front (``leading_special_tokens``: a BOS) stay, as a tokenizer's own truncation keeps them.
 
         Raises:
             InvalidParameterError: more tokens to keep than ``max_model_len``.
@@ -356,7 +356,7 @@ class EngineClient:
                                         f"context length ({self.max_model_len})")
         if len(prompt_token_ids) <= keep:
             return prompt_token_ids
-        front = min(kept_in_front, keep)
+        front = min(self.leading_special_tokens if specials else 0, keep)
         return prompt_token_ids[:front] + prompt_token_ids[len(prompt_token_ids) - (keep - front):]
 
     def encode(self, text: str, add_special_tokens: bool = True, truncating: bool = False) -> list[int]:
@@ -465,7 +465,7 @@ class EngineClient:
                                                        f"({len(prompts)}); got {request_ids!r}"[:200])
         ids = list(request_ids) if request_ids is not None else [uuid.uuid4().hex for _ in prompts]
         truncating = self.truncates(params.truncate_prompt_tokens)
-        inputs = [(text, self.truncate(token_ids, params, self.leading_special_tokens if encoded(p) else 0))
+        inputs = [(text, self.truncate(token_ids, params, encoded(p)))
                   for p, (text, token_ids) in ((p, self.prepare(p, truncating)) for p in prompts)]
         for _, token_ids in inputs:
             self.validate(token_ids, params, priority)
@@ -524,7 +524,7 @@ class EngineClient:
             raise InvalidParameterError("request_id", f"request id {request_id!r} is already in use")
         text, ids = self.prepare(prompt, self.truncates(params.truncate_prompt_tokens))
         # (``prompt`` stays the text given, as vLLM's; a text's BOS stays in front)
-        ids = self.truncate(ids, params, self.leading_special_tokens if encoded(prompt) else 0)
+        ids = self.truncate(ids, params, encoded(prompt))
         params = self.tokenize_bad_words(params.clone())  # (the engine's own copy: the caller's may change)
         self.validate(ids, params, priority)
         if params.structured_outputs is not None and grammar is None:

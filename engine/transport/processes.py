@@ -98,21 +98,8 @@ async def _engines(config: EngineConfig, streams: list[trio.SocketStream], proce
         for rank, (send, receive) in enumerate(ends):
             process = processes[rank] if rank < len(processes) else None
             first = await _first_message(receive, process)
-            if isinstance(first, EngineReady) and cores and (first.model, first.vocab_size) != (
-                    cores[0].model, cores[0].vocab_size):
-                first = EngineFailed(ConfigError("data_parallel_size", (
-                    f"engine {rank} serves {first.model} ({first.vocab_size} tokens), engine 0 "
-                    f"{cores[0].model} ({cores[0].vocab_size}): every engine must serve the same model")))
-            elif isinstance(first, EngineReady) and not 0 <= first.data_parallel_rank < len(ends):
-                first = EngineFailed(ConfigError("data_parallel_start_rank", (
-                    f"an engine (pid {first.pid}) has data-parallel rank {first.data_parallel_rank}, outside this "
-                    f"group of {len(ends)}: check its machine's --data-parallel-size and --data-parallel-start-rank")))
-            elif isinstance(first, EngineReady) and first.data_parallel_rank in ranks:
-                # (they would draw the same random numbers for requests without a seed)
-                first = EngineFailed(ConfigError("data_parallel_start_rank", (
-                    f"two engines (pids {ranks[first.data_parallel_rank]} and {first.pid}) both have data-parallel "
-                    f"rank {first.data_parallel_rank}: with several --headless machines, give each its own "
-                    "--data-parallel-start-rank")))
+            if isinstance(first, EngineReady) and (mismatch := _not_of_the_group(first, rank, cores, ranks, len(ends))):
+                first = EngineFailed(mismatch)
             elif isinstance(first, EngineReady):
                 ranks[first.data_parallel_rank] = first.pid
             if isinstance(first, EngineFailed):
@@ -136,6 +123,26 @@ async def _engines(config: EngineConfig, streams: list[trio.SocketStream], proce
                             await _drain(core._receive)  # ...and ends its side before the link closes
     if startup_error is not None:
         raise startup_error
+
+
+def _not_of_the_group(ready: EngineReady, index: int, cores: list[RemoteCore], ranks: dict[int, int],
+                      size: int) -> ConfigError | None:
+    """Why engine ``index`` cannot join the group of ``size`` whose engines ``cores`` are ready
+    (``ranks``: their data-parallel ranks -> pids), or None if it can."""
+    if cores and (ready.model, ready.vocab_size) != (cores[0].model, cores[0].vocab_size):
+        return ConfigError("data_parallel_size", (
+            f"engine {index} serves {ready.model} ({ready.vocab_size} tokens), engine 0 {cores[0].model} "
+            f"({cores[0].vocab_size}): every engine must serve the same model"))
+    if not 0 <= ready.data_parallel_rank < size:
+        return ConfigError("data_parallel_start_rank", (
+            f"an engine (pid {ready.pid}) has data-parallel rank {ready.data_parallel_rank}, outside this group of "
+            f"{size}: check its machine's --data-parallel-size and --data-parallel-start-rank"))
+    if ready.data_parallel_rank in ranks:  # (they would draw the same random numbers for requests without a seed)
+        return ConfigError("data_parallel_start_rank", (
+            f"two engines (pids {ranks[ready.data_parallel_rank]} and {ready.pid}) both have data-parallel rank "
+            f"{ready.data_parallel_rank}: with several --headless machines, give each its own "
+            "--data-parallel-start-rank"))
+    return None
 
 
 async def start_engines_for_fronts(config: EngineConfig, count: int,
