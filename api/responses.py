@@ -183,35 +183,11 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             raise bad_request(f"{where}.id must be a string; got {item['id']!r}", "input")
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = item.get("role")
-            if role not in _ROLES:
-                raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", "input")
-            if role != "assistant" and reasoning is not None:  # (an answer cut off while it reasoned)
-                messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
-                reasoning = None
-            text = _text(item.get("content"), f"{where}.content")
-            last = messages[-1] if messages else None
-            if role == "assistant" and reasoning is None and last is not None and last.get("tool_calls") \
-                    and last["role"] == "assistant":
-                last["content"] = _after(last, text)  # text after its calls: the same turn, as a response's
-                continue
-            message = {"role": role, "content": text}
-            if role == "assistant" and reasoning is not None:
-                message["reasoning_content"], reasoning = reasoning, None
-            messages.append(message)
+            _add_message(messages, item, where, reasoning)
+            reasoning = None  # (each takes the reasoning before it)
         elif kind == "function_call":
-            name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-            if not all(isinstance(v, str) for v in (name, arguments, call_id)):
-                raise bad_request(f"{where}: a function_call item needs call_id, name and arguments (strings)",
-                                  "input")
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and reasoning is None:
-                last.setdefault("tool_calls", []).append(call)  # the same turn as its text or other calls
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-                if reasoning is not None:
-                    messages[-1]["reasoning_content"], reasoning = reasoning, None
+            _add_call(messages, item, where, reasoning)
+            reasoning = None
         elif kind == "function_call_output":
             call_id = item.get("call_id")
             if not isinstance(call_id, str):
@@ -229,6 +205,42 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     if not messages:
         raise bad_request("input must hold at least one message or function call output", "input")
     return messages
+
+
+def _add_message(messages: list[dict[str, Any]], item: dict[str, Any], where: str, reasoning: str | None) -> None:
+    """A message item onto the chat ``messages``, with the ``reasoning`` item that came before it."""
+    role = item.get("role")
+    if role not in _ROLES:
+        raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}; got {role!r}", "input")
+    if role != "assistant" and reasoning is not None:  # (an answer cut off while it reasoned)
+        messages.append({"role": "assistant", "content": "", "reasoning_content": reasoning})
+        reasoning = None
+    text = _text(item.get("content"), f"{where}.content")
+    last = messages[-1] if messages else None
+    if role == "assistant" and reasoning is None and last is not None and last.get("tool_calls") \
+            and last["role"] == "assistant":
+        last["content"] = _after(last, text)  # text after its calls: the same turn, as a response's
+        return
+    message = {"role": role, "content": text}
+    if role == "assistant" and reasoning is not None:
+        message["reasoning_content"] = reasoning
+    messages.append(message)
+
+
+def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], where: str, reasoning: str | None) -> None:
+    """A function_call item onto the chat ``messages``: a call of the assistant turn before it,
+    or of a new one (with the ``reasoning`` item that came before it)."""
+    name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+    if not all(isinstance(v, str) for v in (name, arguments, call_id)):
+        raise bad_request(f"{where}: a function_call item needs call_id, name and arguments (strings)", "input")
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant" and reasoning is None:
+        last.setdefault("tool_calls", []).append(call)  # the same turn as its text or other calls
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        if reasoning is not None:
+            messages[-1]["reasoning_content"] = reasoning
 
 
 def _after(turn: dict[str, Any], text: str) -> str:
