@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[0] = str(ROOT)  # (the repository, not bench/: bench/kernels.py is not the kernels package)
+sys.path.insert(0, str(ROOT))
 
 from engine.api import LLM, SamplingParams  # noqa: E402
 from engine.models.loader import default_model_path  # noqa: E402

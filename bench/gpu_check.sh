@@ -65,7 +65,7 @@ for backend in cuda triton; do
 done
 
 step "attention kernels: bfloat16, bf16 / fp8 caches (copy bandwidth measured in the same run)"
-timeout 60 $PY bench/kernels.py --backends torch,cuda,triton --dtype bfloat16 --shape smollm2-135m --quick \
+timeout 60 $PY bench/attention_kernels.py --backends torch,cuda,triton --dtype bfloat16 --shape smollm2-135m --quick \
   --kv-cache-dtypes bfloat16,fp8_e4m3 || status=1
 
 step "packed weights (GGUF blocks): the CUDA library's kernels against bf16 F.linear"
@@ -79,7 +79,7 @@ else
 fi
 
 step "attention kernels, Llama-3-8B's heads"
-timeout 60 $PY bench/kernels.py --backends torch,cuda,triton --dtype bfloat16 --shape llama-3-8b --quick \
+timeout 60 $PY bench/attention_kernels.py --backends torch,cuda,triton --dtype bfloat16 --shape llama-3-8b --quick \
   --kv-cache-dtypes bfloat16,fp8_e4m3 || status=1
 
 step "done: status $status"

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parent.parent)  # (the repository, not bench/: bench/kernels.py is not the kernels package)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-# The repository, not bench/ (bench/kernels.py is not the kernels package transformers imports)
-sys.path[0] = str(Path(__file__).resolve().parent.parent)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.api import LLM, SamplingParams  # noqa: E402
 from engine.core.device_thread import DeviceThread  # noqa: E402

@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 
-# (this folder's kernels.py would shadow the package of that name that transformers looks for)
-sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.packed import cpu_name  # noqa: E402

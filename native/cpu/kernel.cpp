@@ -414,7 +414,7 @@ void transpose_keys(const typename E::T* k, int64_t stride, int count, int D, in
 // vector is loaded and converted once for the R heads; the scores of four keys at a time come
 // from 4R accumulators summed by a transpose-and-add tree. (The transposed keys of
 // attend_rows_together cost more than the scores themselves when one token's heads read them:
-// 8 decode rows at 128 tokens, int8 cache, 0.133 -> 0.072 ms in bench/kernels.py. Its sums part
+// 8 decode rows at 128 tokens, int8 cache, 0.133 -> 0.072 ms in bench/attention_kernels.py. Its sums part
 // from that path's in the last bits, so a fixed order keeps that path.)
 template <class E, int R>
 void attend_decode_heads(const Problem& p, Scratch& sc, const typename E::T* kh, const typename E::T* vh,

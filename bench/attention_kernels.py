@@ -7,7 +7,7 @@ same run. With ``--kv-cache-dtypes float32,bfloat16,int8`` each case runs once p
 element type and the last column is the speed-up over the same backend's first (float32)
 cache in the same run (bytes read count the cache's own bytes).
 
-    python bench/kernels.py [--backends torch,cpu] [--dtype float32] [--shape smollm2-135m] [--quick]
+    python bench/attention_kernels.py [--backends torch,cpu] [--dtype float32] [--shape smollm2-135m] [--quick]
                             [--kv-cache-dtypes float32,bfloat16,float16,int8,fp8_e4m3]
 """
 
