@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,5,7,8,9,12,13,16,17,20,24,32", help="rows of x")
     parser.add_argument("--type", default="Q8_0", choices=KINDS, help="the weights' packing")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--function", default="qm_linear", choices=("qm_linear", "qm_linear_bf16", "qm_linear_q16"),
+                        help="the product timed (float32, bf16 or int16 activations)")
     args = parser.parse_args()
 
     ffi = native.ffi(packed.HEADER)
@@ -56,13 +58,13 @@ def main() -> None:
                 for path, lib in libs.items():
                     start = time.perf_counter()
                     for _ in range(10):
-                        if lib.qm_linear(type_id, wp, n, k, xp, m, yp, 0):
+                        if getattr(lib, args.function)(type_id, wp, n, k, xp, m, yp, 0):
                             raise SystemExit(f"{path}: {ffi.string(lib.qm_last_error()).decode()}")
                     best[path] = min(best[path], (time.perf_counter() - start) / 10)
             for path in libs:
                 totals[path][i] += best[path]
     first = args.libraries[0]
-    print(f"{args.type}, the four layer products of the default model, ms (ratio to build 1):")
+    print(f"{args.type}, {args.function}, the four layer products of the default model, ms (ratio to build 1):")
     for b, path in enumerate(libs, 1):
         print(f"  build {b}: {path}")
     print("rows" + "".join(f"{f'build {b}':>20}" for b in range(1, len(libs) + 1)))

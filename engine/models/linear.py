@@ -27,9 +27,9 @@ from engine.errors import ConfigError
 # each block is dequantized in registers and fed to 5-12 rows at once (under 5, its offset is
 # folded out); from 13 rows, six output rows at a time are dequantized into an L1 panel and
 # multiplied as a small GEMM (16 x 6 blocks of y in registers, slabs of 16 rows of x; up to 8
-# rows past the last whole slab in the row tiles); AVX-512 widens only the folded tiles, of up
-# to 7 rows there (quant_kernel.cpp says why). The crossover differs by machine, so it is
-# measured once per process (packed_max_rows). Measured on the default model's layer shapes (2
+# rows past the last whole slab in the row tiles); AVX-512 dequantizes into 16-lane tiles of
+# 2-15 rows and takes panels from 16 rows (quant_kernel.cpp says why). The crossover differs
+# by machine, so it is measured once per process (packed_max_rows). Measured on the default model's layer shapes (2
 # threads): AMD EPYC Zen 3, ms for four layers: M=64 kernel 3.22-3.26 / tiled 3.68 / fp32 3.09;
 # M=96 5.04 / 4.87 / 4.31; M=128 7.1 / 6.1 / 5.5 (crossover ~90). AMD EPYC family 23, the seven
 # layers of a block: M=64 8.30 / 11.78 / 9.35; M=128 16.6 / 20.7 / 18.8; M=256 33.5 / 34.3 / 31.9

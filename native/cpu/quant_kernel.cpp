@@ -634,13 +634,20 @@ void bf16_rows(const Job& j, int64_t n0, int64_t n1) {
 }
 #endif
 
-// From this many rows the row products dequantize each block once for all of them. The folded
-// tiles of AVX-512 take 16 lanes (three multiply-adds a row and block): there from 8 rows, as
-// measured before (not timed at 5-7 rows on an AVX-512 CPU).
+// The row products dequantize each block once for all rows from kDequantizedMinRows, in tiles of
+// up to kDequantizedMaxRows; from kPanelMinRows (Kernels::panel_min_rows) the panels take whole
+// slabs of 16. AVX2: dequantized from 5 rows (5-7 rows 0.77-0.91x the folded tile's time; at 3-4
+// not paid back), tiles of up to 12 (twelve accumulators and a block's four vectors fill the
+// sixteen registers), panels from 13 (13-15 rows in a slab padded with zeros as fast as 16, and
+// 0.77-1.0x the tiles' time) (AMD EPYC Zen 3). AVX-512: 16-lane tiles (a block is two vectors,
+// 32 registers) from 2 rows (0.94-0.98x the folded tile's time at 2 rows, 0.80-0.85x at 3-4,
+// 0.71-0.78x at 5-6), up to 15 rows, the panels from 16: 13-15 rows in a tile took 0.61-0.69x
+// the time of a padded slab's panel (AMD EPYC Zen 5, bench/kernel_ab.py, the default model's
+// four layer products; its 8-lane tiles from 8 rows were 1.4-1.6x slower than the 16-lane ones).
 #if QM_AVX512
-constexpr int64_t kDequantizedMinRows = 8;
-#else
-constexpr int64_t kDequantizedMinRows = 5;
+constexpr int64_t kDequantizedMinRows = 2, kDequantizedMaxRows = 15, kPanelMinRows = 16;
+#elif QM_AVX2
+constexpr int64_t kDequantizedMinRows = 5, kDequantizedMaxRows = 12, kPanelMinRows = 13;
 #endif
 
 // Larger batches: each block is dequantized in registers once (d * q + m, rounded as GGUF's
@@ -651,7 +658,7 @@ void rows_tile_dequantized(const Job& j, int64_t n0, int64_t n1, int64_t m0) {
     const int64_t blocks = j.k / 32;
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = j.w + n * j.row_bytes;
-        using S = Simd8;
+        using S = Simd;
         S::V acc[T];
         for (int t = 0; t < T; ++t) acc[t] = S::zero();
         for (int64_t b = 0; b < blocks; ++b) {
@@ -698,18 +705,19 @@ void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
         panel_rows<Type>(j, n0, n1);
         m0 = std::min(j.m, j.m_pad);
     }
-    // One tile of 5 (AVX2) or 8 (AVX-512) to 12 rows (dequantized blocks; 12 accumulators and a
-    // block's four vectors fill AVX2's sixteen registers, x read as the multiply-adds' memory
-    // operand), then one tile of what is left (folded offsets), so every row shares each block's
-    // unpacked values: unpacking is most of a few rows' cost. Tiles of 4 and 1 for 5 rows took 1.5x
-    // the time of one tile of 8 (AMD EPYC family 23, the default model's gate/up product; a step
-    // verifying 4 proposed tokens computes 5 rows); 9-12 rows as one tile took 0.85-0.91x the time
-    // of a tile of 8 and a folded one, and 5-7 rows dequantized 0.77-0.91x the folded tile's (AMD
-    // EPYC Zen 3, the default model's four layer products: per row and block four multiply-adds
-    // against the folded tile's five and a scalar offset term; at 3-4 rows the dequantizing is
-    // not paid back). Each output is summed in the same order whatever its tile.
-    for (int64_t rows; (rows = std::min<int64_t>(j.m - m0, 12)) >= kDequantizedMinRows; m0 += rows) {
+    // Tiles of kDequantizedMinRows to kDequantizedMaxRows rows (dequantized blocks, x read as the
+    // multiply-adds' memory operand), then one tile of what is left (folded offsets), so every row
+    // shares each block's unpacked values: unpacking is most of a few rows' cost. Tiles of 4 and 1
+    // for 5 rows took 1.5x the time of one tile of 8 (AMD EPYC family 23, the default model's
+    // gate/up product; a step verifying 4 proposed tokens computes 5 rows); 9-12 rows as one tile
+    // took 0.85-0.91x the time of a tile of 8 and a folded one (AMD EPYC Zen 3: per row and block
+    // four multiply-adds against the folded tile's five and a scalar offset term). Each output is
+    // summed in the same order whatever its tile.
+    for (int64_t rows; (rows = std::min(j.m - m0, kDequantizedMaxRows)) >= kDequantizedMinRows; m0 += rows) {
         switch (rows) {
+            case 2: rows_tile_dequantized<Type, 2>(j, n0, n1, m0); break;
+            case 3: rows_tile_dequantized<Type, 3>(j, n0, n1, m0); break;
+            case 4: rows_tile_dequantized<Type, 4>(j, n0, n1, m0); break;
             case 5: rows_tile_dequantized<Type, 5>(j, n0, n1, m0); break;
             case 6: rows_tile_dequantized<Type, 6>(j, n0, n1, m0); break;
             case 7: rows_tile_dequantized<Type, 7>(j, n0, n1, m0); break;
@@ -717,7 +725,10 @@ void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
             case 9: rows_tile_dequantized<Type, 9>(j, n0, n1, m0); break;
             case 10: rows_tile_dequantized<Type, 10>(j, n0, n1, m0); break;
             case 11: rows_tile_dequantized<Type, 11>(j, n0, n1, m0); break;
-            default: rows_tile_dequantized<Type, 12>(j, n0, n1, m0); break;
+            case 12: rows_tile_dequantized<Type, 12>(j, n0, n1, m0); break;
+            case 13: rows_tile_dequantized<Type, 13>(j, n0, n1, m0); break;
+            case 14: rows_tile_dequantized<Type, 14>(j, n0, n1, m0); break;
+            default: rows_tile_dequantized<Type, 15>(j, n0, n1, m0); break;
         }
     }
 #endif
@@ -778,15 +789,16 @@ void dequantize_row(int type, const uint8_t* row, int64_t k, int64_t block_bytes
 
 Kernels kernels() {
 #if QM_BF16
-    return {linear_rows, fixed_rows, dequantize_row, bf16_rows, round_to_bf16, to_slabs, "avx512+vnni+bf16"};
+    return {linear_rows, fixed_rows, dequantize_row, bf16_rows, round_to_bf16,
+            to_slabs, kPanelMinRows, "avx512+vnni+bf16"};
 #elif QM_AVX512 && defined(__AVX512VNNI__)
-    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx512+vnni"};
+    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, to_slabs, kPanelMinRows, "avx512+vnni"};
 #elif QM_AVX512
-    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx512"};
+    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, to_slabs, kPanelMinRows, "avx512"};
 #elif QM_AVX2
-    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, to_slabs, "avx2+fma"};
+    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, to_slabs, kPanelMinRows, "avx2+fma"};
 #else
-    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, nullptr, "portable"};
+    return {linear_rows, fixed_rows, dequantize_row, nullptr, nullptr, nullptr, 0, "portable"};
 #endif
 }
 

@@ -26,7 +26,7 @@ struct Job {
     const float* xsum;
     // x transposed in slabs of 16 rows, [m_pad / 16][k][16] with rows past m zero (m_pad a
     // multiple of 16), for the panel products of larger batches (vector paths); null below
-    // kPanelMinRows rows. A slab is contiguous, so a product walks it in order (a plain
+    // Kernels::panel_min_rows rows. A slab is contiguous, so a product walks it in order (a plain
     // [k][m_pad] transpose strode by m_pad: at m = 512 a power-of-two stride, and cache conflicts).
     // m_pad may be less than m: the rows from m_pad are then multiplied in row tiles (with xsum
     // for those rows).
@@ -43,10 +43,6 @@ struct Job {
     const float* xbf16_sums = nullptr;
 };
 
-// From this many rows of x the vector paths multiply panels (13-15 rows in one slab padded with
-// zeros: as fast as 16 rows, and 0.77-1.0x the time of row tiles on AMD EPYC Zen 3).
-constexpr int64_t kPanelMinRows = 13;
-
 struct Kernels {
     void (*linear_rows)(const Job&, int64_t n0, int64_t n1);
     // The row tiles alone, whatever m (qm_linear_rows): each row of y summed in one order
@@ -60,6 +56,8 @@ struct Kernels {
     // x [m, k] into the slabs of the panel products (Job::xt), rows past m as zeros; null where
     // larger batches are not multiplied in panels (the portable path)
     void (*to_slabs)(const float* x, int64_t m, int64_t k, float* xt);
+    // From this many rows of x the panels (to_slabs) take the whole slabs of 16
+    int64_t panel_min_rows;
     const char* name;
 };
 

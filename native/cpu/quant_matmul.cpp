@@ -2,12 +2,13 @@
 //
 // Decode-sized batches (small M): the packed weight is streamed once per call, each block
 // unpacked in registers and used for every row of x, over output rows split among OpenMP
-// threads when there is enough work (kMinWorkPerThread). Below 5 rows (8 with AVX-512) the
+// threads when there is enough work (kMinWorkPerThread). Below 5 rows (2 with AVX-512) the
 // offsets of Q4_0/Q4_1/Q8_M are folded out of the inner loop: sum_i (d q_i + m) x_i =
 // d * sum_i q_i x_i + m * sum_i x_i, with the block sums of x computed once per call. From there
-// (the vector paths) each block is dequantized in registers once and feeds 5 (8) to 12 rows of
-// x. From 13 rows (kPanelMinRows) slabs of 16 rows of x are multiplied in panels, and a
-// few rows past the last whole slab in the row tiles (kMaxRowsPastSlabs). Large batches are
+// (the vector paths) each block is dequantized in registers once and feeds tiles of up to 12
+// rows of x (15 with AVX-512). From 13 rows (16 with AVX-512: Kernels::panel_min_rows) slabs of
+// 16 rows of x are multiplied in panels, and a few rows past the last whole slab in the row
+// tiles (kMaxRowsPastSlabs). Large batches are
 // better served by dequantizing a tile of rows (qm_dequantize_range) and an optimized GEMM; the
 // caller picks by M.
 //
@@ -230,7 +231,7 @@ int linear(int type, const void* w, int64_t n, int64_t k, const float* x, int64_
         job.xsum = xsum.get();
     } else if (activations == Activations::kFixedOrder && dense(type)) {
         // (plain weights: no offsets to fold)
-    } else if (activations != Activations::kFixedOrder && m >= qm::kPanelMinRows && kern->to_slabs != nullptr) {
+    } else if (activations != Activations::kFixedOrder && kern->to_slabs != nullptr && m >= kern->panel_min_rows) {
         // x transposed, in slabs of 16 rows, for the panels; up to kMaxRowsPastSlabs rows past
         // the last whole slab are multiplied in row tiles (linear_rows) rather than in a slab
         // padded with zeros
