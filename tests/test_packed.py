@@ -62,9 +62,10 @@ def test_the_kernels_match_dequantize_then_linear(kind, isa, n, k):
     # The product: equal up to the order of the sums.
     gen = torch.Generator().manual_seed(k)
     # (AVX2: 1-4 a folded tile, 5-12 a tile of dequantized blocks, 13-15 one padded slab; AVX-512:
-    # 1 folded, 2-15 dequantized; 17, 21, 24, 39, 40, 200, 517: whole slabs of 16 rows and row
+    # 1 folded, 2-15 dequantized; 17-21, 24, 39, 40, 200, 517: whole slabs of 16 rows and row
     # tiles after them; 25, 31: a padded slab; from 200: several passes over slabs of x)
-    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 21, 24, 25, 31, 39, 40, 64, 200, 517):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 24, 25, 31, 39, 40, 64,
+              200, 517):
         x = torch.randn(m, k, generator=gen)
         expected = F.linear(x.double(), reference.double())
         got = packed.linear(x, data, kind, k, isa=isa)

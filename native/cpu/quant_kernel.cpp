@@ -159,10 +159,12 @@ struct Simd8 {
     }
 };
 
-// The folded row tiles (few rows, memory-bound) take the widest vectors. The dequantized tiles
-// and the panels (compute-bound) stay at 8 lanes even with AVX-512: on Zen 4, where a 512-bit
-// FMA is two 256-bit halves, 16-lane versions of them (a 16 x 12 panel) ran 0.75-0.94x as fast on
-// Llama-3-8B's shapes (bench/packed.py --paths), and 1.0-1.1x on the default model's.
+// The row tiles take the widest vectors. The panels (compute-bound) stay at 8 lanes even with
+// AVX-512: on Zen 4, where a 512-bit FMA is two 256-bit halves, 16-lane versions of them (a 16 x
+// 12 panel, and then also the 8-row dequantized tile) ran 0.75-0.94x as fast on Llama-3-8B's
+// shapes (bench/packed.py --paths), and 1.0-1.1x on the default model's. The dequantized tiles
+// are 16 lanes since 2026-12-07 (Zen 5, full-width FMAs: 0.61-0.85x the 8-lane tile's time at
+// 4-15 rows on the default model's shapes; not re-measured on Zen 4 or on larger models).
 #if QM_AVX512
 using Simd = Simd16;
 #else
@@ -649,6 +651,9 @@ constexpr int64_t kDequantizedMinRows = 2, kDequantizedMaxRows = 15, kPanelMinRo
 #elif QM_AVX2
 constexpr int64_t kDequantizedMinRows = 5, kDequantizedMaxRows = 12, kPanelMinRows = 13;
 #endif
+#if QM_AVX2
+static_assert(kDequantizedMinRows >= 2 && kDequantizedMaxRows <= 15, "linear_rows_of has tiles of 2-15 rows");
+#endif
 
 // Larger batches: each block is dequantized in registers once (d * q + m, rounded as GGUF's
 // reference does) and multiplied into T rows of x, one accumulator per row: per block and
@@ -728,7 +733,8 @@ void linear_rows_of(const Job& j, int64_t n0, int64_t n1) {
             case 12: rows_tile_dequantized<Type, 12>(j, n0, n1, m0); break;
             case 13: rows_tile_dequantized<Type, 13>(j, n0, n1, m0); break;
             case 14: rows_tile_dequantized<Type, 14>(j, n0, n1, m0); break;
-            default: rows_tile_dequantized<Type, 15>(j, n0, n1, m0); break;
+            case 15: rows_tile_dequantized<Type, 15>(j, n0, n1, m0); break;
+            default: break;  // (unreachable: kDequantizedMaxRows <= 15)
         }
     }
 #endif
