@@ -247,7 +247,18 @@ def test_chat_logprobs_bytes_join_into_characters_split_over_tokens(server, toke
                                    headers=headers, timeout=120))
     streamed = [t for e in events if e != "[DONE]" for c in e["choices"] if c["logprobs"]
                 for t in c["logprobs"]["content"]]
-    assert streamed == content
+    # The same tokens, bytes and alternatives; the logprobs up to the arithmetic's last bits: the
+    # streamed request finds the prompt in the prefix cache and computes only its tail, in fewer
+    # rows, and on a CPU with AVX512_BF16 the default activations are bf16 from 16 rows only.
+    assert without_logprobs(streamed) == without_logprobs(content)
+    assert [t["logprob"] for t in streamed] == pytest.approx([t["logprob"] for t in content], abs=0.05)
+
+
+def without_logprobs(content: list[dict]) -> list[dict]:
+    """Chat logprobs entries with their (and their alternatives') logprob values left out."""
+    return [{**{k: v for k, v in t.items() if k != "logprob"},
+             "top_logprobs": [{k: v for k, v in a.items() if k != "logprob"} for a in t["top_logprobs"]]}
+            for t in content]
 
 
 def test_prefix_cache_shows_in_usage(client):
