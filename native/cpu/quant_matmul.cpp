@@ -8,9 +8,8 @@
 // (the vector paths) each block is dequantized in registers once and feeds tiles of up to 12
 // rows of x (15 with AVX-512). From 13 rows (16 with AVX-512: Kernels::panel_min_rows) slabs of
 // 16 rows of x are multiplied in panels, and a few rows past the last whole slab in the row
-// tiles (kMaxRowsPastSlabs). Large batches are
-// better served by dequantizing a tile of rows (qm_dequantize_range) and an optimized GEMM; the
-// caller picks by M.
+// tiles (kMaxRowsPastSlabs). Large batches are better served by dequantizing a tile of rows
+// (qm_dequantize_range) and an optimized GEMM; the caller picks by M.
 //
 // The arithmetic (quant_kernel.cpp) is compiled five times: AVX-512 with VNNI and BF16, with
 // VNNI, AVX-512 (F/BW/VL/DQ), AVX2+FMA+F16C and portable. The best one the CPU runs and the OS

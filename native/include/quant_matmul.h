@@ -38,9 +38,9 @@ int qm_linear_q16(int type, const void *w, int64_t n, int64_t k, const float *x,
 int qm_linear_bf16(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int isa);
 
 /* qm_linear with every row of y summed in one order, whatever m and the other rows of x
- * (batch-invariant: the folded row tiles, qm_linear's below 5 rows with AVX2 (1 row with AVX-512), at every m; never
- * the dequantized tiles or the panels). Also takes plain weights, type 0 (F32: rows of k floats)
- * and 30 (BF16: rows of k bfloat16 values). */
+ * (batch-invariant: the folded row tiles, qm_linear's below 5 rows with AVX2 (1 row with
+ * AVX-512), at every m; never the dequantized tiles or the panels). Also takes plain weights,
+ * type 0 (F32: rows of k floats) and 30 (BF16: rows of k bfloat16 values). */
 int qm_linear_rows(int type, const void *w, int64_t n, int64_t k, const float *x, int64_t m, float *y, int isa);
 
 /* out[i, :] = W[rows[i], :] as fp32 (an embedding lookup). */
